@@ -1,0 +1,94 @@
+"""The checkpointer: the only writer of manifests and `latest` pointers.
+
+Whatever a trainer claims about its files is checked here by reading them back; the
+protocol itself is `shared.commit`. A refused commit (a fenced worker's, or one whose files
+are damaged) is not retried: the trainer learns of it from the `commit_refused` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from shared import commit, names
+from shared.config import Settings
+from shared.contracts import CommitRequest, decode
+from shared.contracts.events import CheckpointCommitted, CommitRefused
+from shared.errors import Fenced, IntegrityError
+from shared.events import emit
+from shared.outcome import handle
+from shared.service import pull_loop
+from shared.store import Store, open_store
+from shared.streams import checkpointer_consumer, ensure, ensure_consumer
+
+log = logging.getLogger("baton.checkpointer")
+
+PROGRESS_EVERY_S = 10.0
+
+
+class Checkpointer:
+    def __init__(self, nc: Client, settings: Settings, store: Store | None = None) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.store = store or open_store(settings.store_url)
+
+    async def start(self) -> None:
+        await ensure(self.js)
+        await ensure_consumer(self.js, names.CKPT_STREAM, checkpointer_consumer())
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        await pull_loop(
+            self.js,
+            names.CKPT_STREAM,
+            names.CHECKPOINTER_CONSUMER,
+            stop,
+            lambda msg: handle(self.js, msg, "checkpointer", self.on_commit),
+        )
+
+    async def on_commit(self, msg: Msg) -> None:
+        req = decode(msg.data, CommitRequest)
+        try:
+            async with _in_progress(msg):
+                pointer, size = await commit.commit(self.store, req)
+        except (Fenced, IntegrityError) as exc:
+            log.warning("refused %s step %d token %d: %s", req.run_id, req.step, req.token, exc)
+            refused = CommitRefused(run_id=req.run_id, step=req.step, token=req.token, reason=str(exc))
+            await emit(self.js, refused, msg_id=f"refused.{req.run_id}.{req.token}.{req.step}")
+            if isinstance(exc, Fenced):
+                return  # expected behaviour of the protocol, not a poison message
+            raise
+        await emit(
+            self.js,
+            CheckpointCommitted(
+                run_id=req.run_id,
+                step=req.step,
+                token=req.token,
+                manifest=pointer.manifest,
+                bytes=size,
+                final=req.final,
+            ),
+            msg_id=f"committed.{req.run_id}.{req.token}.{req.step}",
+        )
+        log.info("committed %s step %d token %d (%d bytes)", req.run_id, req.step, req.token, size)
+
+
+@contextlib.asynccontextmanager
+async def _in_progress(msg: Msg) -> AsyncIterator[None]:
+    """Keep the message ours while verifying large files takes longer than AckWait."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            await msg.in_progress()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()

@@ -1,0 +1,94 @@
+"""Typed settings, read from the environment once at start-up.
+
+Every field documents its variable and default. Secrets (S3 keys, NATS credentials) are
+never fields here: they are read from the environment by the client that needs them, so
+they cannot leak into a spec, an event or a log line that prints settings.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+
+import msgspec
+
+from shared.errors import ConfigError
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    nats_url: str = "nats://127.0.0.1:4222"
+    """`NATS_URL`: comma-separated server URLs, as the nats CLI takes them."""
+    store_url: str = "file://./.baton/store"
+    """`BATON_STORE`: `file:///abs/dir` or `s3://bucket/prefix` (endpoint from
+    `BATON_S3_ENDPOINT` or `AWS_ENDPOINT_URL`, keys from the usual AWS variables)."""
+    pool: str = "default"
+    """`BATON_POOL`: the pool a trainer serves."""
+    worker_id: str = ""
+    """`BATON_WORKER_ID`: a trainer's stable name; defaults to `<host>-<pid>`."""
+    lease_ttl_s: int = 10
+    """`BATON_LEASE_TTL`: whole seconds a lease lives without renewal (server clock). Renewed
+    every third of it. A link cut shorter than about two thirds of it costs nothing; a
+    SIGKILLed trainer's run is picked up again after about 1.5× it (the task's AckWait)."""
+    grace_s: float = 30.0
+    """`BATON_GRACE`: seconds a preempted (SIGTERMed) trainer gets to checkpoint and commit."""
+    work_dir: str = "./.baton/work"
+    """`BATON_WORK_DIR`: local scratch for a trainer (run logs, upload spool)."""
+    entry_path: str = ""
+    """`BATON_ENTRY_PATH`: extra `os.pathsep`-separated directories searched for entry
+    points, before the trainer's working directory."""
+    progress_interval_s: float = 0.5
+    """`BATON_PROGRESS_INTERVAL`: least seconds between two progress events of one run."""
+
+    @property
+    def ack_wait_s(self) -> float:
+        """AckWait of the task consumers. Longer than the lease TTL so that a blip the lease
+        survives never makes JetStream hand the task to someone else."""
+        return self.lease_ttl_s * 1.5
+
+
+def load(env: Mapping[str, str] | None = None) -> Settings:
+    env = os.environ if env is None else env
+    d = Settings()
+    try:
+        return Settings(
+            nats_url=env.get("NATS_URL", d.nats_url),
+            store_url=env.get("BATON_STORE", d.store_url),
+            pool=env.get("BATON_POOL", d.pool),
+            worker_id=env.get("BATON_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}",
+            lease_ttl_s=_int(env, "BATON_LEASE_TTL", d.lease_ttl_s, minimum=2),
+            grace_s=_float(env, "BATON_GRACE", d.grace_s),
+            work_dir=env.get("BATON_WORK_DIR", d.work_dir),
+            entry_path=env.get("BATON_ENTRY_PATH", ""),
+            progress_interval_s=_float(
+                env, "BATON_PROGRESS_INTERVAL", d.progress_interval_s
+            ),
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a whole number of seconds") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} is below the minimum of {minimum}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value

@@ -1,0 +1,104 @@
+"""NATS connections that never give up, and publishes that are safe to retry.
+
+nats-py's defaults stop reconnecting after 60 attempts (~2 minutes) and ping every 120 s,
+so a dead link goes unnoticed for minutes (NATS-NOTES.md). A trainer behind a flaky link
+must instead reconnect forever and notice a silent partition within seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+import nats
+from nats.aio.client import Client
+from nats.errors import NoServersError
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from nats.js.errors import NoStreamResponseError
+
+log = logging.getLogger("baton.nats")
+
+PING_INTERVAL_S = 3
+MAX_OUTSTANDING_PINGS = 2
+RECONNECT_WAIT_S = 0.5
+
+
+async def connect(
+    url: str,
+    name: str,
+    *,
+    on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    first_attempt_timeout: float | None = None,
+) -> Client:
+    """Connect, retrying the first connection too (a service may start before its server).
+
+    `first_attempt_timeout` bounds that first wait (CLI commands want a prompt error); None
+    retries forever, as services do.
+    """
+
+    async def disconnected() -> None:
+        log.warning("%s: disconnected from NATS", name)
+
+    async def reconnected() -> None:
+        log.warning("%s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+        if on_reconnect is not None:
+            await on_reconnect()
+
+    async def errored(exc: Exception) -> None:
+        log.debug("%s: NATS error: %r", name, exc)
+
+    nc = Client()
+    loop = asyncio.get_running_loop()
+    deadline = None if first_attempt_timeout is None else loop.time() + first_attempt_timeout
+    delay = 0.2
+    while True:
+        try:
+            await nc.connect(
+                servers=url.split(","),
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=RECONNECT_WAIT_S,
+                ping_interval=PING_INTERVAL_S,
+                max_outstanding_pings=MAX_OUTSTANDING_PINGS,
+                connect_timeout=2,
+                disconnected_cb=disconnected,
+                reconnected_cb=reconnected,
+                error_cb=errored,
+            )
+            return nc
+        except (NoServersError, OSError, asyncio.TimeoutError) as exc:
+            if deadline is not None and loop.time() + delay > deadline:
+                raise ConnectionError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
+            log.warning("%s: NATS at %s not reachable (%s); retrying", name, url, type(exc).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+async def publish(
+    js: JetStreamContext,
+    subject: str,
+    payload: bytes,
+    *,
+    msg_id: str,
+    headers: Mapping[str, str] | None = None,
+    attempts: int = 0,
+    timeout: float = 2.0,
+) -> PubAck:
+    """Publish to a stream until it is stored. `msg_id` makes the retries safe: a publish
+    that timed out may still land from the client's buffer after a reconnect, and the
+    stream's duplicate window drops the second copy. `attempts=0` retries forever."""
+    hdrs = {"Nats-Msg-Id": msg_id, **(headers or {})}
+    tried = 0
+    delay = 0.1
+    while True:
+        try:
+            return await js.publish(subject, payload, headers=hdrs, timeout=timeout)
+        except (TimeoutError, NoStreamResponseError, nats.errors.TimeoutError) as exc:
+            tried += 1
+            if attempts and tried >= attempts:
+                raise
+            log.info("publish to %s not confirmed (%s); retrying", subject, type(exc).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)

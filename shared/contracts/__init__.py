@@ -1,0 +1,26 @@
+"""Every message and stored object in Baton, as frozen msgspec Structs."""
+
+from shared.contracts.checkpoints import CommitRequest, FileRef, Manifest, Pointer
+from shared.contracts.codec import convert, decode, encode
+from shared.contracts.jobs import CheckpointPolicy, JobSpec, Limits, job_schema
+from shared.contracts.runs import RunRecord, RunState, run_id_for, spec_hash
+from shared.contracts.tasks import Task
+
+__all__ = [
+    "CheckpointPolicy",
+    "CommitRequest",
+    "FileRef",
+    "JobSpec",
+    "Limits",
+    "Manifest",
+    "Pointer",
+    "RunRecord",
+    "RunState",
+    "Task",
+    "convert",
+    "decode",
+    "encode",
+    "job_schema",
+    "run_id_for",
+    "spec_hash",
+]

@@ -1,0 +1,62 @@
+"""The protocol between a trainer and its training child process.
+
+JSON lines over two private pipes (not stdin/stdout, which belong to user code and are
+captured as the run's log)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.contracts.checkpoints import FileRef
+from shared.contracts.tasks import Task
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
+    pass
+
+
+# parent -> child
+
+
+class Launch(_Msg, tag="launch"):
+    task: Task
+    token: int
+    worker: str
+    store_url: str
+
+
+class Control(_Msg, tag="control"):
+    """`checkpoint`: write one now. `stop`: checkpoint and return. `token`: the lease was
+    re-acquired under a new fencing token; use it for the next files."""
+
+    action: str
+    token: int = 0
+
+
+# child -> parent
+
+
+class StepDone(_Msg, tag="step"):
+    step: int
+    metrics: dict[str, float] = {}
+
+
+class CheckpointReady(_Msg, tag="checkpoint"):
+    step: int
+    token: int
+    files: list[FileRef]
+    final: bool
+    digest: str
+    metrics: dict[str, float] = {}
+    stall_s: float = 0.0
+    """How long the training loop was blocked for this checkpoint."""
+
+
+class Finished(_Msg, tag="finished"):
+    step: int
+    stopped: bool
+    """True when the run stopped early because the trainer asked it to."""
+
+
+ToChild = Launch | Control
+FromChild = StepDone | CheckpointReady | Finished

@@ -1,0 +1,119 @@
+"""One event type per lifecycle event. Events are published on
+`baton.events.<run_id>.<type>` and are the run's history: `baton watch`, `baton logs` and
+`baton report` read nothing else."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+
+class _Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
+    run_id: str
+    at: float = msgspec.field(default_factory=time.time)
+    """Wall-clock time on the publishing host; for display only, never for decisions."""
+
+
+class Accepted(_Event, tag="accepted"):
+    name: str
+    pool: str
+    total_steps: int
+    duplicate: bool = False
+
+
+class Rejected(_Event, tag="rejected"):
+    reason: str
+    path: str = "$"
+
+
+class Started(_Event, tag="started"):
+    worker: str
+    token: int
+    attempt: int
+    start_step: int
+
+
+class Progress(_Event, tag="progress"):
+    step: int
+    total_steps: int
+    metrics: dict[str, float] = {}
+    steps_per_s: float = 0.0
+    worker: str = ""
+
+
+class CheckpointCommitted(_Event, tag="checkpoint_committed"):
+    step: int
+    token: int
+    manifest: str
+    bytes: int
+    final: bool = False
+
+
+class CommitRefused(_Event, tag="commit_refused"):
+    step: int
+    token: int
+    reason: str
+
+
+class Completed(_Event, tag="completed"):
+    step: int
+    digest: str
+    metrics: dict[str, float] = {}
+
+
+class Failed(_Event, tag="failed"):
+    reason: str
+    detail: str = ""
+
+
+class AttemptFailed(_Event, tag="attempt_failed"):
+    """User code failed; the run is retried if it has retries left."""
+
+    worker: str
+    attempt: int
+    reason: str
+    detail: str = ""
+
+
+class Fenced(_Event, tag="fenced"):
+    worker: str
+    token: int
+    reason: str
+
+
+class Preempted(_Event, tag="preempted"):
+    worker: str
+    step: int
+
+
+class Redispatched(_Event, tag="redispatched"):
+    dispatch: int
+    reason: str
+
+
+class Cancelled(_Event, tag="cancelled"):
+    reason: str
+
+
+Event = (
+    Accepted
+    | Rejected
+    | Started
+    | Progress
+    | CheckpointCommitted
+    | CommitRefused
+    | Completed
+    | Failed
+    | AttemptFailed
+    | Fenced
+    | Preempted
+    | Redispatched
+    | Cancelled
+)
+
+
+def kind_of(event: Event) -> str:
+    tag = type(event).__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag

@@ -1,0 +1,65 @@
+"""What a user submits: the job spec, strictly validated."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+ENTRY_POINT = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+TOKEN = r"^[A-Za-z0-9_-]{1,64}$"
+MAX_SPEC_BYTES = 64 * 1024
+
+Name = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
+Pool = Annotated[str, Meta(pattern=TOKEN, description="Pool of trainers, a subject token.")]
+Seconds = Annotated[float, Meta(gt=0, le=30 * 86400)]
+
+
+class CheckpointPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """When the entry point checkpoints on its own; either, both or neither may be set.
+
+    A final checkpoint is always taken, and the trainer may ask for one at any time
+    (preemption), whatever the policy says.
+    """
+
+    every_steps: Annotated[int, Meta(ge=1, le=10**9)] | None = 100
+    every_seconds: Seconds | None = None
+    keep_last: Annotated[int, Meta(ge=1, le=1000)] = 3
+
+
+class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Bounds a run must stay within."""
+
+    max_retries: Annotated[int, Meta(ge=0, le=100)] = 3
+    """Failures of user code tolerated before the run is FAILED. Kills, cuts and
+    preemptions are the infrastructure's failures and never count."""
+    soft_timeout_s: Seconds | None = None
+    hard_timeout_s: Seconds | None = None
+    stall_timeout_s: Seconds | None = None
+    max_cost: Annotated[float, Meta(ge=0, le=1e9)] | None = None
+
+
+class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A training job. Its identity is the run id derived from `idempotency_key`."""
+
+    name: Name
+    entry_point: Annotated[
+        str, Meta(pattern=ENTRY_POINT, max_length=256, description="`module:function`")
+    ]
+    total_steps: Annotated[int, Meta(ge=1, le=10**9)]
+    pool: Pool = "default"
+    checkpoint: CheckpointPolicy = CheckpointPolicy()
+    config: dict[Annotated[str, Meta(max_length=256)], Any] = {}
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
+    deterministic: bool = False
+    idempotency_key: Annotated[str, Meta(pattern=r"^[!-~]{1,128}$")] | None = None
+    limits: Limits = Limits()
+
+
+def job_schema() -> dict[str, Any]:
+    """JSON Schema (2020-12) of `JobSpec`, for clients in any language."""
+    schema: dict[str, Any] = msgspec.json.schema(JobSpec)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "Baton job spec"
+    return schema

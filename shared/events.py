@@ -1,0 +1,24 @@
+"""Publishing lifecycle events."""
+
+from __future__ import annotations
+
+import uuid
+
+from nats.js import JetStreamContext
+
+from shared import names
+from shared.connect import publish
+from shared.contracts import encode
+from shared.contracts.events import Event, kind_of
+
+
+async def emit(js: JetStreamContext, event: Event, *, msg_id: str | None = None) -> None:
+    """Publish `event` to the run's history. Pass a `msg_id` derived from what the event is
+    about (`completed.<run>`) when a retried handler could emit it twice."""
+    kind = kind_of(event)
+    await publish(
+        js,
+        names.event_subject(event.run_id, kind),
+        encode(event),
+        msg_id=msg_id or f"{kind}.{event.run_id}.{uuid.uuid4().hex}",
+    )

@@ -1,0 +1,127 @@
+"""Run leases in a KV bucket, with the acquiring write's revision as the fencing token.
+
+Every write is a raw JetStream publish to the bucket's subject, carrying
+`Nats-Expected-Last-Subject-Sequence` (the compare-and-swap) and `Nats-TTL` (expiry by the
+*server's* clock, so no two hosts' clocks ever need to agree). nats-py's `kv.update()` can do
+neither TTL on update nor writes from a leaf into the hub's domain (NATS-NOTES.md), so we do
+not use it for writes. `api_prefix` (e.g. `$JS.hub.API`) routes the writes into another
+JetStream domain.
+
+Revisions of one stream only grow, so a lease taken over after expiry always carries a
+higher token than the one it replaces — which is what the store's pointer CAS orders by.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, KeyDeletedError, KeyNotFoundError
+
+from shared import names
+from shared.connect import publish
+from shared.contracts import encode
+
+log = logging.getLogger("baton.lease")
+
+WRONG_LAST_SEQUENCE = 10071
+
+
+class Lease:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        run_id: str,
+        worker: str,
+        ttl_s: int,
+        api_prefix: str | None = None,
+    ) -> None:
+        self._js = js
+        self.run_id = run_id
+        self.worker = worker
+        self.ttl_s = ttl_s
+        bucket_subject = f"$KV.{names.LEASES_BUCKET}.{run_id}"
+        self._subject = f"{api_prefix}.{bucket_subject}" if api_prefix else bucket_subject
+        self.token = 0
+        """Revision of the write that acquired the lease: the fencing token."""
+        self.revision = 0
+        """Revision of the newest write (acquire or renew): what the next CAS expects."""
+
+    async def acquire(self) -> bool:
+        """Take the lease if nobody holds it. False when another holder's lease is alive."""
+        expected = 0
+        for _ in range(3):
+            seq = await self._write(expected)
+            if seq is not None:
+                self.token = self.revision = seq
+                return True
+            expected = await self._free_revision()
+            if expected is None:
+                return False
+        return False
+
+    async def renew(self) -> bool:
+        """Extend the lease. False means it was lost: expired, or taken by someone else."""
+        seq = await self._write(self.revision)
+        if seq is None:
+            return False
+        self.revision = seq
+        return True
+
+    async def release(self) -> None:
+        """Give the lease up now, so the next worker need not wait for the TTL."""
+        kv = await self._js.key_value(names.LEASES_BUCKET)
+        try:
+            await kv.delete(self.run_id, last=self.revision)
+        except (APIError, KeyNotFoundError) as exc:
+            log.info("%s: lease already gone on release (%s)", self.run_id, exc)
+
+    async def holder(self) -> str | None:
+        kv = await self._js.key_value(names.LEASES_BUCKET)
+        try:
+            entry = await kv.get(self.run_id)
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+        return (entry.value or b"").decode() or None
+
+    async def _write(self, expected: int) -> int | None:
+        try:
+            ack = await publish(
+                self._js,
+                self._subject,
+                encode({"worker": self.worker, "token": self.token}),
+                msg_id=f"lease.{self.run_id}.{uuid.uuid4().hex}",
+                headers={
+                    "Nats-Expected-Last-Subject-Sequence": str(expected),
+                    "Nats-TTL": f"{self.ttl_s}s",
+                },
+                attempts=3,
+            )
+        except APIError as exc:
+            if exc.err_code == WRONG_LAST_SEQUENCE:
+                return None
+            raise
+        # A duplicate ack (our own earlier try landed) carries that write's sequence.
+        return int(ack.seq)
+
+    async def _free_revision(self) -> int | None:
+        """The revision a create must name: 0 if the key never existed or expired, the
+        marker's revision if it was released, None if someone holds it."""
+        kv = await self._js.key_value(names.LEASES_BUCKET)
+        try:
+            await kv.get(self.run_id)
+        except KeyDeletedError as exc:
+            return int(exc.entry.revision) if exc.entry and exc.entry.revision else 0
+        except KeyNotFoundError:
+            return 0
+        return None
+
+
+async def is_held(js: JetStreamContext, run_id: str) -> bool:
+    kv = await js.key_value(names.LEASES_BUCKET)
+    try:
+        await kv.get(run_id)
+    except (KeyNotFoundError, KeyDeletedError):
+        return False
+    return True

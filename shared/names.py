@@ -1,0 +1,88 @@
+"""Every subject, stream, consumer and bucket name Baton uses, in one place.
+
+Subjects carry the run id as a token wherever a message belongs to one run, so that a
+single run's traffic can be filtered, looked up (`get_last_msg`) or purged without
+scanning a stream.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "baton"
+
+# Streams.
+SUBMIT_STREAM = "BATON_SUBMIT"
+TASKS_STREAM = "BATON_TASKS"
+EVENTS_STREAM = "BATON_EVENTS"
+CKPT_STREAM = "BATON_CKPT"
+DLQ_STREAM = "BATON_DLQ"
+
+# KV buckets.
+RUNS_BUCKET = "baton_runs"
+LEASES_BUCKET = "baton_leases"
+
+# Durable consumers.
+DISPATCHER_CONSUMER = "dispatcher"
+CHECKPOINTER_CONSUMER = "checkpointer"
+
+# Subject roots, used as stream subjects and consumer filters.
+SUBMIT_ALL = f"{PREFIX}.submit.>"
+TASKS_ALL = f"{PREFIX}.tasks.>"
+EVENTS_ALL = f"{PREFIX}.events.>"
+CKPT_ALL = f"{PREFIX}.ckpt.>"
+DLQ_ALL = f"{PREFIX}.dlq.>"
+
+# Control plane: core NATS, never stored (a lost control message is re-sent by its sweep).
+CONTROL_ALL = f"{PREFIX}.control.>"
+
+# Runs whose id cannot be known (the submission was not even JSON) get their events here.
+UNKNOWN_RUN = "unknown"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def is_token(value: str) -> bool:
+    """True when `value` is safe as a single subject token (pool names, run ids)."""
+    return bool(_TOKEN.match(value))
+
+
+def submit_subject(pool: str) -> str:
+    return f"{PREFIX}.submit.{pool}"
+
+
+def task_subject(pool: str, run_id: str) -> str:
+    return f"{PREFIX}.tasks.{pool}.{run_id}"
+
+
+def tasks_of_pool(pool: str) -> str:
+    return f"{PREFIX}.tasks.{pool}.*"
+
+
+def trainer_consumer(pool: str) -> str:
+    return f"trainer-{pool}"
+
+
+def event_subject(run_id: str, kind: str) -> str:
+    return f"{PREFIX}.events.{run_id}.{kind}"
+
+
+def events_of_run(run_id: str) -> str:
+    return f"{PREFIX}.events.{run_id}.*"
+
+
+def commit_subject(run_id: str) -> str:
+    return f"{PREFIX}.ckpt.commit.{run_id}"
+
+
+def dlq_subject(source: str) -> str:
+    return f"{PREFIX}.dlq.{source}"
+
+
+def control_subject(worker_id: str) -> str:
+    """Where a trainer listens for commands addressed to it (cancel, kill)."""
+    return f"{PREFIX}.control.{worker_id}"
+
+
+def pool_from_submit_subject(subject: str) -> str:
+    return subject.split(".", 2)[2]

@@ -1,0 +1,77 @@
+"""What every service's `main()` shares: logging, stop signals, the pull loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, ServiceUnavailableError
+
+log = logging.getLogger("baton.service")
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("BATON_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+class StopSignals:
+    """SIGTERM/SIGINT handlers that only set state. The first asks for a graceful stop
+    (`stop`), a second one says hurry (`hurry`)."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.hurry = asyncio.Event()
+
+    def install(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        if self.stop.is_set():
+            self.hurry.set()
+        self.stop.set()
+
+
+async def pull_loop(
+    js: JetStreamContext,
+    stream: str,
+    durable: str,
+    stop: asyncio.Event,
+    handle: Callable[[Msg], Awaitable[None]],
+    batch: int = 1,
+) -> None:
+    """Fetch and handle messages until `stop` is set. A fetch that fails because the link
+    is down is retried: the pull subscription works again once NATS is back."""
+    sub = await js.pull_subscribe_bind(durable, stream)
+    delay = 0.2
+    try:
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(batch, timeout=1.0)
+            except (TimeoutError, NatsTimeoutError):
+                continue
+            except (ServiceUnavailableError, APIError, ConnectionError) as exc:
+                log.warning("fetch from %s/%s failed (%s); retrying", stream, durable, exc)
+                try:
+                    await asyncio.wait_for(stop.wait(), delay)
+                except TimeoutError:
+                    pass
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.2
+            for msg in msgs:
+                await handle(msg)
+    finally:
+        await sub.unsubscribe()

@@ -1,0 +1,190 @@
+"""Streams, consumers and KV buckets, defined once as code and applied idempotently.
+
+`ensure()` creates what is missing and updates what differs. JetStream refuses some
+changes in place (a stream's retention or storage); those fail loudly with the field
+named, because running against a stale definition would silently break an invariant.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+from typing import Any
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+from shared import names
+from shared.errors import ConfigError
+
+log = logging.getLogger("baton.streams")
+
+DAY_S = 86400.0
+DUPLICATE_WINDOW_S = 120.0
+MAX_MSG_BYTES = 1024 * 1024
+
+
+def stream_configs() -> list[StreamConfig]:
+    def work_queue(name: str, subject: str, description: str) -> StreamConfig:
+        return StreamConfig(
+            name=name,
+            description=description,
+            subjects=[subject],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.NEW,
+            max_age=7 * DAY_S,
+            max_msg_size=MAX_MSG_BYTES,
+            duplicate_window=DUPLICATE_WINDOW_S,
+        )
+
+    def history(name: str, subject: str, description: str) -> StreamConfig:
+        return StreamConfig(
+            name=name,
+            description=description,
+            subjects=[subject],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=30 * DAY_S,
+            max_bytes=2 * 1024**3,
+            max_msg_size=MAX_MSG_BYTES,
+            duplicate_window=DUPLICATE_WINDOW_S,
+        )
+
+    return [
+        work_queue(names.SUBMIT_STREAM, names.SUBMIT_ALL, "Job submissions, per pool"),
+        work_queue(names.TASKS_STREAM, names.TASKS_ALL, "Dispatched runs, per pool and run"),
+        work_queue(names.CKPT_STREAM, names.CKPT_ALL, "Checkpoint commit requests"),
+        history(names.EVENTS_STREAM, names.EVENTS_ALL, "Run lifecycle events"),
+        history(names.DLQ_STREAM, names.DLQ_ALL, "Dead letters, each with its reason"),
+    ]
+
+
+def kv_configs() -> list[KeyValueConfig]:
+    return [
+        KeyValueConfig(bucket=names.RUNS_BUCKET, history=5, description="Run records"),
+        # No bucket TTL: each lease carries its own per-message TTL, enforced by the
+        # server's clock, so lease expiry never depends on clocks agreeing across hosts.
+        KeyValueConfig(bucket=names.LEASES_BUCKET, history=1, description="Run leases"),
+    ]
+
+
+def dispatcher_consumer() -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=names.DISPATCHER_CONSUMER,
+        filter_subject=names.SUBMIT_ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=30.0,
+        max_deliver=10,
+    )
+
+
+def checkpointer_consumer() -> ConsumerConfig:
+    # Commits are never dropped for lack of tries: a store that is down for an hour must
+    # still get every commit once it is back. Poison commits are terminated explicitly.
+    return ConsumerConfig(
+        durable_name=names.CHECKPOINTER_CONSUMER,
+        filter_subject=names.CKPT_ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=60.0,
+        max_deliver=-1,
+    )
+
+
+def trainer_consumer(pool: str, ack_wait_s: float) -> ConsumerConfig:
+    # Infrastructure failures (kills, cuts, preemptions) must not exhaust a run's tries;
+    # failures of user code are counted in the run record instead.
+    return ConsumerConfig(
+        durable_name=names.trainer_consumer(pool),
+        filter_subject=names.tasks_of_pool(pool),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=ack_wait_s,
+        max_deliver=-1,
+    )
+
+
+async def ensure(js: JetStreamContext) -> None:
+    """Create or update every stream and bucket Baton needs."""
+    for config in stream_configs():
+        await _ensure_stream(js, config)
+    for kv in kv_configs():
+        await _ensure_bucket(js, kv)
+
+
+async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> None:
+    assert config.durable_name is not None
+    try:
+        info = await js.consumer_info(stream, config.durable_name)
+    except NotFoundError:
+        await js.add_consumer(stream, config)
+        return
+    differs = _differences(config, info.config)
+    if differs:
+        log.warning("consumer %s differs (%s); updating", config.durable_name, ", ".join(differs))
+        try:
+            await js.add_consumer(stream, config)
+        except BadRequestError as exc:
+            raise ConfigError(
+                f"consumer {stream}/{config.durable_name} differs in {differs} and cannot be "
+                f"updated in place: {exc.description}"
+            ) from None
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    assert config.name is not None
+    try:
+        info = await js.stream_info(config.name)
+    except NotFoundError:
+        await js.add_stream(config)
+        return
+    differs = _differences(config, info.config)
+    if not differs:
+        return
+    log.warning("stream %s differs (%s); updating", config.name, ", ".join(differs))
+    try:
+        await js.update_stream(config)
+    except BadRequestError as exc:
+        raise ConfigError(
+            f"stream {config.name} differs in {differs} and cannot be updated in place: "
+            f"{exc.description}"
+        ) from None
+
+
+async def _ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> None:
+    try:
+        info = await js.stream_info(f"KV_{config.bucket}")
+    except NotFoundError:
+        await js.create_key_value(config)
+        return
+    if info.config.max_msgs_per_subject != config.history or not info.config.allow_msg_ttl:
+        raise ConfigError(
+            f"KV bucket {config.bucket} exists with history={info.config.max_msgs_per_subject}"
+            f", allow_msg_ttl={info.config.allow_msg_ttl}; expected history={config.history}"
+            ", allow_msg_ttl=True. Delete it or point Baton at a fresh server."
+        )
+
+
+def _differences(wanted: Any, actual: Any) -> list[str]:
+    """Fields set in `wanted` whose value the server reports differently."""
+    out = []
+    for f in fields(wanted):
+        value = getattr(wanted, f.name)
+        if value is None or f.name in ("description",):
+            continue
+        if getattr(actual, f.name, None) != value:
+            out.append(f.name)
+    return out
