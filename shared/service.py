@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -74,4 +75,5 @@ async def pull_loop(
             for msg in msgs:
                 await handle(msg)
     finally:
-        await sub.unsubscribe()
+        with contextlib.suppress(Exception):  # the connection may be closing already
+            await sub.unsubscribe()

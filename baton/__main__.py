@@ -1,0 +1,3 @@
+from baton.cli.app import main
+
+main()

@@ -1,0 +1,215 @@
+"""`baton`: run the stack, submit jobs, watch them, pull their weights.
+
+Exit codes: 0 success; 1 the run failed, or NATS/the store could not be reached; 2 bad
+input (an invalid job spec, a bad option); 3 not found (no such run, no checkpoint yet).
+Every client command takes `--server/-s` (or `NATS_URL`) and `--json` for scripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import runpy
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from baton.cli import client
+from baton.cli.client import CliError
+from baton.cli.watch import watch_run
+from shared.errors import BatonError
+
+T = TypeVar("T")
+
+app = typer.Typer(
+    name="baton",
+    help="Resumable PyTorch training on spare, unreliable GPUs.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+Server = Annotated[
+    str,
+    typer.Option("--server", "-s", envvar="NATS_URL", help="NATS server URL(s), comma-separated."),
+]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+SERVICES = ("dispatcher", "trainer", "checkpointer")
+
+
+def _run(coro: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return asyncio.run(coro())  # type: ignore[arg-type]
+    except CliError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(exc.code) from None
+    except BatonError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(json.loads(msgspec.json.encode(obj)), indent=2) + "\n")
+
+
+@app.command()
+def up(
+    data_dir: Annotated[Path, typer.Option(help="Where NATS, the store and logs live.")] = Path(".baton"),
+    port: Annotated[int, typer.Option(help="NATS client port on 127.0.0.1 (0: any free port).")] = 4222,
+    trainers: Annotated[int, typer.Option(min=0, max=64, help="Trainer processes to run.")] = 2,
+    pool: Annotated[str, typer.Option(help="Pool the trainers serve.")] = "default",
+    lease_ttl: Annotated[int | None, typer.Option(min=2, help="Lease TTL in seconds.")] = None,
+) -> None:
+    """Run the whole stack on this machine: NATS with JetStream, a file:// store, and every
+    service as its own process. Ctrl-C or SIGTERM stops everything it started."""
+    from baton.stack import StackOptions, run_stack
+
+    opts = StackOptions(data_dir=data_dir, port=port, trainers=trainers, pool=pool, lease_ttl=lease_ttl)
+    raise typer.Exit(asyncio.run(run_stack(opts)))
+
+
+@app.command()
+def service(name: Annotated[str, typer.Argument(help="dispatcher, trainer or checkpointer")]) -> None:
+    """Run one service in the foreground (as the compose file does)."""
+    if name not in SERVICES:
+        err.print(f"[red]error:[/red] unknown service {name!r}; choose one of {', '.join(SERVICES)}")
+        raise typer.Exit(2)
+    runpy.run_module(f"services.{name}", run_name="__main__", alter_sys=True)
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(help="Job spec, .toml or .json.")],
+    server: Server = "nats://127.0.0.1:4222",
+    wait: Annotated[float, typer.Option(help="Seconds to wait for the dispatcher's answer.")] = 10.0,
+    as_json: Json = False,
+) -> None:
+    """Submit a job; prints its run id once the dispatcher accepted it."""
+    from shared.contracts.events import Rejected
+
+    spec = _run(lambda: _async(client.load_spec, file))
+
+    async def go() -> tuple[str, Any]:
+        nc = await client.open_nats(server)
+        try:
+            return await client.submit(nc, spec, wait)
+        finally:
+            await nc.close()
+
+    run_id, answer = _run(go)
+    if isinstance(answer, Rejected):
+        err.print(f"[red]rejected:[/red] {answer.reason} (at {answer.path})")
+        raise typer.Exit(2)
+    if as_json:
+        _print_json({"run_id": run_id, "accepted": answer is not None})
+    else:
+        out.print(run_id)
+        if answer is None and wait > 0:
+            err.print("[yellow]no answer from a dispatcher yet; the job waits in the queue[/yellow]")
+
+
+@app.command()
+def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
+    """Show one run's record: state, committed step, attempts, worker, digest."""
+    record = _run(lambda: _with_nats(server, lambda nc: client.record(nc, run_id)))
+    if as_json:
+        _print_json(record)
+        return
+    t = Table(show_header=False, box=None)
+    for k, v in [
+        ("run", record.run_id), ("name", record.spec.name), ("state", record.state.value),
+        ("step", f"{record.step}/{record.spec.total_steps} (committed)"),
+        ("attempts", str(record.attempts)), ("retries", str(record.retries)),
+        ("worker", record.worker or "-"), ("token", str(record.token or "-")),
+        ("loss", _fmt(record.metrics.get("loss"))), ("digest", record.digest or "-"),
+        ("reason", record.reason or "-"),
+    ]:
+        t.add_row(f"[bold]{k}[/bold]", v)
+    out.print(t)
+
+
+@app.command()
+def runs(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
+    """List runs."""
+    records = _run(lambda: _with_nats(server, client.all_records))
+    if as_json:
+        _print_json(records)
+        return
+    t = Table("run", "name", "pool", "state", "step", "attempts", "worker", "loss")
+    for r in records:
+        t.add_row(
+            r.run_id, r.spec.name, r.spec.pool, r.state.value,
+            f"{r.step}/{r.spec.total_steps}", str(r.attempts), r.worker or "-",
+            _fmt(r.metrics.get("loss")),
+        )
+    out.print(t)
+
+
+@app.command()
+def watch(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
+    """Follow a run live; exits 0 when it completes, 1 when it fails or is cancelled."""
+    ok = _run(lambda: _with_nats(server, lambda nc: watch_run(nc, run_id, out, as_json)))
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def pull(
+    run_id: str,
+    dest: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into.")],
+    store: Annotated[str | None, typer.Option(envvar="BATON_STORE", help="Store URL.")] = None,
+    as_json: Json = False,
+) -> None:
+    """Download and verify the newest committed checkpoint (safetensors + metadata)."""
+    url = _run(lambda: _async(client.store_url, store))
+    info = _run(lambda: client.pull(url, run_id, dest))
+    if as_json:
+        _print_json(info)
+        return
+    out.print(f"pulled step {info['step']} of {run_id} into {info['dir']}: {', '.join(info['files'])}")
+    out.print(f"weights digest {info['digest']}")
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of a job spec, for submitting from any NATS client."""
+    from shared.contracts import job_schema
+
+    sys.stdout.write(json.dumps(job_schema(), indent=2) + "\n")
+
+
+@app.command()
+def demo(
+    keep: Annotated[bool, typer.Option(help="Leave the demo's data directory behind.")] = False,
+) -> None:
+    """The quickstart: start the stack, train the example, SIGKILL its trainer mid-run, let
+    another finish it, and compare the weights with an uninterrupted run."""
+    from baton.cli.demo import run_demo
+
+    raise typer.Exit(_run(lambda: run_demo(out, keep)))
+
+
+async def _with_nats(server: str, fn: Callable[[Any], Awaitable[T]]) -> T:
+    nc = await client.open_nats(server)
+    try:
+        return await fn(nc)
+    finally:
+        await nc.close()
+
+
+async def _async(fn: Callable[..., T], *args: Any) -> T:
+    return fn(*args)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,172 @@
+"""What the CLI does over NATS and the store, separate from how it prints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tomllib
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client
+from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from shared import commit, names
+from shared.connect import connect
+from shared.contracts import JobSpec, RunRecord, convert, decode, encode, run_id_for
+from shared.contracts.events import Accepted, Event, Rejected
+from shared.digest import weights_digest
+from shared.errors import BatonError, ContractError, IntegrityError
+from shared.runs import Runs
+from shared.store import open_store
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+class CliError(BatonError):
+    """Something the user can fix; printed without a traceback. `code` is the exit status."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+async def open_nats(url: str) -> Client:
+    try:
+        return await connect(url, "baton-cli", first_attempt_timeout=CONNECT_TIMEOUT_S)
+    except ConnectionError as exc:
+        raise CliError(f"{exc}. Is the stack up? Start it with `baton up`.") from None
+
+
+def load_spec(path: Path) -> JobSpec:
+    """Read a job spec from TOML or JSON and validate it the way the dispatcher will."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}", 2) from None
+    try:
+        data: Any = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CliError(f"{path}: not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}", 2) from None
+    try:
+        return convert(data, JobSpec)
+    except ContractError as exc:
+        raise CliError(f"{path}: invalid job spec: {exc}", 2) from None
+
+
+async def submit(nc: Client, spec: JobSpec, wait_s: float) -> tuple[str, Event | None]:
+    """Publish a spec; wait up to `wait_s` for the dispatcher's accepted/rejected event."""
+    key = spec.idempotency_key or uuid.uuid4().hex
+    spec = convert({**json.loads(encode(spec)), "idempotency_key": key}, JobSpec)
+    run_id = run_id_for(key)
+    js = nc.jetstream()
+    sub = await _subscribe_events(nc, run_id)
+    try:
+        await js.publish(
+            names.submit_subject(spec.pool), encode(spec), headers={"Nats-Msg-Id": key}
+        )
+        if wait_s <= 0:
+            return run_id, None
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except TimeoutError:
+                break
+            event = decode(msg.data, Event)  # type: ignore[arg-type]
+            if isinstance(event, Accepted | Rejected):
+                return run_id, event
+        return run_id, None
+    finally:
+        await sub.unsubscribe()
+
+
+async def events(nc: Client, run_id: str) -> AsyncIterator[Event]:
+    """Every event of a run, from its first, then live."""
+    sub = await _subscribe_events(nc, run_id)
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=3600)
+            except TimeoutError:
+                continue
+            yield decode(msg.data, Event)  # type: ignore[arg-type]
+    finally:
+        await sub.unsubscribe()
+
+
+async def _subscribe_events(nc: Client, run_id: str) -> Any:
+    try:
+        return await nc.jetstream().subscribe(
+            names.events_of_run(run_id),
+            stream=names.EVENTS_STREAM,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
+        )
+    except NotFoundError:
+        raise CliError(
+            f"stream {names.EVENTS_STREAM} does not exist on this server: no Baton service has"
+            " started here yet (`baton up` starts them)"
+        ) from None
+
+
+async def record(nc: Client, run_id: str) -> RunRecord:
+    found = await (await Runs.open(nc.jetstream())).get(run_id)
+    if found is None:
+        raise CliError(f"no run {run_id!r}", 3)
+    return found[0]
+
+
+async def all_records(nc: Client) -> list[RunRecord]:
+    records = await (await Runs.open(nc.jetstream())).all()
+    return sorted(records, key=lambda r: r.created_at)
+
+
+def store_url(explicit: str | None) -> str:
+    """--store, else BATON_STORE, else the store of a `baton up` in ./.baton."""
+    if explicit:
+        return explicit
+    if env := os.environ.get("BATON_STORE"):
+        return env
+    stack = Path(".baton/run/stack.json")
+    if stack.exists():
+        return str(json.loads(stack.read_text())["store_url"])
+    raise CliError("no store given: pass --store or set BATON_STORE", 2)
+
+
+async def pull(url: str, run_id: str, dest: Path) -> dict[str, Any]:
+    """Download the newest committed checkpoint that verifies, check every file again after
+    the download, and recompute the weights digest from the downloaded model file."""
+    from safetensors.torch import load_file
+
+    from shared.store.base import sha256_file
+
+    async with open_store(url) as store:
+        manifest = await commit.restorable(store, run_id)
+        if manifest is None:
+            raise CliError(f"run {run_id} has no committed checkpoint", 3)
+        dest.mkdir(parents=True, exist_ok=True)
+        for ref in manifest.files:
+            path = dest / ref.name
+            await store.download(ref.key, path)
+            if sha256_file(path) != (ref.size, ref.sha256):
+                raise IntegrityError(f"{ref.name}: downloaded bytes do not match the manifest")
+    (dest / "manifest.json").write_bytes(encode(manifest))
+    model_file = next(r.name for r in manifest.files if r.name.endswith(".safetensors"))
+    digest = weights_digest(load_file(str(dest / model_file)))
+    if manifest.digest and digest != manifest.digest:
+        raise IntegrityError(f"digest {digest} of {model_file} differs from the manifest's")
+    return {
+        "run_id": run_id,
+        "step": manifest.step,
+        "token": manifest.token,
+        "final": manifest.final,
+        "digest": digest,
+        "files": [r.name for r in manifest.files],
+        "dir": str(dest),
+        "metrics": manifest.metrics,
+    }

@@ -1,0 +1,96 @@
+"""`baton watch`: a run's events as a live progress bar and a log of what happened."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import msgspec
+from nats.aio.client import Client
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from baton.cli import client
+from shared.contracts.events import (
+    AttemptFailed,
+    Cancelled,
+    CheckpointCommitted,
+    Completed,
+    Event,
+    Failed,
+    Fenced,
+    Preempted,
+    Progress as ProgressEvent,
+    Rejected,
+    Started,
+)
+
+
+def describe(event: Event) -> str | None:
+    """One line for the events worth a line; None for progress and routine commits."""
+    match event:
+        case Started():
+            return f"started on {event.worker} at step {event.start_step} (attempt {event.attempt}, token {event.token})"
+        case Fenced():
+            return f"[red]fenced[/red] {event.worker}: {event.reason}"
+        case Preempted():
+            return f"[yellow]preempted[/yellow] on {event.worker} after step {event.step}"
+        case AttemptFailed():
+            return f"[red]attempt {event.attempt} failed[/red]: {event.reason}"
+        case Completed():
+            return f"[green]completed[/green] at step {event.step}; weights digest {event.digest[:16]}…"
+        case Failed():
+            return f"[red]failed[/red]: {event.reason}\n{event.detail}"
+        case Cancelled():
+            return f"[yellow]cancelled[/yellow]: {event.reason}"
+        case Rejected():
+            return f"[red]rejected[/red]: {event.reason} (at {event.path})"
+        case CheckpointCommitted() if event.final:
+            return f"final checkpoint committed at step {event.step}"
+    return None
+
+
+def _terminal(event: Event) -> bool | None:
+    if isinstance(event, Completed):
+        return True
+    if isinstance(event, Failed | Cancelled | Rejected):
+        return False
+    return None
+
+
+async def watch_run(nc: Client, run_id: str, console: Console, as_json: bool) -> bool:
+    record = await client.record(nc, run_id)
+    total = record.spec.total_steps
+    if as_json:
+        async for event in client.events(nc, run_id):
+            sys.stdout.write(json.dumps(json.loads(msgspec.json.encode(event))) + "\n")
+            sys.stdout.flush()
+            if (done := _terminal(event)) is not None:
+                return done
+        return False
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[rate]} steps/s"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task(record.spec.name, total=total, loss="-", rate="-")
+        async for event in client.events(nc, run_id):
+            if isinstance(event, ProgressEvent):
+                loss = event.metrics.get("loss")
+                bar.update(
+                    task,
+                    completed=event.step,
+                    loss=f"{loss:.4f}" if loss is not None else "-",
+                    rate=f"{event.steps_per_s:.0f}",
+                )
+            elif isinstance(event, Completed):
+                bar.update(task, completed=event.step)
+            if (line := describe(event)) is not None:
+                bar.console.print(line)
+            if (done := _terminal(event)) is not None:
+                return done
+    return False

@@ -1,0 +1,145 @@
+"""The dispatcher against a real nats-server, in-process: validation, idempotency, DLQ."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.client import Client
+
+from services.dispatcher.service import Dispatcher
+from shared import config, names
+from shared.connect import connect
+from shared.contracts import decode, run_id_for
+from shared.contracts.events import Accepted, Event, Rejected
+from shared.natsserver import NatsServer
+from shared.outcome import DeadLetter
+from shared.runs import Runs
+from tests.support.stack import eventually
+
+GOOD = {"name": "t", "entry_point": "examples.regression:train", "total_steps": 10}
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
+    client = await connect(nats_server.url, "test", first_attempt_timeout=5)
+    yield client
+    await client.close()
+
+
+async def start_dispatchers(nc: Client, count: int = 1) -> tuple[asyncio.Event, list[asyncio.Task[None]]]:
+    stop = asyncio.Event()
+    tasks = []
+    for _ in range(count):
+        d = Dispatcher(nc, config.load({"NATS_URL": "unused"}))
+        await d.start()
+        tasks.append(asyncio.create_task(d.serve(stop)))
+    return stop, tasks
+
+
+async def events_of(nc: Client, run_id: str) -> list[Event]:
+    js = nc.jetstream()
+    out: list[Event] = []
+    sub = await js.subscribe(names.events_of_run(run_id), ordered_consumer=True)
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.3)
+            except TimeoutError:
+                return out
+            out.append(decode(msg.data, Event))  # type: ignore[arg-type]
+    finally:
+        await sub.unsubscribe()
+
+
+async def tasks_for(nc: Client, run_id: str) -> int:
+    info = await nc.jetstream().stream_info(names.TASKS_STREAM, subjects_filter=names.task_subject("default", run_id))
+    return sum((info.state.subjects or {}).values())
+
+
+async def submit(nc: Client, payload: bytes, key: str, pool: str = "default") -> None:
+    await nc.jetstream().publish(names.submit_subject(pool), payload, headers={"Nats-Msg-Id": key})
+
+
+BAD = [
+    ("malformed", b'{"name": "t", "entry_', "malformed JSON", "$"),
+    ("unknown-field", json.dumps({**GOOD, "gpu_count": 8}).encode(), "unknown field `gpu_count`", "$"),
+    ("wrong-type", json.dumps({**GOOD, "total_steps": "ten"}).encode(), "Expected `int`, got `str`", "$.total_steps"),
+    ("no-entry-point", json.dumps({"name": "t", "total_steps": 10}).encode(), "missing required field `entry_point`", "$"),
+    ("negative-steps", json.dumps({**GOOD, "total_steps": -5}).encode(), "Expected `int` >= 1", "$.total_steps"),
+    ("oversized", json.dumps({**GOOD, "config": {"blob": "x" * 200_000}}).encode(), "over the limit", "$"),
+    ("bad-entry-point", json.dumps({**GOOD, "entry_point": "os.system"}).encode(), "Expected `str` matching", "$.entry_point"),
+    ("pool-mismatch", json.dumps({**GOOD, "pool": "gpu"}).encode(), "differs from the subject's pool", "$.pool"),
+]
+
+
+async def test_bad_input_is_rejected_named_and_dead_lettered(nc: Client) -> None:
+    stop, tasks = await start_dispatchers(nc)
+    runs = await Runs.open(nc.jetstream())
+    for key, payload, reason, path in BAD:
+        await submit(nc, payload, key)
+    for key, _payload, reason, path in BAD:
+        run_id = run_id_for(key)
+        evs = await eventually(lambda: events_of(nc, run_id), 10, f"rejection of {key}")
+        assert len(evs) == 1 and isinstance(evs[0], Rejected), (key, evs)
+        assert reason in evs[0].reason, (key, evs[0].reason)
+        assert evs[0].path == path, (key, evs[0].path)
+        assert await runs.get(run_id) is None, f"{key} created a run record"
+        assert await tasks_for(nc, run_id) == 0
+    info = await nc.jetstream().stream_info(names.DLQ_STREAM)
+    assert info.state.messages == len(BAD)
+    letter = decode((await nc.jetstream().get_last_msg(names.DLQ_STREAM, names.dlq_subject("dispatcher"))).data, DeadLetter)
+    assert letter.reason and letter.source == "dispatcher"
+    # It survived all of that and still serves.
+    await submit(nc, json.dumps(GOOD).encode(), "good-after-bad")
+    await eventually(lambda: runs.get(run_id_for("good-after-bad")), 10, "the next valid job")
+    assert await tasks_for(nc, run_id_for("good-after-bad")) == 1
+    stop.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_same_key_twice_and_concurrently_gives_one_run_one_task(nc: Client) -> None:
+    stop, tasks = await start_dispatchers(nc, count=2)
+    runs = await Runs.open(nc.jetstream())
+    spec = json.dumps({**GOOD, "idempotency_key": "once"}).encode()
+    # Twice in sequence, as different messages (distinct Nats-Msg-Ids so JetStream's own
+    # de-duplication does not hide the dispatcher's).
+    await submit(nc, spec, "a")
+    await eventually(lambda: runs.get(run_id_for("once")), 10, "the first run record")
+    await submit(nc, spec, "b")
+    # And concurrently, racing two dispatchers.
+    await asyncio.gather(*(submit(nc, spec, f"c{i}") for i in range(6)))
+    run_id = run_id_for("once")
+
+    async def all_answered() -> list[Event] | None:
+        evs = [e for e in await events_of(nc, run_id) if isinstance(e, Accepted)]
+        return evs if len(evs) >= 1 + 1 + 6 - 1 else None  # the first accepted is de-duplicated by id
+
+    accepted = await eventually(all_answered, 15, "every submission answered")
+    assert sum(not e.duplicate for e in accepted) == 1
+    assert await tasks_for(nc, run_id) == 1
+    assert len(await runs.all()) == 1
+    # Every submission was acked, so the work queue is empty.
+    assert (await nc.jetstream().stream_info(names.SUBMIT_STREAM)).state.messages == 0
+    stop.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_same_key_with_a_different_spec_is_rejected(nc: Client) -> None:
+    stop, tasks = await start_dispatchers(nc)
+    runs = await Runs.open(nc.jetstream())
+    await submit(nc, json.dumps({**GOOD, "idempotency_key": "k"}).encode(), "1")
+    await eventually(lambda: runs.get(run_id_for("k")), 10, "the run record")
+    await submit(nc, json.dumps({**GOOD, "total_steps": 99, "idempotency_key": "k"}).encode(), "2")
+
+    async def rejected() -> list[Event]:
+        return [e for e in await events_of(nc, run_id_for("k")) if isinstance(e, Rejected)]
+
+    (event,) = await eventually(rejected, 10, "the rejection")
+    assert isinstance(event, Rejected) and "different job spec" in event.reason
+    found = await runs.get(run_id_for("k"))
+    assert found is not None and found[0].spec.total_steps == 10
+    stop.set()
+    await asyncio.gather(*tasks)

@@ -1,0 +1,167 @@
+"""A real Baton stack for end-to-end tests: nats-server plus each service as a process.
+
+Services are not restarted when they die, so a test that SIGKILLs a trainer knows which
+one finishes the run. Everything is stopped in `stop()`, which fixtures call in `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+from nats.aio.client import Client
+
+from baton.stack import StackOptions, service_specs, stop_order
+from shared.connect import connect
+from shared.natsserver import NatsServer
+from shared.procs import ServiceSpec, Supervisor
+
+T = TypeVar("T")
+
+
+class Stack:
+    def __init__(self, root: Path, *, trainers: int = 1, lease_ttl: int = 4, env: dict[str, str] | None = None) -> None:
+        self.root = root
+        self.opts = StackOptions(data_dir=root, port=0, trainers=trainers, lease_ttl=lease_ttl, extra_env={
+            "BATON_PROGRESS_INTERVAL": "0.1", "BATON_GRACE": "20", **(env or {})})
+        self.nats = NatsServer(root / "nats", port=0)
+        self.sup = Supervisor(root / "logs", root / "run")
+        self.specs: list[ServiceSpec] = []
+        self.clients: list[Client] = []
+
+    @property
+    def store_url(self) -> str:
+        return f"file://{self.root / 'store'}"
+
+    async def start(self, services: tuple[str, ...] = ("dispatcher", "checkpointer", "trainer")) -> None:
+        await self.nats.start()
+        for spec in service_specs(self.opts, self.nats.url):
+            if spec.name.split("-")[0] in services:
+                await self.add(spec)
+        await self.ready(services)
+
+    async def ready(self, services: tuple[str, ...]) -> None:
+        """Wait until the services have declared their streams and consumers."""
+        from nats.js.errors import NotFoundError
+
+        from shared import names
+
+        nc = await self.client()
+        js = nc.jetstream()
+        wanted = {"dispatcher": (names.SUBMIT_STREAM, names.DISPATCHER_CONSUMER),
+                  "checkpointer": (names.CKPT_STREAM, names.CHECKPOINTER_CONSUMER),
+                  "trainer": (names.TASKS_STREAM, names.trainer_consumer("default"))}
+
+        async def declared() -> bool:
+            try:
+                for service in services:
+                    await js.consumer_info(*wanted[service])
+                await js.stream_info(names.EVENTS_STREAM)
+            except NotFoundError:
+                return False
+            return True
+
+        await eventually(declared, 30, "services to declare their streams")
+
+    async def add(self, spec: ServiceSpec) -> int:
+        spec = msgspec.structs.replace(spec, restart=False, cwd=str(Path(__file__).resolve().parents[2]))
+        self.specs.append(spec)
+        return await self.sup.start(spec)
+
+    async def add_trainer(self, name: str) -> int:
+        base = next(s for s in service_specs(self.opts, self.nats.url) if s.name == "trainer-1")
+        env = {**base.env, "BATON_WORKER_ID": name, "BATON_WORK_DIR": str(self.root / "work" / name)}
+        return await self.add(msgspec.structs.replace(base, name=name, env=env))
+
+    def pid(self, name: str) -> int:
+        pid = self.sup.pid(name)
+        assert pid is not None, f"{name} is not running"
+        return pid
+
+    def signal(self, name: str, sig: int) -> None:
+        os.kill(self.pid(name), sig)
+
+    async def client(self) -> Client:
+        nc = await connect(self.nats.url, "test", first_attempt_timeout=10)
+        self.clients.append(nc)
+        return nc
+
+    def log(self, name: str) -> str:
+        path = self.root / "logs" / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    async def stop(self) -> None:
+        for nc in self.clients:
+            if not nc.is_closed:
+                await nc.close()
+        hurry = asyncio.Event()
+        hurry.set()  # tests do not wait out graceful shutdowns
+        await self.sup.stop(stop_order(self.specs), hurry=hurry)
+        await self.nats.stop()
+
+
+async def eventually(check: Callable[[], Awaitable[T | None]], timeout: float, what: str, every: float = 0.1) -> T:
+    """Poll `check` until it returns something other than None/False, or fail after
+    `timeout` seconds naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(every)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def children_of(pid: int) -> list[int]:
+    """Every descendant of `pid` (read from /proc), for asserting no process is left."""
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().split(")")[-1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def training_processes() -> list[int]:
+    """pids of live training child processes (`services.trainer.child`) on this machine."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"services.trainer.child" in f.read() and alive(int(entry)):
+                        found.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return found
+
+
+SIGKILL = signal.SIGKILL
