@@ -39,7 +39,8 @@ async def connect(
     """
 
     async def disconnected() -> None:
-        log.warning("%s: disconnected from NATS", name)
+        if not (nc.is_closed or nc.is_draining):
+            log.warning("%s: disconnected from NATS", name)
 
     async def reconnected() -> None:
         log.warning("%s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")

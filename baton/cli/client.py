@@ -42,6 +42,27 @@ async def open_nats(url: str) -> Client:
         raise CliError(f"{exc}. Is the stack up? Start it with `baton up`.") from None
 
 
+async def wait_for_services(nc: Client, pool: str, timeout: float) -> None:
+    """Wait until a dispatcher, a checkpointer and a trainer of `pool` have declared their
+    durable consumers: before that, a submission would only wait in the queue."""
+    js = nc.jetstream()
+    wanted = [
+        (names.SUBMIT_STREAM, names.DISPATCHER_CONSUMER),
+        (names.CKPT_STREAM, names.CHECKPOINTER_CONSUMER),
+        (names.TASKS_STREAM, names.trainer_consumer(pool)),
+    ]
+    deadline = asyncio.get_running_loop().time() + timeout
+    for stream, consumer in wanted:
+        while True:
+            try:
+                await js.consumer_info(stream, consumer)
+                break
+            except NotFoundError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise CliError(f"no {consumer} on {stream} after {timeout:.0f}s") from None
+                await asyncio.sleep(0.1)
+
+
 def load_spec(path: Path) -> JobSpec:
     """Read a job spec from TOML or JSON and validate it the way the dispatcher will."""
     try:

@@ -67,6 +67,7 @@ async def run_demo(console: Console, keep: bool) -> int:
 
 async def _demo(console: Console, nc: Client, data: Path, started: float) -> int:
     spec = client.load_spec(EXAMPLE)
+    await client.wait_for_services(nc, spec.pool, STACK_START_S)
     survivor, _ = await client.submit(nc, _keyed(spec, "survivor"), 10)
     console.print(f"submitted {spec.name} as run [bold]{survivor}[/bold] ({spec.total_steps} steps)")
     with Progress(
@@ -81,6 +82,7 @@ async def _demo(console: Console, nc: Client, data: Path, started: float) -> int
         bar_r: TaskID | None = None
         holder = ""
         results: dict[str, Completed] = {}
+        first_loss: dict[str, float] = {}
         deadline = time.monotonic() + RUN_DEADLINE_S
         try:
             while len(results) < 2:
@@ -90,6 +92,7 @@ async def _demo(console: Console, nc: Client, data: Path, started: float) -> int
                 if isinstance(event, Started) and run_id == survivor:
                     holder = event.worker
                 if isinstance(event, ProgressEvent):
+                    first_loss.setdefault(run_id, event.metrics.get("loss", 0.0))
                     bars.update(bar, completed=event.step, loss=f"{event.metrics.get('loss', 0):.4f}")
                     if run_id == survivor and not killed and event.step >= spec.total_steps * KILL_AT:
                         pid = int((data / "run" / f"{holder}.pid").read_text())
@@ -122,9 +125,11 @@ async def _demo(console: Console, nc: Client, data: Path, started: float) -> int
     table.add_column("killed mid-run, resumed")
     table.add_column("uninterrupted")
     table.add_row("run", survivor, reference)
+    table.add_row("first loss", f"{first_loss.get(survivor, 0):.6f}", f"{first_loss.get(reference, 0):.6f}")
     table.add_row("final loss", f"{a.metrics.get('loss', 0):.6f}", f"{b.metrics.get('loss', 0):.6f}")
-    table.add_row("weights digest", a.digest, b.digest)
     console.print(table)
+    console.print(f"weights digest, killed and resumed: {a.digest}")
+    console.print(f"weights digest, uninterrupted:      {b.digest}")
     console.print(f"pulled and verified the resumed run's checkpoint into {out_dir}/")
     console.print(
         "[green bold]bitwise identical[/green bold]" if same else "[red bold]DIGESTS DIFFER[/red bold]",
