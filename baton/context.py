@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from baton.snapshot import Snapshotter
 from shared import commit
 from shared.contracts import FileRef, Manifest, Task, spec_hash
-from shared.contracts.child import CheckpointReady, FromChild, StepDone
+from shared.contracts.child import CheckpointReady, FromChild, Restored, StepDone
 from shared.digest import weights_digest
 from shared.errors import IntegrityError
 from shared.store import open_store
@@ -89,9 +89,10 @@ class RunContext:
         if not state:
             raise ValueError("restore() needs at least one object, e.g. restore(model=model)")
         self._state = dict(state)
-        manifest = asyncio.run(self._find_checkpoint())
+        manifest, damaged = asyncio.run(self._find_checkpoint())
         if manifest is not None:
             self._load(manifest)
+        self._send(Restored(step=self.step, damaged=damaged))
         return self.step
 
     def steps(self) -> Iterator[int]:
@@ -207,7 +208,7 @@ class RunContext:
         self._last_saved = self.step
         self._last_ckpt_time = time.monotonic()
 
-    async def _find_checkpoint(self) -> Manifest | None:
+    async def _find_checkpoint(self) -> tuple[Manifest | None, list[int]]:
         async with open_store(self._store_url) as store:
             return await commit.restorable(store, self.run_id)
 
@@ -245,7 +246,7 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if torch.cuda.is_available():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"cuda.{i}"] = state
-    kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     tensors["numpy"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
     version, internal, gauss_next = random.getstate()
     return tensors, {

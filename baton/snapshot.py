@@ -29,7 +29,9 @@ from shared.store.base import sha256_file
 class Snapshot:
     """One checkpoint's worth of host-memory copies, ready to be written."""
 
-    def __init__(self, step: int, groups: dict[str, dict[str, torch.Tensor]], meta: dict[str, object]) -> None:
+    def __init__(
+        self, step: int, groups: dict[str, dict[str, torch.Tensor]], meta: dict[str, object]
+    ) -> None:
         self.step = step
         self.groups = groups
         self.meta = meta
@@ -45,7 +47,9 @@ class Snapshotter:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._store: Store | None = None
 
-    def capture(self, step: int, groups: dict[str, dict[str, torch.Tensor]], meta: dict[str, object]) -> tuple[Snapshot, float]:
+    def capture(
+        self, step: int, groups: dict[str, dict[str, torch.Tensor]], meta: dict[str, object]
+    ) -> tuple[Snapshot, float]:
         """Copy tensors into the reusable host buffers. Returns the snapshot and how long
         the caller was blocked (waiting for the previous write plus the copy)."""
         started = time.perf_counter()

@@ -86,8 +86,9 @@ def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
             env["BATON_LEASE_TTL"] = str(opts.lease_ttl)
         env.update(opts.extra_env)
         # The user's cwd, so that entry points `module:function` next to them import.
-        specs.append(ServiceSpec(name=name, argv=[sys.executable, "-m", module], env=env,
-                                 cwd=os.getcwd()))
+        specs.append(
+            ServiceSpec(name=name, argv=[sys.executable, "-m", module], env=env, cwd=os.getcwd())
+        )
     return specs
 
 
@@ -167,22 +168,27 @@ async def run_stack(
         except (NatsServerError, OSError) as exc:
             print(f"error: the stack did not start: {exc}", file=sys.stderr, flush=True)
             return 1
-        _write_json(stack_json, {
-            "nats_url": server.url,
-            "store_url": store_url(opts),
-            "pids": {"supervisor": os.getpid(), "nats-server": server.pid, **supervisor.pids()},
-            "started_at": time.time(),
-        })
+        _write_json(
+            stack_json,
+            {
+                "nats_url": server.url,
+                "store_url": store_url(opts),
+                "pids": {"supervisor": os.getpid(), "nats-server": server.pid, **supervisor.pids()},
+                "started_at": time.time(),
+            },
+        )
         print(f"nats: {server.url}", file=out)
         print(f"store: {store_url(opts)}", file=out)
         print(f"logs: {data / 'logs'}", file=out, flush=True)
         try:
             await _serve(server, stop)
-            print("stopping: trainers first, to let them checkpoint (signal again to skip)",
-                  file=sys.stderr, flush=True)
+            print(
+                "stopping: trainers first, to let them checkpoint (signal again to skip)",
+                file=sys.stderr,
+                flush=True,
+            )
         except NatsServerError as exc:
-            print(f"error: nats-server could not be restarted: {exc}", file=sys.stderr,
-                  flush=True)
+            print(f"error: nats-server could not be restarted: {exc}", file=sys.stderr, flush=True)
             return 1
         return 0
     finally:

@@ -115,7 +115,9 @@ async def commit(store: Store, req: CommitRequest) -> tuple[Pointer, int]:
     except AlreadyExists:
         existing = await load_manifest(store, wanted.manifest)
         if existing.files != req.files:
-            raise Fenced(f"a different manifest for step {req.step} token {req.token} exists") from None
+            raise Fenced(
+                f"a different manifest for step {req.step} token {req.token} exists"
+            ) from None
 
     while True:
         try:
@@ -139,16 +141,18 @@ def _check_order(wanted: Pointer, current: tuple[Pointer, str] | None) -> None:
         )
 
 
-async def restorable(store: Store, run_id: str) -> Manifest | None:
+async def restorable(store: Store, run_id: str) -> tuple[Manifest | None, list[int]]:
     """The newest committed checkpoint whose files all verify, walking back through
-    `previous` past any that were damaged after their commit."""
+    `previous` past any that were damaged after their commit; and the steps skipped."""
     current = await read_latest(store, run_id)
     key = current[0].manifest if current else None
+    damaged: list[int] = []
     while key is not None:
         manifest = await load_manifest(store, key)
         try:
             await verify(store, manifest.files)
-            return manifest
+            return manifest, damaged
         except IntegrityError:
+            damaged.append(manifest.step)
             key = manifest.previous
-    return None
+    return None, damaged

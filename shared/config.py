@@ -60,9 +60,7 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             grace_s=_float(env, "BATON_GRACE", d.grace_s),
             work_dir=env.get("BATON_WORK_DIR", d.work_dir),
             entry_path=env.get("BATON_ENTRY_PATH", ""),
-            progress_interval_s=_float(
-                env, "BATON_PROGRESS_INTERVAL", d.progress_interval_s
-            ),
+            progress_interval_s=_float(env, "BATON_PROGRESS_INTERVAL", d.progress_interval_s),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -43,7 +43,9 @@ async def connect(
             log.warning("%s: disconnected from NATS", name)
 
     async def reconnected() -> None:
-        log.warning("%s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+        log.warning(
+            "%s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?"
+        )
         if on_reconnect is not None:
             await on_reconnect()
 
@@ -60,7 +62,7 @@ async def connect(
                 servers=url.split(","),
                 name=name,
                 max_reconnect_attempts=-1,
-                reconnect_time_wait=RECONNECT_WAIT_S,
+                reconnect_time_wait=RECONNECT_WAIT_S,  # type: ignore[arg-type]
                 ping_interval=PING_INTERVAL_S,
                 max_outstanding_pings=MAX_OUTSTANDING_PINGS,
                 connect_timeout=2,
@@ -69,10 +71,14 @@ async def connect(
                 error_cb=errored,
             )
             return nc
-        except (NoServersError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, NoServersError, OSError) as exc:
             if deadline is not None and loop.time() + delay > deadline:
-                raise ConnectionError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
-            log.warning("%s: NATS at %s not reachable (%s); retrying", name, url, type(exc).__name__)
+                raise ConnectionError(
+                    f"cannot reach NATS at {url}: {exc or type(exc).__name__}"
+                ) from None
+            log.warning(
+                "%s: NATS at %s not reachable (%s); retrying", name, url, type(exc).__name__
+            )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 

@@ -12,13 +12,17 @@ from shared.contracts import encode
 from shared.contracts.events import Event, kind_of
 
 
-async def emit(js: JetStreamContext, event: Event, *, msg_id: str | None = None) -> None:
+async def emit(
+    js: JetStreamContext, event: Event, *, msg_id: str | None = None, attempts: int = 0
+) -> None:
     """Publish `event` to the run's history. Pass a `msg_id` derived from what the event is
-    about (`completed.<run>`) when a retried handler could emit it twice."""
+    about (`completed.<run>`) when a retried handler could emit it twice. `attempts=0`
+    retries until the event is stored."""
     kind = kind_of(event)
     await publish(
         js,
         names.event_subject(event.run_id, kind),
         encode(event),
         msg_id=msg_id or f"{kind}.{event.run_id}.{uuid.uuid4().hex}",
+        attempts=attempts,
     )

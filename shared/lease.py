@@ -56,9 +56,10 @@ class Lease:
             if seq is not None:
                 self.token = self.revision = seq
                 return True
-            expected = await self._free_revision()
-            if expected is None:
+            free = await self._free_revision()
+            if free is None:
                 return False
+            expected = free
         return False
 
     async def renew(self) -> bool:
@@ -111,10 +112,11 @@ class Lease:
         kv = await self._js.key_value(names.LEASES_BUCKET)
         try:
             await kv.get(self.run_id)
-        except KeyDeletedError as exc:
-            return int(exc.entry.revision) if exc.entry and exc.entry.revision else 0
-        except KeyNotFoundError:
-            return 0
+        except (KeyDeletedError, KeyNotFoundError) as exc:
+            # nats-py reports a released key (a delete marker) as KeyNotFoundError carrying
+            # the marker's entry; a create must name that revision to pass the CAS.
+            entry = getattr(exc, "entry", None)
+            return int(entry.revision) if entry is not None and entry.revision else 0
         return None
 
 

@@ -65,10 +65,8 @@ async def pull_loop(
                 continue
             except (ServiceUnavailableError, APIError, ConnectionError) as exc:
                 log.warning("fetch from %s/%s failed (%s); retrying", stream, durable, exc)
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), delay)
-                except TimeoutError:
-                    pass
                 delay = min(delay * 2, 5.0)
                 continue
             delay = 0.2

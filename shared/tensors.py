@@ -27,9 +27,7 @@ def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Tree:
         out[prefix] = obj
         return {"__tensor__": prefix}
     if isinstance(obj, dict):
-        return {
-            "__dict__": [[_key(k), flatten(v, f"{prefix}.{k}", out)] for k, v in obj.items()]
-        }
+        return {"__dict__": [[_key(k), flatten(v, f"{prefix}.{k}", out)] for k, v in obj.items()]}
     if isinstance(obj, tuple):
         return {"__tuple__": [flatten(v, f"{prefix}.{i}", out) for i, v in enumerate(obj)]}
     if isinstance(obj, list):

@@ -61,8 +61,12 @@ def _print_json(obj: Any) -> None:
 
 @app.command()
 def up(
-    data_dir: Annotated[Path, typer.Option(help="Where NATS, the store and logs live.")] = Path(".baton"),
-    port: Annotated[int, typer.Option(help="NATS client port on 127.0.0.1 (0: any free port).")] = 4222,
+    data_dir: Annotated[Path, typer.Option(help="Where NATS, the store and logs live.")] = Path(
+        ".baton"
+    ),
+    port: Annotated[
+        int, typer.Option(help="NATS client port on 127.0.0.1 (0: any free port).")
+    ] = 4222,
     trainers: Annotated[int, typer.Option(min=0, max=64, help="Trainer processes to run.")] = 2,
     pool: Annotated[str, typer.Option(help="Pool the trainers serve.")] = "default",
     lease_ttl: Annotated[int | None, typer.Option(min=2, help="Lease TTL in seconds.")] = None,
@@ -71,15 +75,21 @@ def up(
     service as its own process. Ctrl-C or SIGTERM stops everything it started."""
     from baton.stack import StackOptions, run_stack
 
-    opts = StackOptions(data_dir=data_dir, port=port, trainers=trainers, pool=pool, lease_ttl=lease_ttl)
+    opts = StackOptions(
+        data_dir=data_dir, port=port, trainers=trainers, pool=pool, lease_ttl=lease_ttl
+    )
     raise typer.Exit(asyncio.run(run_stack(opts)))
 
 
 @app.command()
-def service(name: Annotated[str, typer.Argument(help="dispatcher, trainer or checkpointer")]) -> None:
+def service(
+    name: Annotated[str, typer.Argument(help="dispatcher, trainer or checkpointer")],
+) -> None:
     """Run one service in the foreground (as the compose file does)."""
     if name not in SERVICES:
-        err.print(f"[red]error:[/red] unknown service {name!r}; choose one of {', '.join(SERVICES)}")
+        err.print(
+            f"[red]error:[/red] unknown service {name!r}; choose one of {', '.join(SERVICES)}"
+        )
         raise typer.Exit(2)
     runpy.run_module(f"services.{name}", run_name="__main__", alter_sys=True)
 
@@ -88,7 +98,9 @@ def service(name: Annotated[str, typer.Argument(help="dispatcher, trainer or che
 def submit(
     file: Annotated[Path, typer.Argument(help="Job spec, .toml or .json.")],
     server: Server = "nats://127.0.0.1:4222",
-    wait: Annotated[float, typer.Option(help="Seconds to wait for the dispatcher's answer.")] = 10.0,
+    wait: Annotated[
+        float, typer.Option(help="Seconds to wait for the dispatcher's answer.")
+    ] = 10.0,
     as_json: Json = False,
 ) -> None:
     """Submit a job; prints its run id once the dispatcher accepted it."""
@@ -112,7 +124,9 @@ def submit(
     else:
         out.print(run_id)
         if answer is None and wait > 0:
-            err.print("[yellow]no answer from a dispatcher yet; the job waits in the queue[/yellow]")
+            err.print(
+                "[yellow]no answer from a dispatcher yet; the job waits in the queue[/yellow]"
+            )
 
 
 @app.command()
@@ -124,11 +138,16 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
         return
     t = Table(show_header=False, box=None)
     for k, v in [
-        ("run", record.run_id), ("name", record.spec.name), ("state", record.state.value),
+        ("run", record.run_id),
+        ("name", record.spec.name),
+        ("state", record.state.value),
         ("step", f"{record.step}/{record.spec.total_steps} (committed)"),
-        ("attempts", str(record.attempts)), ("retries", str(record.retries)),
-        ("worker", record.worker or "-"), ("token", str(record.token or "-")),
-        ("loss", _fmt(record.metrics.get("loss"))), ("digest", record.digest or "-"),
+        ("attempts", str(record.attempts)),
+        ("retries", str(record.retries)),
+        ("worker", record.worker or "-"),
+        ("token", str(record.token or "-")),
+        ("loss", _fmt(record.metrics.get("loss"))),
+        ("digest", record.digest or "-"),
         ("reason", record.reason or "-"),
     ]:
         t.add_row(f"[bold]{k}[/bold]", v)
@@ -145,8 +164,13 @@ def runs(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> Non
     t = Table("run", "name", "pool", "state", "step", "attempts", "worker", "loss")
     for r in records:
         t.add_row(
-            r.run_id, r.spec.name, r.spec.pool, r.state.value,
-            f"{r.step}/{r.spec.total_steps}", str(r.attempts), r.worker or "-",
+            r.run_id,
+            r.spec.name,
+            r.spec.pool,
+            r.state.value,
+            f"{r.step}/{r.spec.total_steps}",
+            str(r.attempts),
+            r.worker or "-",
             _fmt(r.metrics.get("loss")),
         )
     out.print(t)
@@ -172,7 +196,9 @@ def pull(
     if as_json:
         _print_json(info)
         return
-    out.print(f"pulled step {info['step']} of {run_id} into {info['dir']}: {', '.join(info['files'])}")
+    out.print(
+        f"pulled step {info['step']} of {run_id} into {info['dir']}: {', '.join(info['files'])}"
+    )
     out.print(f"weights digest {info['digest']}")
 
 

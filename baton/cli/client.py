@@ -98,7 +98,7 @@ async def submit(nc: Client, spec: JobSpec, wait_s: float) -> tuple[str, Event |
                 msg = await sub.next_msg(timeout=left)
             except TimeoutError:
                 break
-            event = decode(msg.data, Event)  # type: ignore[arg-type]
+            event: Event = decode(msg.data, Event)  # type: ignore[arg-type]
             if isinstance(event, Accepted | Rejected):
                 return run_id, event
         return run_id, None
@@ -167,7 +167,7 @@ async def pull(url: str, run_id: str, dest: Path) -> dict[str, Any]:
     from shared.store.base import sha256_file
 
     async with open_store(url) as store:
-        manifest = await commit.restorable(store, run_id)
+        manifest, _damaged = await commit.restorable(store, run_id)
         if manifest is None:
             raise CliError(f"run {run_id} has no committed checkpoint", 3)
         dest.mkdir(parents=True, exist_ok=True)

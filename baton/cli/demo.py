@@ -41,12 +41,25 @@ RUN_DEADLINE_S = 300.0
 
 async def run_demo(console: Console, keep: bool) -> int:
     data = Path(tempfile.mkdtemp(prefix="baton-demo-"))
-    console.print(f"[bold]Starting the embedded stack[/bold] in {data} (2 trainers, lease TTL {LEASE_TTL_S}s)")
+    console.print(
+        f"[bold]Starting the embedded stack[/bold] in {data} (2 trainers, lease TTL {LEASE_TTL_S}s)"
+    )
     stack_log = (data / "up.log").open("wb")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "baton", "up", "--data-dir", str(data), "--port", "0",
-        "--trainers", "2", "--lease-ttl", str(LEASE_TTL_S),
-        stdout=asyncio.subprocess.PIPE, stderr=stack_log,
+        sys.executable,
+        "-m",
+        "baton",
+        "up",
+        "--data-dir",
+        str(data),
+        "--port",
+        "0",
+        "--trainers",
+        "2",
+        "--lease-ttl",
+        str(LEASE_TTL_S),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=stack_log,
     )
     started = time.monotonic()
     try:
@@ -69,10 +82,15 @@ async def _demo(console: Console, nc: Client, data: Path, started: float) -> int
     spec = client.load_spec(EXAMPLE)
     await client.wait_for_services(nc, spec.pool, STACK_START_S)
     survivor, _ = await client.submit(nc, _keyed(spec, "survivor"), 10)
-    console.print(f"submitted {spec.name} as run [bold]{survivor}[/bold] ({spec.total_steps} steps)")
+    console.print(
+        f"submitted {spec.name} as run [bold]{survivor}[/bold] ({spec.total_steps} steps)"
+    )
     with Progress(
-        TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.completed:>4}/{task.total}"),
-        TextColumn("loss {task.fields[loss]}"), console=console,
+        TextColumn("{task.description:<22}"),
+        BarColumn(),
+        TextColumn("{task.completed:>4}/{task.total}"),
+        TextColumn("loss {task.fields[loss]}"),
+        console=console,
     ) as bars:
         lines: asyncio.Queue[tuple[str, Event]] = asyncio.Queue()
         bar_s = bars.add_task("interrupted run", total=spec.total_steps, loss="-")
@@ -86,15 +104,23 @@ async def _demo(console: Console, nc: Client, data: Path, started: float) -> int
         deadline = time.monotonic() + RUN_DEADLINE_S
         try:
             while len(results) < 2:
-                run_id, event = await asyncio.wait_for(lines.get(), max(1.0, deadline - time.monotonic()))
+                run_id, event = await asyncio.wait_for(
+                    lines.get(), max(1.0, deadline - time.monotonic())
+                )
                 bar = bar_s if run_id == survivor else bar_r
                 assert bar is not None
                 if isinstance(event, Started) and run_id == survivor:
                     holder = event.worker
                 if isinstance(event, ProgressEvent):
                     first_loss.setdefault(run_id, event.metrics.get("loss", 0.0))
-                    bars.update(bar, completed=event.step, loss=f"{event.metrics.get('loss', 0):.4f}")
-                    if run_id == survivor and not killed and event.step >= spec.total_steps * KILL_AT:
+                    bars.update(
+                        bar, completed=event.step, loss=f"{event.metrics.get('loss', 0):.4f}"
+                    )
+                    if (
+                        run_id == survivor
+                        and not killed
+                        and event.step >= spec.total_steps * KILL_AT
+                    ):
                         pid = int((data / "run" / f"{holder}.pid").read_text())
                         os.kill(pid, signal.SIGKILL)
                         killed = True
@@ -125,14 +151,20 @@ async def _demo(console: Console, nc: Client, data: Path, started: float) -> int
     table.add_column("killed mid-run, resumed")
     table.add_column("uninterrupted")
     table.add_row("run", survivor, reference)
-    table.add_row("first loss", f"{first_loss.get(survivor, 0):.6f}", f"{first_loss.get(reference, 0):.6f}")
-    table.add_row("final loss", f"{a.metrics.get('loss', 0):.6f}", f"{b.metrics.get('loss', 0):.6f}")
+    table.add_row(
+        "first loss", f"{first_loss.get(survivor, 0):.6f}", f"{first_loss.get(reference, 0):.6f}"
+    )
+    table.add_row(
+        "final loss", f"{a.metrics.get('loss', 0):.6f}", f"{b.metrics.get('loss', 0):.6f}"
+    )
     console.print(table)
     console.print(f"weights digest, killed and resumed: {a.digest}")
     console.print(f"weights digest, uninterrupted:      {b.digest}")
     console.print(f"pulled and verified the resumed run's checkpoint into {out_dir}/")
     console.print(
-        "[green bold]bitwise identical[/green bold]" if same else "[red bold]DIGESTS DIFFER[/red bold]",
+        "[green bold]bitwise identical[/green bold]"
+        if same
+        else "[red bold]DIGESTS DIFFER[/red bold]",
         f"— total time {time.monotonic() - started:.1f}s",
     )
     return 0 if same else 1

@@ -20,17 +20,28 @@ from shared.contracts.events import (
     Failed,
     Fenced,
     Preempted,
-    Progress as ProgressEvent,
     Rejected,
     Started,
 )
+from shared.contracts.events import (
+    Progress as ProgressEvent,
+)
+from shared.contracts.events import Restored as RestoredEvent
 
 
 def describe(event: Event) -> str | None:
     """One line for the events worth a line; None for progress and routine commits."""
     match event:
         case Started():
-            return f"started on {event.worker} at step {event.start_step} (attempt {event.attempt}, token {event.token})"
+            return (
+                f"started on {event.worker} at step {event.start_step}"
+                f" (attempt {event.attempt}, token {event.token})"
+            )
+        case RestoredEvent() if event.damaged:
+            return (
+                f"[yellow]skipped damaged checkpoints[/yellow] {event.damaged};"
+                f" resumed from step {event.step}"
+            )
         case Fenced():
             return f"[red]fenced[/red] {event.worker}: {event.reason}"
         case Preempted():
@@ -38,7 +49,8 @@ def describe(event: Event) -> str | None:
         case AttemptFailed():
             return f"[red]attempt {event.attempt} failed[/red]: {event.reason}"
         case Completed():
-            return f"[green]completed[/green] at step {event.step}; weights digest {event.digest[:16]}…"
+            digest = event.digest[:16]
+            return f"[green]completed[/green] at step {event.step}; weights digest {digest}…"
         case Failed():
             return f"[red]failed[/red]: {event.reason}\n{event.detail}"
         case Cancelled():

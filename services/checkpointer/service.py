@@ -58,7 +58,9 @@ class Checkpointer:
                 pointer, size = await commit.commit(self.store, req)
         except (Fenced, IntegrityError) as exc:
             log.warning("refused %s step %d token %d: %s", req.run_id, req.step, req.token, exc)
-            refused = CommitRefused(run_id=req.run_id, step=req.step, token=req.token, reason=str(exc))
+            refused = CommitRefused(
+                run_id=req.run_id, step=req.step, token=req.token, reason=str(exc)
+            )
             await emit(self.js, refused, msg_id=f"refused.{req.run_id}.{req.token}.{req.step}")
             if isinstance(exc, Fenced):
                 return  # expected behaviour of the protocol, not a poison message

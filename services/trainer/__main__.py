@@ -26,7 +26,9 @@ async def main() -> None:
         if holder:
             await holder[0].on_reconnect()
 
-    nc = await connect(settings.nats_url, f"baton-trainer-{settings.worker_id}", on_reconnect=reconnected)
+    nc = await connect(
+        settings.nats_url, f"baton-trainer-{settings.worker_id}", on_reconnect=reconnected
+    )
     trainer = Trainer(nc, settings, signals)
     holder.append(trainer)
     try:

@@ -31,7 +31,14 @@ from shared import commit, names
 from shared.config import Settings
 from shared.connect import publish
 from shared.contracts import CommitRequest, RunRecord, RunState, Task, decode, encode
-from shared.contracts.child import CheckpointReady, Control, Finished, Launch, StepDone
+from shared.contracts.child import (
+    CheckpointReady,
+    Control,
+    Finished,
+    Launch,
+    Restored,
+    StepDone,
+)
 from shared.contracts.events import (
     AttemptFailed,
     CheckpointCommitted,
@@ -44,6 +51,7 @@ from shared.contracts.events import (
     Progress,
     Started,
 )
+from shared.contracts.events import Restored as RestoredEvent
 from shared.errors import ContractError
 from shared.events import emit
 from shared.lease import Lease
@@ -120,7 +128,9 @@ class Attempt:
                 start_step=self.step,
             ),
         )
-        log.info("%s: attempt %d from step %d, token %d", self.run_id, record.attempts, self.step, token)
+        log.info(
+            "%s: attempt %d from step %d, token %d", self.run_id, record.attempts, self.step, token
+        )
         sub = await self.nc.subscribe(names.events_of_run(self.run_id), cb=self._on_event)
         self.child.send(
             Launch(task=self.task, token=token, worker=self.worker, store_url=self.store.url)
@@ -174,7 +184,13 @@ class Attempt:
 
     async def _read(self) -> Finished | None:
         async for msg in self.child.messages():
-            if isinstance(msg, StepDone):
+            if isinstance(msg, Restored):
+                self.step = msg.step
+                event = RestoredEvent(
+                    run_id=self.run_id, worker=self.worker, step=msg.step, damaged=msg.damaged
+                )
+                await emit(self.js, event)
+            elif isinstance(msg, StepDone):
                 self.step = msg.step
                 await self._progress(msg)
             elif isinstance(msg, CheckpointReady):
@@ -197,8 +213,13 @@ class Attempt:
             if r.state.terminal or r.token != self.lease.token:
                 return None
             return msgspec.structs.replace(
-                r, state=RunState.COMPLETED, step=final.step, digest=final.digest,
-                metrics=final.metrics, worker=None, reason=None,
+                r,
+                state=RunState.COMPLETED,
+                step=final.step,
+                digest=final.digest,
+                metrics=final.metrics,
+                worker=None,
+                reason=None,
             )
 
         if await self.runs.update(self.run_id, complete) is None:
@@ -206,7 +227,9 @@ class Attempt:
             return await self._on_fenced()
         await emit(
             self.js,
-            Completed(run_id=self.run_id, step=final.step, digest=final.digest, metrics=final.metrics),
+            Completed(
+                run_id=self.run_id, step=final.step, digest=final.digest, metrics=final.metrics
+            ),
             msg_id=f"completed.{self.run_id}",
         )
         log.info("%s: completed at step %d, digest %s", self.run_id, final.step, final.digest[:16])
@@ -247,7 +270,8 @@ class Attempt:
             retries = r.retries + 1
             give_up = code == EXIT_BAD_LAUNCH or retries > r.spec.limits.max_retries
             return msgspec.structs.replace(
-                r, retries=retries,
+                r,
+                retries=retries,
                 state=RunState.FAILED if give_up else r.state,
                 reason=reason if give_up else r.reason,
             )
@@ -256,11 +280,21 @@ class Attempt:
         if record is None:
             return await self._on_fenced()
         if record.state is RunState.FAILED:
-            await emit(self.js, Failed(run_id=self.run_id, reason=reason, detail=tail), msg_id=f"failed.{self.run_id}")
+            await emit(
+                self.js,
+                Failed(run_id=self.run_id, reason=reason, detail=tail),
+                msg_id=f"failed.{self.run_id}",
+            )
             return Outcome.FAILED
         await emit(
             self.js,
-            AttemptFailed(run_id=self.run_id, worker=self.worker, attempt=record.attempts, reason=reason, detail=tail),
+            AttemptFailed(
+                run_id=self.run_id,
+                worker=self.worker,
+                attempt=record.attempts,
+                reason=reason,
+                detail=tail,
+            ),
         )
         await self.lease.release()
         self.retry_delay = min(2.0**record.retries, 60.0)
@@ -272,7 +306,11 @@ class Attempt:
         if r.state.terminal or (r.token or 0) > self.lease.token:
             return None
         return msgspec.structs.replace(
-            r, state=RunState.RUNNING, worker=self.worker, token=self.lease.token, attempts=r.attempts + 1
+            r,
+            state=RunState.RUNNING,
+            worker=self.worker,
+            token=self.lease.token,
+            attempts=r.attempts + 1,
         )
 
     async def _keep(self, touch: Callable[[], Awaitable[None]]) -> None:
@@ -289,14 +327,23 @@ class Attempt:
                     continue
                 old = self.lease.token
                 if await self.lease.acquire() and await self._still_ours(old):
-                    log.warning("%s: lease lapsed and was re-taken; token %d -> %d", self.run_id, old, self.lease.token)
+                    log.warning(
+                        "%s: lease lapsed and was re-taken; token %d -> %d",
+                        self.run_id,
+                        old,
+                        self.lease.token,
+                    )
                     self.child.send(Control(action="token", token=self.lease.token))
                     await self.runs.update(self.run_id, self._retoken(old))
                     continue
                 self.fence_reason = "the lease was taken over by another worker"
                 self.fenced.set()
             except Exception as exc:  # a link that is down: keep training, try again
-                log.warning("%s: lease renewal failed (%s); training goes on", self.run_id, type(exc).__name__)
+                log.warning(
+                    "%s: lease renewal failed (%s); training goes on",
+                    self.run_id,
+                    type(exc).__name__,
+                )
 
     def _retoken(self, old: int) -> Callable[[RunRecord], RunRecord | None]:
         def change(r: RunRecord) -> RunRecord | None:
@@ -324,26 +371,44 @@ class Attempt:
         now = time.monotonic()
         if self._rate is None:
             self._rate = (now, msg.step)
-        if now - self._last_progress < self.settings.progress_interval_s and msg.step < self.task.spec.total_steps:
+        if (
+            now - self._last_progress < self.settings.progress_interval_s
+            and msg.step < self.task.spec.total_steps
+        ):
             return
         t0, s0 = self._rate
         rate = (msg.step - s0) / (now - t0) if now > t0 else 0.0
         self._last_progress = now
         event = Progress(
-            run_id=self.run_id, step=msg.step, total_steps=self.task.spec.total_steps,
-            metrics=msg.metrics, steps_per_s=rate, worker=self.worker,
+            run_id=self.run_id,
+            step=msg.step,
+            total_steps=self.task.spec.total_steps,
+            metrics=msg.metrics,
+            steps_per_s=rate,
+            worker=self.worker,
         )
-        with contextlib.suppress(Exception):  # progress is best-effort while a link is down
-            await emit(self.js, event)
+        # Progress is best-effort: while a link is down the next one will do.
+        with contextlib.suppress(Exception):
+            await emit(self.js, event, attempts=1)
 
     async def _request_commit(self, ready: CheckpointReady) -> None:
-        self.committed.setdefault((ready.token, ready.step), asyncio.get_running_loop().create_future())
+        self.committed.setdefault(
+            (ready.token, ready.step), asyncio.get_running_loop().create_future()
+        )
         req = CommitRequest(
-            run_id=self.run_id, token=ready.token, step=ready.step, worker=self.worker,
-            files=ready.files, final=ready.final, metrics=ready.metrics, digest=ready.digest,
+            run_id=self.run_id,
+            token=ready.token,
+            step=ready.step,
+            worker=self.worker,
+            files=ready.files,
+            final=ready.final,
+            metrics=ready.metrics,
+            digest=ready.digest,
         )
         await publish(
-            self.js, names.commit_subject(self.run_id), encode(req),
+            self.js,
+            names.commit_subject(self.run_id),
+            encode(req),
             msg_id=f"commit.{self.run_id}.{ready.token}.{ready.step}",
         )
 
@@ -360,9 +425,11 @@ class Attempt:
                 step = event.step
                 await self.runs.update(
                     self.run_id,
-                    lambda r: msgspec.structs.replace(r, step=step)
-                    if r.token == self.lease.token and r.step < step and not r.state.terminal
-                    else None,
+                    lambda r: (
+                        msgspec.structs.replace(r, step=step)
+                        if r.token == self.lease.token and r.step < step and not r.state.terminal
+                        else None
+                    ),
                 )
 
     async def _committed(self, token: int, step: int, timeout: float) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import signal
@@ -26,7 +27,9 @@ def _die_with_parent() -> None:
 
 
 class Child:
-    def __init__(self, proc: asyncio.subprocess.Process, ctl: IO[bytes], reader: asyncio.StreamReader) -> None:
+    def __init__(
+        self, proc: asyncio.subprocess.Process, ctl: IO[bytes], reader: asyncio.StreamReader
+    ) -> None:
         self.proc = proc
         self._ctl = ctl
         self._reader = reader
@@ -68,10 +71,9 @@ class Child:
                 log.write(chunk)
 
     def send(self, msg: ToChild) -> None:
-        try:
+        # A child that is gone cannot read; its exit code tells the rest.
+        with contextlib.suppress(BrokenPipeError, ValueError):
             self._ctl.write(encode(msg) + b"\n")
-        except (BrokenPipeError, ValueError):
-            pass  # the child is gone; its exit code tells the rest
 
     async def messages(self) -> AsyncIterator[FromChild]:
         while line := await self._reader.readline():
@@ -80,15 +82,11 @@ class Child:
     def kill(self) -> None:
         if self.proc.returncode is None:
             # The child leads its own session; kill the group so nothing it spawned survives.
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     async def wait(self) -> int:
         code = await self.proc.wait()
-        try:
+        with contextlib.suppress(BrokenPipeError):
             self._ctl.close()
-        except BrokenPipeError:
-            pass
         return code

@@ -106,8 +106,16 @@ class Trainer:
         child = self._spare or await Child.start(self._child_env())
         self._spare = None
         attempt = Attempt(
-            self.nc, self.settings, self.store, self.runs, task, lease, child,
-            self.signals.stop, self.signals.hurry, self.beat_now,
+            self.nc,
+            self.settings,
+            self.store,
+            self.runs,
+            task,
+            lease,
+            child,
+            self.signals.stop,
+            self.signals.hurry,
+            self.beat_now,
         )
         try:
             outcome = await attempt.run(msg.in_progress)
@@ -118,6 +126,7 @@ class Trainer:
 
     async def _answer(self, msg: Msg, result: tuple[Outcome, float], lease: Lease) -> None:
         outcome, delay = result
+        log.info("%s: attempt %s", lease.run_id, outcome.value)
         if outcome in (Outcome.COMPLETED, Outcome.FAILED):
             # The run record already says how it ended, so a lost ack only costs a
             # redelivery that is acked on sight.

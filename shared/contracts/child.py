@@ -18,14 +18,14 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
 # parent -> child
 
 
-class Launch(_Msg, tag="launch"):
+class Launch(_Msg, tag="launch", frozen=True):
     task: Task
     token: int
     worker: str
     store_url: str
 
 
-class Control(_Msg, tag="control"):
+class Control(_Msg, tag="control", frozen=True):
     """`checkpoint`: write one now. `stop`: checkpoint and return. `token`: the lease was
     re-acquired under a new fencing token; use it for the next files."""
 
@@ -36,12 +36,20 @@ class Control(_Msg, tag="control"):
 # child -> parent
 
 
-class StepDone(_Msg, tag="step"):
+class Restored(_Msg, tag="restored", frozen=True):
+    """Where the attempt really starts: the newest checkpoint that verified, after skipping
+    the `damaged` ones (steps whose files no longer match their manifest)."""
+
+    step: int
+    damaged: list[int] = []
+
+
+class StepDone(_Msg, tag="step", frozen=True):
     step: int
     metrics: dict[str, float] = {}
 
 
-class CheckpointReady(_Msg, tag="checkpoint"):
+class CheckpointReady(_Msg, tag="checkpoint", frozen=True):
     step: int
     token: int
     files: list[FileRef]
@@ -52,11 +60,11 @@ class CheckpointReady(_Msg, tag="checkpoint"):
     """How long the training loop was blocked for this checkpoint."""
 
 
-class Finished(_Msg, tag="finished"):
+class Finished(_Msg, tag="finished", frozen=True):
     step: int
     stopped: bool
     """True when the run stopped early because the trainer asked it to."""
 
 
 ToChild = Launch | Control
-FromChild = StepDone | CheckpointReady | Finished
+FromChild = Restored | StepDone | CheckpointReady | Finished

@@ -9,32 +9,42 @@ import time
 import msgspec
 
 
-class _Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
+class _Event(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"
+):
     run_id: str
     at: float = msgspec.field(default_factory=time.time)
     """Wall-clock time on the publishing host; for display only, never for decisions."""
 
 
-class Accepted(_Event, tag="accepted"):
+class Accepted(_Event, tag="accepted", frozen=True):
     name: str
     pool: str
     total_steps: int
     duplicate: bool = False
 
 
-class Rejected(_Event, tag="rejected"):
+class Rejected(_Event, tag="rejected", frozen=True):
     reason: str
     path: str = "$"
 
 
-class Started(_Event, tag="started"):
+class Started(_Event, tag="started", frozen=True):
     worker: str
     token: int
     attempt: int
     start_step: int
 
 
-class Progress(_Event, tag="progress"):
+class Restored(_Event, tag="restored", frozen=True):
+    """The attempt's training process loaded its checkpoint (or found none: step 0)."""
+
+    worker: str
+    step: int
+    damaged: list[int] = []
+
+
+class Progress(_Event, tag="progress", frozen=True):
     step: int
     total_steps: int
     metrics: dict[str, float] = {}
@@ -42,7 +52,7 @@ class Progress(_Event, tag="progress"):
     worker: str = ""
 
 
-class CheckpointCommitted(_Event, tag="checkpoint_committed"):
+class CheckpointCommitted(_Event, tag="checkpoint_committed", frozen=True):
     step: int
     token: int
     manifest: str
@@ -50,24 +60,24 @@ class CheckpointCommitted(_Event, tag="checkpoint_committed"):
     final: bool = False
 
 
-class CommitRefused(_Event, tag="commit_refused"):
+class CommitRefused(_Event, tag="commit_refused", frozen=True):
     step: int
     token: int
     reason: str
 
 
-class Completed(_Event, tag="completed"):
+class Completed(_Event, tag="completed", frozen=True):
     step: int
     digest: str
     metrics: dict[str, float] = {}
 
 
-class Failed(_Event, tag="failed"):
+class Failed(_Event, tag="failed", frozen=True):
     reason: str
     detail: str = ""
 
 
-class AttemptFailed(_Event, tag="attempt_failed"):
+class AttemptFailed(_Event, tag="attempt_failed", frozen=True):
     """User code failed; the run is retried if it has retries left."""
 
     worker: str
@@ -76,23 +86,23 @@ class AttemptFailed(_Event, tag="attempt_failed"):
     detail: str = ""
 
 
-class Fenced(_Event, tag="fenced"):
+class Fenced(_Event, tag="fenced", frozen=True):
     worker: str
     token: int
     reason: str
 
 
-class Preempted(_Event, tag="preempted"):
+class Preempted(_Event, tag="preempted", frozen=True):
     worker: str
     step: int
 
 
-class Redispatched(_Event, tag="redispatched"):
+class Redispatched(_Event, tag="redispatched", frozen=True):
     dispatch: int
     reason: str
 
 
-class Cancelled(_Event, tag="cancelled"):
+class Cancelled(_Event, tag="cancelled", frozen=True):
     reason: str
 
 
@@ -100,6 +110,7 @@ Event = (
     Accepted
     | Rejected
     | Started
+    | Restored
     | Progress
     | CheckpointCommitted
     | CommitRefused

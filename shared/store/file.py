@@ -11,6 +11,7 @@ are fsynced after each publish so a crash cannot lose a name that was reported w
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import os
 import shutil
@@ -64,10 +65,11 @@ class FileStore(Store):
             await asyncio.to_thread(os.unlink, self.path(key))
 
     async def read_pointer(self, key: str) -> tuple[bytes, str] | None:
-        return await asyncio.to_thread(self._read_pointer, self.path(key + ".d"))
+        return await asyncio.to_thread(self._read_pointer, self.path(check_key(key) + ".d"))
 
     async def write_pointer(self, key: str, data: bytes, expected: str | None) -> str:
-        return await asyncio.to_thread(self._write_pointer, self.path(key + ".d"), data, expected)
+        log_dir = self.path(check_key(key) + ".d")
+        return await asyncio.to_thread(self._write_pointer, log_dir, data, expected)
 
     # -- blocking halves, run in a thread ------------------------------------------------
 
@@ -105,9 +107,10 @@ class FileStore(Store):
             tmp.unlink()
         _fsync_dir(final.parent)
 
-    def _list(self, prefix: str) -> list[str]:
-        base = self.root / prefix.rstrip("/") if prefix else self.root
-        start = base if base.is_dir() else base.parent
+    def _list(self, prefix: str) -> builtins.list[str]:
+        # A plain string prefix, as on S3: "runs/a" matches "runs/ab/x" too, so the walk
+        # starts at the directory that holds the prefix's last partial component.
+        start = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
         if not start.is_dir():
             return []
         keys = []
@@ -146,5 +149,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-

@@ -16,6 +16,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
         yield s
     finally:
         await s.stop()
+
         # Whatever the test did, no training process may outlive it.
         async def none_left() -> bool:
             return not [p for p in training_processes() if alive(p)]

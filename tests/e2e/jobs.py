@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from nats.aio.client import Client
 
@@ -12,6 +15,8 @@ from shared.contracts import JobSpec, RunRecord, convert
 from shared.contracts.events import Event
 from shared.runs import Runs
 from tests.support.stack import eventually
+
+E = TypeVar("E")
 
 
 def job(**over: Any) -> JobSpec:
@@ -60,3 +65,42 @@ async def history(nc: Client, run_id: str) -> list[Event]:
             out.append(decode(msg.data, Event))  # type: ignore[arg-type]
     finally:
         await sub.unsubscribe()
+
+
+class EventLog:
+    """Collects a run's events in the background; tests wait on conditions over them."""
+
+    def __init__(self, nc: Client, run_id: str) -> None:
+        self.nc = nc
+        self.run_id = run_id
+        self.events: list[Event] = []
+        self._changed = asyncio.Event()
+        self._task = asyncio.create_task(self._collect())
+
+    async def _collect(self) -> None:
+        async for event in client.events(self.nc, self.run_id):
+            self.events.append(event)
+            self._changed.set()
+
+    async def wait_for(self, pred: Callable[[Event], bool], timeout: float, what: str) -> Event:
+        deadline = asyncio.get_running_loop().time() + timeout
+        seen = 0
+        while True:
+            for event in self.events[seen:]:
+                if pred(event):
+                    return event
+            seen = len(self.events)
+            self._changed.clear()
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise AssertionError(
+                    f"timed out waiting for {what}; saw {[type(e).__name__ for e in self.events]}"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+
+    def of(self, kind: type[E]) -> list[E]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+    def close(self) -> None:
+        self._task.cancel()

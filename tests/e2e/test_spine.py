@@ -47,7 +47,10 @@ async def test_example_job_completes_commits_and_pulls(stack: Stack, tmp_path: P
 async def test_bad_submissions_do_not_stop_the_next_job(stack: Stack) -> None:
     nc = await stack.client()
     js = nc.jetstream()
-    for key, payload in [("junk", b"\x00\xffnot json"), ("neg", json.dumps({"name": "x", "entry_point": "m:f", "total_steps": -1}).encode())]:
+    for key, payload in [
+        ("junk", b"\x00\xffnot json"),
+        ("neg", json.dumps({"name": "x", "entry_point": "m:f", "total_steps": -1}).encode()),
+    ]:
         await js.publish(names.submit_subject("default"), payload, headers={"Nats-Msg-Id": key})
 
     async def rejected(key: str) -> bool:
@@ -62,8 +65,13 @@ async def test_bad_submissions_do_not_stop_the_next_job(stack: Stack) -> None:
 async def test_schema_is_json_schema_and_a_hand_built_job_is_accepted(stack: Stack) -> None:
     schema = job_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
-    by_hand = {"name": "by-hand", "entry_point": "examples.regression:train", "total_steps": 30,
-               "idempotency_key": "by-hand-1", "checkpoint": {"every_steps": 10}}
+    by_hand = {
+        "name": "by-hand",
+        "entry_point": "examples.regression:train",
+        "total_steps": 30,
+        "idempotency_key": "by-hand-1",
+        "checkpoint": {"every_steps": 10},
+    }
     jsonschema.validate(by_hand, schema)
     with_unknown = {**by_hand, "bogus": 1}
     try:

@@ -29,7 +29,9 @@ async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
     await client.close()
 
 
-async def start_dispatchers(nc: Client, count: int = 1) -> tuple[asyncio.Event, list[asyncio.Task[None]]]:
+async def start_dispatchers(
+    nc: Client, count: int = 1
+) -> tuple[asyncio.Event, list[asyncio.Task[None]]]:
     stop = asyncio.Event()
     tasks = []
     for _ in range(count):
@@ -55,7 +57,9 @@ async def events_of(nc: Client, run_id: str) -> list[Event]:
 
 
 async def tasks_for(nc: Client, run_id: str) -> int:
-    info = await nc.jetstream().stream_info(names.TASKS_STREAM, subjects_filter=names.task_subject("default", run_id))
+    info = await nc.jetstream().stream_info(
+        names.TASKS_STREAM, subjects_filter=names.task_subject("default", run_id)
+    )
     return sum((info.state.subjects or {}).values())
 
 
@@ -65,24 +69,61 @@ async def submit(nc: Client, payload: bytes, key: str, pool: str = "default") ->
 
 BAD = [
     ("malformed", b'{"name": "t", "entry_', "malformed JSON", "$"),
-    ("unknown-field", json.dumps({**GOOD, "gpu_count": 8}).encode(), "unknown field `gpu_count`", "$"),
-    ("wrong-type", json.dumps({**GOOD, "total_steps": "ten"}).encode(), "Expected `int`, got `str`", "$.total_steps"),
-    ("no-entry-point", json.dumps({"name": "t", "total_steps": 10}).encode(), "missing required field `entry_point`", "$"),
-    ("negative-steps", json.dumps({**GOOD, "total_steps": -5}).encode(), "Expected `int` >= 1", "$.total_steps"),
-    ("oversized", json.dumps({**GOOD, "config": {"blob": "x" * 200_000}}).encode(), "over the limit", "$"),
-    ("bad-entry-point", json.dumps({**GOOD, "entry_point": "os.system"}).encode(), "Expected `str` matching", "$.entry_point"),
-    ("pool-mismatch", json.dumps({**GOOD, "pool": "gpu"}).encode(), "differs from the subject's pool", "$.pool"),
+    (
+        "unknown-field",
+        json.dumps({**GOOD, "gpu_count": 8}).encode(),
+        "unknown field `gpu_count`",
+        "$",
+    ),
+    (
+        "wrong-type",
+        json.dumps({**GOOD, "total_steps": "ten"}).encode(),
+        "Expected `int`, got `str`",
+        "$.total_steps",
+    ),
+    (
+        "no-entry-point",
+        json.dumps({"name": "t", "total_steps": 10}).encode(),
+        "missing required field `entry_point`",
+        "$",
+    ),
+    (
+        "negative-steps",
+        json.dumps({**GOOD, "total_steps": -5}).encode(),
+        "Expected `int` >= 1",
+        "$.total_steps",
+    ),
+    (
+        "oversized",
+        json.dumps({**GOOD, "config": {"blob": "x" * 200_000}}).encode(),
+        "over the limit",
+        "$",
+    ),
+    (
+        "bad-entry-point",
+        json.dumps({**GOOD, "entry_point": "os.system"}).encode(),
+        "Expected `str` matching",
+        "$.entry_point",
+    ),
+    (
+        "pool-mismatch",
+        json.dumps({**GOOD, "pool": "gpu"}).encode(),
+        "differs from the subject's pool",
+        "$.pool",
+    ),
 ]
 
 
 async def test_bad_input_is_rejected_named_and_dead_lettered(nc: Client) -> None:
     stop, tasks = await start_dispatchers(nc)
     runs = await Runs.open(nc.jetstream())
-    for key, payload, reason, path in BAD:
+    for key, payload, _reason, _path in BAD:
         await submit(nc, payload, key)
     for key, _payload, reason, path in BAD:
         run_id = run_id_for(key)
-        evs = await eventually(lambda: events_of(nc, run_id), 10, f"rejection of {key}")
+        evs = await eventually(
+            lambda run_id=run_id: events_of(nc, run_id), 10, f"rejection of {key}"
+        )
         assert len(evs) == 1 and isinstance(evs[0], Rejected), (key, evs)
         assert reason in evs[0].reason, (key, evs[0].reason)
         assert evs[0].path == path, (key, evs[0].path)
@@ -90,7 +131,10 @@ async def test_bad_input_is_rejected_named_and_dead_lettered(nc: Client) -> None
         assert await tasks_for(nc, run_id) == 0
     info = await nc.jetstream().stream_info(names.DLQ_STREAM)
     assert info.state.messages == len(BAD)
-    letter = decode((await nc.jetstream().get_last_msg(names.DLQ_STREAM, names.dlq_subject("dispatcher"))).data, DeadLetter)
+    letter = decode(
+        (await nc.jetstream().get_last_msg(names.DLQ_STREAM, names.dlq_subject("dispatcher"))).data,
+        DeadLetter,
+    )
     assert letter.reason and letter.source == "dispatcher"
     # It survived all of that and still serves.
     await submit(nc, json.dumps(GOOD).encode(), "good-after-bad")
@@ -115,7 +159,9 @@ async def test_same_key_twice_and_concurrently_gives_one_run_one_task(nc: Client
 
     async def all_answered() -> list[Event] | None:
         evs = [e for e in await events_of(nc, run_id) if isinstance(e, Accepted)]
-        return evs if len(evs) >= 1 + 1 + 6 - 1 else None  # the first accepted is de-duplicated by id
+        return (
+            evs if len(evs) >= 1 + 1 + 6 - 1 else None
+        )  # the first accepted is de-duplicated by id
 
     accepted = await eventually(all_answered, 15, "every submission answered")
     assert sum(not e.duplicate for e in accepted) == 1

@@ -26,10 +26,27 @@ T = TypeVar("T")
 
 
 class Stack:
-    def __init__(self, root: Path, *, trainers: int = 1, lease_ttl: int = 4, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        trainers: int = 1,
+        lease_ttl: int = 4,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.root = root
-        self.opts = StackOptions(data_dir=root, port=0, trainers=trainers, lease_ttl=lease_ttl, extra_env={
-            "BATON_PROGRESS_INTERVAL": "0.1", "BATON_GRACE": "20", **(env or {})})
+        self.opts = StackOptions(
+            data_dir=root,
+            port=0,
+            trainers=trainers,
+            lease_ttl=lease_ttl,
+            extra_env={
+                "BATON_PROGRESS_INTERVAL": "0.1",
+                "BATON_GRACE": "20",
+                "BATON_LOG_LEVEL": "DEBUG",
+                **(env or {}),
+            },
+        )
         self.nats = NatsServer(root / "nats", port=0)
         self.sup = Supervisor(root / "logs", root / "run")
         self.specs: list[ServiceSpec] = []
@@ -39,7 +56,9 @@ class Stack:
     def store_url(self) -> str:
         return f"file://{self.root / 'store'}"
 
-    async def start(self, services: tuple[str, ...] = ("dispatcher", "checkpointer", "trainer")) -> None:
+    async def start(
+        self, services: tuple[str, ...] = ("dispatcher", "checkpointer", "trainer")
+    ) -> None:
         await self.nats.start()
         for spec in service_specs(self.opts, self.nats.url):
             if spec.name.split("-")[0] in services:
@@ -54,9 +73,11 @@ class Stack:
 
         nc = await self.client()
         js = nc.jetstream()
-        wanted = {"dispatcher": (names.SUBMIT_STREAM, names.DISPATCHER_CONSUMER),
-                  "checkpointer": (names.CKPT_STREAM, names.CHECKPOINTER_CONSUMER),
-                  "trainer": (names.TASKS_STREAM, names.trainer_consumer("default"))}
+        wanted = {
+            "dispatcher": (names.SUBMIT_STREAM, names.DISPATCHER_CONSUMER),
+            "checkpointer": (names.CKPT_STREAM, names.CHECKPOINTER_CONSUMER),
+            "trainer": (names.TASKS_STREAM, names.trainer_consumer("default")),
+        }
 
         async def declared() -> bool:
             try:
@@ -70,13 +91,20 @@ class Stack:
         await eventually(declared, 30, "services to declare their streams")
 
     async def add(self, spec: ServiceSpec) -> int:
-        spec = msgspec.structs.replace(spec, restart=False, cwd=str(Path(__file__).resolve().parents[2]))
+        spec = msgspec.structs.replace(
+            spec, restart=False, cwd=str(Path(__file__).resolve().parents[2])
+        )
         self.specs.append(spec)
         return await self.sup.start(spec)
 
     async def add_trainer(self, name: str) -> int:
-        base = next(s for s in service_specs(self.opts, self.nats.url) if s.name == "trainer-1")
-        env = {**base.env, "BATON_WORKER_ID": name, "BATON_WORK_DIR": str(self.root / "work" / name)}
+        one = msgspec.structs.replace(self.opts, trainers=1)
+        base = next(s for s in service_specs(one, self.nats.url) if s.name == "trainer-1")
+        env = {
+            **base.env,
+            "BATON_WORKER_ID": name,
+            "BATON_WORK_DIR": str(self.root / "work" / name),
+        }
         return await self.add(msgspec.structs.replace(base, name=name, env=env))
 
     def pid(self, name: str) -> int:
@@ -106,7 +134,9 @@ class Stack:
         await self.nats.stop()
 
 
-async def eventually(check: Callable[[], Awaitable[T | None]], timeout: float, what: str, every: float = 0.1) -> T:
+async def eventually(
+    check: Callable[[], Awaitable[T | None]], timeout: float, what: str, every: float = 0.1
+) -> T:
     """Poll `check` until it returns something other than None/False, or fail after
     `timeout` seconds naming `what`."""
     deadline = time.monotonic() + timeout

@@ -1,0 +1,61 @@
+"""Leases against a real nats-server: tokens, renewal, release, expiry by the server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.client import Client
+
+from shared.connect import connect
+from shared.lease import Lease, is_held
+from shared.natsserver import NatsServer
+from shared.streams import ensure
+from tests.support.stack import eventually
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
+    client = await connect(nats_server.url, "test", first_attempt_timeout=5)
+    await ensure(client.jetstream())
+    yield client
+    await client.close()
+
+
+async def test_one_holder_at_a_time_and_tokens_only_grow(nc: Client) -> None:
+    js = nc.jetstream()
+    a, b = Lease(js, "run1", "a", ttl_s=30), Lease(js, "run1", "b", ttl_s=30)
+    assert await a.acquire()
+    assert not await b.acquire()
+    assert await a.renew() and a.revision > a.token
+    await a.release()
+    assert await b.acquire(), "a released lease must be free at once"
+    assert b.token > a.token
+    assert not await a.renew(), "the old holder's renewal must lose its CAS"
+
+
+async def test_expiry_is_decided_by_the_server(nc: Client) -> None:
+    js = nc.jetstream()
+    a, b = Lease(js, "run2", "a", ttl_s=2), Lease(js, "run2", "b", ttl_s=2)
+    assert await a.acquire()
+    assert not await b.acquire()
+
+    async def lapsed() -> bool:
+        return not await is_held(js, "run2")
+
+    await eventually(lapsed, 10, "the lease to lapse")
+    assert await b.acquire() and b.token > a.token
+    assert not await a.renew()
+
+
+async def test_renewal_keeps_a_lease_alive_past_its_ttl(nc: Client) -> None:
+    js = nc.jetstream()
+    a, b = Lease(js, "run3", "a", ttl_s=2), Lease(js, "run3", "b", ttl_s=2)
+    assert await a.acquire()
+    for _ in range(5):
+        assert await a.renew()
+        assert not await b.acquire()
+        # The passage of time is what is under test here: 5 renewals a third of the TTL
+        # apart span well past the TTL.
+        await asyncio.sleep(0.6)
