@@ -68,7 +68,12 @@ SpecBuilder = Callable[[StackOptions, str], list[ServiceSpec]]
 def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
     """Dispatcher, checkpointer and the trainers, in start order."""
     data = opts.data_dir.absolute()
-    names = ["dispatcher", "checkpointer", *(f"trainer-{i}" for i in range(1, opts.trainers + 1))]
+    names = [
+        "dispatcher",
+        "checkpointer",
+        "reaper",
+        *(f"trainer-{i}" for i in range(1, opts.trainers + 1)),
+    ]
     specs = []
     for name in names:
         module = "services.trainer" if name.startswith("trainer-") else f"services.{name}"

@@ -41,7 +41,7 @@ Server = Annotated[
     typer.Option("--server", "-s", envvar="NATS_URL", help="NATS server URL(s), comma-separated."),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
-SERVICES = ("dispatcher", "trainer", "checkpointer")
+SERVICES = ("dispatcher", "trainer", "checkpointer", "reaper")
 
 
 def _run(coro: Callable[[], Awaitable[T]]) -> T:
@@ -83,7 +83,7 @@ def up(
 
 @app.command()
 def service(
-    name: Annotated[str, typer.Argument(help="dispatcher, trainer or checkpointer")],
+    name: Annotated[str, typer.Argument(help="dispatcher, trainer, checkpointer or reaper")],
 ) -> None:
     """Run one service in the foreground (as the compose file does)."""
     if name not in SERVICES:

@@ -25,6 +25,7 @@ from shared.contracts.events import (
     Fenced,
     Preempted,
     Progress,
+    Redispatched,
     Restored,
     Started,
 )
@@ -99,6 +100,7 @@ async def test_sigkill_at_three_points_resumes_bitwise_on_the_other_trainer(two:
         assert second.worker != first.worker and second.token > first.token
         resumed = log.of(Restored)[1]
         assert last_commit <= resumed.step <= reached.step  # lost ≤ steps since last commit
+        assert not log.of(Redispatched), "the task was still queued: nothing to re-dispatch"
         log.close()
 
 
@@ -259,5 +261,36 @@ async def test_a_damaged_checkpoint_is_skipped_on_resume(tmp_path: Path) -> None
         assert resumed.damaged == [manifest.step] and resumed.step < manifest.step
         record = await finished(nc, run_id)
         assert record.state is RunState.COMPLETED and record.digest == want
+    finally:
+        await stack.stop()
+
+
+async def test_a_run_whose_task_a_late_ack_removed_is_dispatched_again(tmp_path: Path) -> None:
+    stack = Stack(tmp_path / "stack", trainers=1, lease_ttl=3)
+    try:
+        await stack.start()
+        nc = await stack.client()
+        js = nc.jetstream()
+        want = await reference_digest(stack, paced())
+        run_id = await submit(nc, paced(idempotency_key="lost"))
+        log = EventLog(nc, run_id)
+        first = await log.wait_for(lambda e: isinstance(e, Started), 30, "start")
+        assert isinstance(first, Started)
+        await log.wait_for(
+            lambda e: isinstance(e, CheckpointCommitted) and e.step >= 20, 30, "a commit"
+        )
+        victim = stack.pid(first.worker)
+        family = children_of(victim)
+        os.kill(victim, signal.SIGKILL)
+        await all_dead(family, "the killed trainer's training process")
+        # What a stale worker's late ack does: the task's copy vanishes from the work queue.
+        task = await js.get_last_msg(names.TASKS_STREAM, names.task_subject("default", run_id))
+        await js.delete_msg(names.TASKS_STREAM, task.seq)
+        await stack.add_trainer("second")
+        again = await log.wait_for(lambda e: isinstance(e, Redispatched), 30, "re-dispatch")
+        assert isinstance(again, Redispatched) and again.dispatch == 2
+        record = await finished(nc, run_id)
+        assert record.state is RunState.COMPLETED and record.digest == want
+        assert record.dispatch == 2 and len(log.of(Redispatched)) == 1
     finally:
         await stack.stop()

@@ -57,7 +57,7 @@ class Stack:
         return f"file://{self.root / 'store'}"
 
     async def start(
-        self, services: tuple[str, ...] = ("dispatcher", "checkpointer", "trainer")
+        self, services: tuple[str, ...] = ("dispatcher", "checkpointer", "reaper", "trainer")
     ) -> None:
         await self.nats.start()
         for spec in service_specs(self.opts, self.nats.url):
@@ -82,7 +82,8 @@ class Stack:
         async def declared() -> bool:
             try:
                 for service in services:
-                    await js.consumer_info(*wanted[service])
+                    if service in wanted:
+                        await js.consumer_info(*wanted[service])
                 await js.stream_info(names.EVENTS_STREAM)
             except NotFoundError:
                 return False

@@ -1,0 +1,75 @@
+"""Recovery time at the default lease TTL: SIGKILL -> first resumed step, and
+SIGTERM -> first resumed step, on the real stack (nats-server, services as processes).
+
+    .venv/bin/python -m bench.recovery [--ttl 10] [--rounds 2]
+
+Times come from event timestamps taken on this one host, so no clocks are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from shared.config import Settings
+from shared.contracts.events import Progress, Started
+from tests.e2e.jobs import EventLog, finished, job, submit
+from tests.support.stack import Stack
+
+
+async def one(stack: Stack, sig: int, key: str) -> float:
+    nc = await stack.client()
+    spec = job(
+        entry_point="tests.support.workloads:paced",
+        total_steps=400,
+        idempotency_key=key,
+        checkpoint={"every_steps": 20},
+        config={"pace": 0.02},
+    )
+    run_id = await submit(nc, spec)
+    log = EventLog(nc, run_id)
+    first = await log.wait_for(lambda e: isinstance(e, Started), 60, "start")
+    assert isinstance(first, Started)
+    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 50, 60, "step 50")
+    at_signal = time.time()
+    stack.signal(first.worker, sig)
+    resumed = await log.wait_for(
+        lambda e: isinstance(e, Progress) and e.worker != first.worker, 120, "resume"
+    )
+    await finished(nc, run_id, timeout=120)
+    log.close()
+    return resumed.at - at_signal
+
+
+async def main(ttl: int, rounds: int) -> None:
+    results: dict[str, list[float]] = {"SIGKILL": [], "SIGTERM": []}
+    for r in range(rounds):
+        for name, sig in (("SIGKILL", signal.SIGKILL), ("SIGTERM", signal.SIGTERM)):
+            with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
+                stack = Stack(Path(tmp) / "s", trainers=2, lease_ttl=ttl)
+                await stack.start()
+                try:
+                    results[name].append(await one(stack, sig, f"{name}-{r}"))
+                finally:
+                    await stack.stop()
+    print(f"lease TTL {ttl}s (task AckWait {Settings(lease_ttl_s=ttl).ack_wait_s:.0f}s)")
+    for name, values in results.items():
+        median = statistics.median(values)
+        runs = ", ".join(f"{v:.2f}" for v in values)
+        print(
+            f"{name} -> first resumed step: median {median:.2f}s (runs: {runs});"
+            f" ratio to TTL {median / ttl:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ttl", type=int, default=Settings().lease_ttl_s)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    asyncio.run(main(a.ttl, a.rounds))

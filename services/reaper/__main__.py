@@ -1,0 +1,28 @@
+"""`python -m services.reaper` — sweep for runs the queue has lost."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.reaper.service import Reaper
+from shared import config
+from shared.connect import connect
+from shared.service import StopSignals, setup_logging
+
+
+async def main() -> None:
+    settings = config.load()
+    signals = StopSignals()
+    signals.install()
+    nc = await connect(settings.nats_url, "baton-reaper")
+    try:
+        reaper = Reaper(nc, settings)
+        await reaper.start()
+        await reaper.serve(signals.stop)
+    finally:
+        await nc.drain()
+
+
+if __name__ == "__main__":
+    setup_logging("reaper")
+    asyncio.run(main())

@@ -1,0 +1,89 @@
+"""The lost-run sweep against a real nats-server, with two reapers racing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.client import Client
+
+from services.reaper.service import Reaper
+from shared import config, names
+from shared.connect import connect
+from shared.contracts import JobSpec, RunRecord, RunState, convert, encode, spec_hash
+from shared.lease import Lease
+from shared.natsserver import NatsServer
+from shared.runs import Runs
+from shared.streams import ensure
+from tests.support.stack import eventually
+
+SPEC = convert({"name": "t", "entry_point": "m:f", "total_steps": 5}, JobSpec)
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
+    client = await connect(nats_server.url, "test", first_attempt_timeout=5)
+    await ensure(client.jetstream())
+    yield client
+    await client.close()
+
+
+async def running(nc: Client, run_id: str) -> Runs:
+    runs = await Runs.open(nc.jetstream())
+    now = time.time()
+    record = RunRecord(
+        run_id=run_id,
+        spec=SPEC,
+        spec_hash=spec_hash(SPEC),
+        created_at=now,
+        updated_at=now,
+        state=RunState.RUNNING,
+        token=1,
+        worker="gone",
+    )
+    assert await runs.create(record)
+    return runs
+
+
+async def queued_tasks(nc: Client, run_id: str) -> int:
+    info = await nc.jetstream().stream_info(
+        names.TASKS_STREAM, subjects_filter=names.task_subject("default", run_id)
+    )
+    return sum((info.state.subjects or {}).values())
+
+
+async def test_two_racing_reapers_dispatch_a_lost_run_once(nc: Client) -> None:
+    runs = await running(nc, "rlost")
+    settings = config.load({"BATON_LEASE_TTL": "2"})
+    a, b = Reaper(nc, settings), Reaper(nc, settings)
+    await a.start()
+    await b.start()
+
+    async def swept() -> list[str]:
+        done = await asyncio.gather(a.sweep(), b.sweep())
+        return done[0] + done[1]
+
+    assert await swept() == []  # first sighting: not yet lost
+    redispatched = await eventually(swept, 10, "the run to count as lost", every=0.3)
+    assert redispatched == ["rlost"]
+    assert await queued_tasks(nc, "rlost") == 1
+    found = await runs.get("rlost")
+    assert found is not None and found[0].dispatch == 2
+    assert await swept() == []  # a task is queued now: nothing more to do
+
+
+async def test_a_held_lease_or_a_queued_task_is_left_alone(nc: Client) -> None:
+    await running(nc, "rheld")
+    await running(nc, "rqueued")
+    js = nc.jetstream()
+    lease = Lease(js, "rheld", "w", ttl_s=30)
+    assert await lease.acquire()
+    await js.publish(names.task_subject("default", "rqueued"), encode({"queued": True}))
+    reaper = Reaper(nc, config.load({"BATON_LEASE_TTL": "2"}))
+    await reaper.start()
+    deadline = time.monotonic() + 3  # longer than the TTL the sweep waits for
+    while time.monotonic() < deadline:
+        assert await reaper.sweep() == []
+        await asyncio.sleep(0.3)
