@@ -22,7 +22,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from shared import names
 from shared.errors import ConfigError
@@ -137,7 +137,7 @@ async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerCon
         log.warning("consumer %s differs (%s); updating", config.durable_name, ", ".join(differs))
         try:
             await js.add_consumer(stream, config)
-        except BadRequestError as exc:
+        except APIError as exc:  # the server answers 400 or 500, depending on the field
             raise ConfigError(
                 f"consumer {stream}/{config.durable_name} differs in {differs} and cannot be "
                 f"updated in place: {exc.description}"
@@ -157,7 +157,7 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     log.warning("stream %s differs (%s); updating", config.name, ", ".join(differs))
     try:
         await js.update_stream(config)
-    except BadRequestError as exc:
+    except APIError as exc:  # the server answers 400 or 500, depending on the field
         raise ConfigError(
             f"stream {config.name} differs in {differs} and cannot be updated in place: "
             f"{exc.description}"

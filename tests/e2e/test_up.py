@@ -1,0 +1,131 @@
+"""`baton up` and the CLI as a user runs them: real processes, real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from tests.support.stack import alive, children_of, eventually
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = {
+    "name": "cli",
+    "entry_point": "tests.support.workloads:paced",
+    "total_steps": 60,
+    "deterministic": True,
+    "checkpoint": {"every_steps": 20},
+    "config": {"pace": 0.01},
+}
+
+
+async def baton(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "baton",
+        *args,
+        cwd=REPO,
+        env={**os.environ, **env},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def start_up(data: Path, trainers: int = 1) -> tuple[asyncio.subprocess.Process, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "baton",
+        "up",
+        "--data-dir",
+        str(data),
+        "--port",
+        "0",
+        "--trainers",
+        str(trainers),
+        "--lease-ttl",
+        "3",
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    while line := await asyncio.wait_for(proc.stdout.readline(), 60):
+        if line.startswith(b"nats: nats://127.0.0.1:"):
+            return proc, line.decode().split()[1]
+    raise AssertionError("baton up never printed its nats URL")
+
+
+async def test_up_runs_a_job_through_the_cli_and_sigterm_leaves_nothing(tmp_path: Path) -> None:
+    proc, url = await start_up(tmp_path / "data")
+    env = {"NATS_URL": url}
+    try:
+        family = children_of(proc.pid)
+        assert len(family) >= 5, family  # nats-server, 4 services (+ a warm training child)
+        job = tmp_path / "job.json"
+        job.write_text(json.dumps(JOB))
+        code, out, err = await baton("submit", str(job), "--json", env=env)
+        assert code == 0, err
+        run_id = json.loads(out)["run_id"]
+        code, out, err = await baton("watch", run_id, env=env)
+        assert code == 0, (out, err)
+        code, out, _ = await baton("status", run_id, "--json", env=env)
+        record = json.loads(out)
+        assert record["state"] == "COMPLETED" and record["step"] == 60
+        code, out, _ = await baton("runs", "--json", env=env)
+        assert [r["run_id"] for r in json.loads(out)] == [run_id]
+        store = f"file://{tmp_path / 'data' / 'store'}"
+        code, out, err = await baton(
+            "pull", run_id, str(tmp_path / "w"), "--store", store, "--json", env=env
+        )
+        assert code == 0, err
+        assert json.loads(out)["digest"] == record["digest"]
+        code, _, err = await baton("status", "rnope", env=env)
+        assert code == 3 and "no run" in err
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({**JOB, "total_steps": -1}))
+        code, _, err = await baton("submit", str(bad), env=env)
+        assert code == 2 and "total_steps" in err
+        family = children_of(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 90)
+    assert proc.returncode == 0
+
+    async def none_left() -> bool:
+        return not any(alive(p) for p in family)
+
+    await eventually(none_left, 10, "every process baton up started to exit")
+
+
+async def test_a_second_sigterm_stops_a_trainer_hard_without_an_orphan(tmp_path: Path) -> None:
+    proc, url = await start_up(tmp_path / "data")
+    try:
+        job = tmp_path / "slow.json"
+        job.write_text(json.dumps({**JOB, "total_steps": 10_000, "config": {"pace": 0.05}}))
+        code, _out, err = await baton("submit", str(job), "--json", env={"NATS_URL": url})
+        assert code == 0, err
+        pid = int((tmp_path / "data" / "run" / "trainer-1.pid").read_text())
+
+        async def training() -> list[int]:
+            kids = children_of(pid)
+            return kids if len(kids) >= 1 else []
+
+        family = await eventually(training, 30, "the trainer's training process")
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGTERM)
+
+        async def gone() -> bool:
+            return not alive(pid) and not any(alive(p) for p in family)
+
+        await eventually(gone, 15, "the trainer and its training process to exit")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 90)
