@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import tomllib
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
+from nats.errors import ConnectionClosedError
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
@@ -115,9 +117,12 @@ async def events(nc: Client, run_id: str) -> AsyncIterator[Event]:
                 msg = await sub.next_msg(timeout=3600)
             except TimeoutError:
                 continue
+            except ConnectionClosedError:
+                return
             yield decode(msg.data, Event)  # type: ignore[arg-type]
     finally:
-        await sub.unsubscribe()
+        with contextlib.suppress(ConnectionClosedError):
+            await sub.unsubscribe()
 
 
 async def _subscribe_events(nc: Client, run_id: str) -> Any:
