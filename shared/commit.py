@@ -143,12 +143,19 @@ def _check_order(wanted: Pointer, current: tuple[Pointer, str] | None) -> None:
 
 async def restorable(store: Store, run_id: str) -> tuple[Manifest | None, list[int]]:
     """The newest committed checkpoint whose files all verify, walking back through
-    `previous` past any that were damaged after their commit; and the steps skipped."""
+    `previous` past any that were damaged after their commit; and the steps skipped.
+
+    A `previous` naming a manifest that is gone ends the walk: retention
+    (`shared.retention`) deletes old checkpoints, manifest included, so the chain
+    legitimately stops where retention cut it."""
     current = await read_latest(store, run_id)
     key = current[0].manifest if current else None
     damaged: list[int] = []
     while key is not None:
-        manifest = await load_manifest(store, key)
+        try:
+            manifest = await load_manifest(store, key)
+        except NotFound:
+            break
         try:
             await verify(store, manifest.files)
             return manifest, damaged

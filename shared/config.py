@@ -39,12 +39,28 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     points, before the trainer's working directory."""
     progress_interval_s: float = 0.5
     """`BATON_PROGRESS_INTERVAL`: least seconds between two progress events of one run."""
+    max_deliver: int = 100
+    """`BATON_MAX_DELIVER`: deliveries of one task before the reaper dead-letters it and
+    fails its run (preemptions and kills count; failures of user code are `max_retries`)."""
+    sweep_interval_s: float = 0.0
+    """`BATON_SWEEP_INTERVAL`: seconds between the reaper's sweeps; 0 means TTL/2."""
+    gc_age_s: float = 3600.0
+    """`BATON_GC_AGE`: uncommitted checkpoint files older than this are garbage."""
+    heartbeat_s: float = 2.0
+    """`BATON_HEARTBEAT`: seconds between a trainer's heartbeats in the worker registry."""
+    pools_file: str = ""
+    """`BATON_POOLS_FILE`: TOML table of pools (`[pools.<name>] rate_per_hour`,
+    `seconds_per_step`) used to estimate cost; measured speeds override it."""
 
     @property
     def ack_wait_s(self) -> float:
         """AckWait of the task consumers. Longer than the lease TTL so that a blip the lease
         survives never makes JetStream hand the task to someone else."""
         return self.lease_ttl_s * 1.5
+
+    @property
+    def sweep_s(self) -> float:
+        return self.sweep_interval_s or self.lease_ttl_s / 2
 
 
 def load(env: Mapping[str, str] | None = None) -> Settings:
@@ -61,6 +77,11 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             work_dir=env.get("BATON_WORK_DIR", d.work_dir),
             entry_path=env.get("BATON_ENTRY_PATH", ""),
             progress_interval_s=_float(env, "BATON_PROGRESS_INTERVAL", d.progress_interval_s),
+            max_deliver=_int(env, "BATON_MAX_DELIVER", d.max_deliver, minimum=1),
+            sweep_interval_s=_float(env, "BATON_SWEEP_INTERVAL", 0.0, allow_zero=True),
+            gc_age_s=_float(env, "BATON_GC_AGE", d.gc_age_s),
+            heartbeat_s=_float(env, "BATON_HEARTBEAT", d.heartbeat_s),
+            pools_file=env.get("BATON_POOLS_FILE", ""),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -73,13 +94,13 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a whole number of seconds") from None
+        raise ValueError(f"{name}={raw!r} is not a whole number") from None
     if value < minimum:
         raise ValueError(f"{name}={value} is below the minimum of {minimum}")
     return value
 
 
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
+def _float(env: Mapping[str, str], name: str, default: float, allow_zero: bool = False) -> float:
     raw = env.get(name)
     if raw is None:
         return default
@@ -87,6 +108,6 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None
-    if not value > 0:
+    if not (value > 0 or (allow_zero and value == 0)):
         raise ValueError(f"{name}={raw!r} must be positive")
     return value

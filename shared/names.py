@@ -17,14 +17,20 @@ TASKS_STREAM = "BATON_TASKS"
 EVENTS_STREAM = "BATON_EVENTS"
 CKPT_STREAM = "BATON_CKPT"
 DLQ_STREAM = "BATON_DLQ"
+CANCEL_STREAM = "BATON_CANCEL"
+ADVISORY_STREAM = "BATON_ADVISORIES"
 
 # KV buckets.
 RUNS_BUCKET = "baton_runs"
 LEASES_BUCKET = "baton_leases"
+WORKERS_BUCKET = "baton_workers"
+POOLS_BUCKET = "baton_pools"
 
 # Durable consumers.
 DISPATCHER_CONSUMER = "dispatcher"
 CHECKPOINTER_CONSUMER = "checkpointer"
+CANCEL_CONSUMER = "dispatcher-cancel"
+REAPER_CONSUMER = "reaper"
 
 # Subject roots, used as stream subjects and consumer filters.
 SUBMIT_ALL = f"{PREFIX}.submit.>"
@@ -32,6 +38,13 @@ TASKS_ALL = f"{PREFIX}.tasks.>"
 EVENTS_ALL = f"{PREFIX}.events.>"
 CKPT_ALL = f"{PREFIX}.ckpt.>"
 DLQ_ALL = f"{PREFIX}.dlq.>"
+CANCEL_ALL = f"{PREFIX}.cancel.*"
+# JetStream's own advisory when a message has used up its deliveries, for our work queues
+# (wildcards match whole tokens only, so each stream is named).
+MAX_DELIVERIES_ADVISORIES = [
+    f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.*"
+    for stream in (SUBMIT_STREAM, TASKS_STREAM, CKPT_STREAM, CANCEL_STREAM)
+]
 
 # Control plane: core NATS, never stored (a lost control message is re-sent by its sweep).
 CONTROL_ALL = f"{PREFIX}.control.>"
@@ -73,6 +86,10 @@ def events_of_run(run_id: str) -> str:
 
 def commit_subject(run_id: str) -> str:
     return f"{PREFIX}.ckpt.commit.{run_id}"
+
+
+def cancel_subject(run_id: str) -> str:
+    return f"{PREFIX}.cancel.{run_id}"
 
 
 def dlq_subject(source: str) -> str:

@@ -35,11 +35,11 @@ MAX_MSG_BYTES = 1024 * 1024
 
 
 def stream_configs() -> list[StreamConfig]:
-    def work_queue(name: str, subject: str, description: str) -> StreamConfig:
+    def work_queue(name: str, subject: str | list[str], description: str) -> StreamConfig:
         return StreamConfig(
             name=name,
             description=description,
-            subjects=[subject],
+            subjects=[subject] if isinstance(subject, str) else subject,
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             discard=DiscardPolicy.NEW,
@@ -66,8 +66,16 @@ def stream_configs() -> list[StreamConfig]:
         work_queue(names.SUBMIT_STREAM, names.SUBMIT_ALL, "Job submissions, per pool"),
         work_queue(names.TASKS_STREAM, names.TASKS_ALL, "Dispatched runs, per pool and run"),
         work_queue(names.CKPT_STREAM, names.CKPT_ALL, "Checkpoint commit requests"),
+        work_queue(names.CANCEL_STREAM, names.CANCEL_ALL, "Cancel requests, per run"),
         history(names.EVENTS_STREAM, names.EVENTS_ALL, "Run lifecycle events"),
         history(names.DLQ_STREAM, names.DLQ_ALL, "Dead letters, each with its reason"),
+        # Advisories are published on core NATS only; capturing them makes "this message
+        # used up its deliveries" durable until the reaper has dealt with it.
+        work_queue(
+            names.ADVISORY_STREAM,
+            names.MAX_DELIVERIES_ADVISORIES,
+            "JetStream max-deliveries advisories for Baton's consumers",
+        ),
     ]
 
 
@@ -77,6 +85,8 @@ def kv_configs() -> list[KeyValueConfig]:
         # No bucket TTL: each lease carries its own per-message TTL, enforced by the
         # server's clock, so lease expiry never depends on clocks agreeing across hosts.
         KeyValueConfig(bucket=names.LEASES_BUCKET, history=1, description="Run leases"),
+        KeyValueConfig(bucket=names.WORKERS_BUCKET, history=1, description="Trainer heartbeats"),
+        KeyValueConfig(bucket=names.POOLS_BUCKET, history=1, description="Measured pool speeds"),
     ]
 
 
@@ -104,15 +114,37 @@ def checkpointer_consumer() -> ConsumerConfig:
     )
 
 
-def trainer_consumer(pool: str, ack_wait_s: float) -> ConsumerConfig:
-    # Infrastructure failures (kills, cuts, preemptions) must not exhaust a run's tries;
-    # failures of user code are counted in the run record instead.
+def trainer_consumer(pool: str, ack_wait_s: float, max_deliver: int) -> ConsumerConfig:
+    # Failures of user code are counted in the run record (max_retries), and kills, cuts
+    # and preemptions must not use up a run's tries; so `max_deliver` is high and only
+    # catches a task that keeps taking trainers down with it (the reaper dead-letters it).
     return ConsumerConfig(
         durable_name=names.trainer_consumer(pool),
         filter_subject=names.tasks_of_pool(pool),
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=ack_wait_s,
+        max_deliver=max_deliver,
+    )
+
+
+def cancel_consumer() -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=names.CANCEL_CONSUMER,
+        filter_subject=names.CANCEL_ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=30.0,
+        max_deliver=10,
+    )
+
+
+def reaper_consumer() -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=names.REAPER_CONSUMER,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=30.0,
         max_deliver=-1,
     )
 

@@ -11,6 +11,7 @@ import asyncio
 import json
 import runpy
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -200,6 +201,57 @@ def pull(
         f"pulled step {info['step']} of {run_id} into {info['dir']}: {', '.join(info['files'])}"
     )
     out.print(f"weights digest {info['digest']}")
+
+
+@app.command()
+def cancel(
+    run_id: str,
+    reason: Annotated[
+        str, typer.Option(help="Recorded in the run and its event.")
+    ] = "cancelled by user",
+    server: Server = "nats://127.0.0.1:4222",
+    wait: Annotated[float, typer.Option(help="Seconds to wait for CANCELLED (0: don't).")] = 60.0,
+    as_json: Json = False,
+) -> None:
+    """Cancel a queued or running run. A running one checkpoints before it stops."""
+
+    async def go(nc: Any) -> Any:
+        await client.cancel(nc, run_id, reason)
+        deadline = asyncio.get_running_loop().time() + wait
+        while wait > 0 and asyncio.get_running_loop().time() < deadline:
+            record = await client.record(nc, run_id)
+            if record.state.terminal:
+                return record
+            await asyncio.sleep(0.2)
+        return await client.record(nc, run_id)
+
+    record = _run(lambda: _with_nats(server, go))
+    if as_json:
+        _print_json(record)
+    else:
+        out.print(
+            f"{run_id}: {record.state.value}" + (f" ({record.reason})" if record.reason else "")
+        )
+    if wait > 0 and record.state.value != "CANCELLED":
+        raise typer.Exit(1)
+
+
+@app.command()
+def workers(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
+    """List live trainers from the worker registry: pool, device, current run and step."""
+    found = _run(lambda: _with_nats(server, client.workers))
+    if as_json:
+        _print_json(found)
+        return
+    t = Table("worker", "pool", "host", "device", "gpu", "run", "step", "seen")
+    now = time.time()
+    for w in found:
+        gpu = f"{w.gpu_name} ({w.gpu_memory_bytes / 2**30:.0f} GiB)" if w.gpu_name else "-"
+        t.add_row(
+            w.worker, w.pool, w.host, w.device, gpu, w.run_id or "-",
+            "-" if w.step is None else str(w.step), f"{now - w.at:.0f}s ago",
+        )  # fmt: skip
+    out.print(t)
 
 
 @app.command()

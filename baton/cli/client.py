@@ -20,6 +20,7 @@ from nats.js.errors import NotFoundError
 from shared import commit, names
 from shared.connect import connect
 from shared.contracts import JobSpec, RunRecord, convert, decode, encode, run_id_for
+from shared.contracts.control import CancelRequest, WorkerInfo
 from shared.contracts.events import Accepted, Event, Rejected
 from shared.digest import weights_digest
 from shared.errors import BatonError, ContractError, IntegrityError
@@ -150,6 +151,34 @@ async def record(nc: Client, run_id: str) -> RunRecord:
 async def all_records(nc: Client) -> list[RunRecord]:
     records = await (await Runs.open(nc.jetstream())).all()
     return sorted(records, key=lambda r: r.created_at)
+
+
+async def cancel(nc: Client, run_id: str, reason: str) -> RunRecord:
+    """Ask for a cancel; the dispatcher applies it (at once for a queued run, through its
+    trainer's checkpoint for a running one)."""
+    found = await record(nc, run_id)
+    if found.state.terminal:
+        raise CliError(f"run {run_id} is already {found.state.value}", 2)
+    req = CancelRequest(run_id=run_id, reason=reason)
+    await nc.jetstream().publish(
+        names.cancel_subject(run_id), encode(req), headers={"Nats-Msg-Id": f"cancel.{run_id}"}
+    )
+    return found
+
+
+async def workers(nc: Client) -> list[WorkerInfo]:
+    kv = await nc.jetstream().key_value(names.WORKERS_BUCKET)
+    try:
+        keys = await kv.keys()
+    except Exception:  # nats-py raises a bare NoKeysError when the bucket is empty
+        return []
+    out = []
+    for key in sorted(keys):
+        with contextlib.suppress(NotFoundError):
+            entry = await kv.get(key)
+            if entry.value:
+                out.append(decode(entry.value, WorkerInfo))
+    return out
 
 
 def store_url(explicit: str | None) -> str:

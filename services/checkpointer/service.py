@@ -16,7 +16,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from shared import commit, names
+from shared import commit, names, retention
 from shared.config import Settings
 from shared.contracts import CommitRequest, decode
 from shared.contracts.events import CheckpointCommitted, CommitRefused
@@ -78,6 +78,12 @@ class Checkpointer:
             msg_id=f"committed.{req.run_id}.{req.token}.{req.step}",
         )
         log.info("committed %s step %d token %d (%d bytes)", req.run_id, req.step, req.token, size)
+        # Only now, with a newer commit durable, may older checkpoints go.
+        try:
+            pinned = await retention.pins(self.store, req.run_id)
+            await retention.apply_retention(self.store, req.run_id, req.keep_last, pinned)
+        except Exception:  # retention is housekeeping: the next commit tries again
+            log.exception("retention for %s failed; will retry after the next commit", req.run_id)
 
 
 @contextlib.asynccontextmanager

@@ -10,13 +10,16 @@ same task id, and the stream keeps one copy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from shared import names
 from shared.config import Settings
@@ -31,14 +34,16 @@ from shared.contracts import (
     run_id_for,
     spec_hash,
 )
-from shared.contracts.events import Accepted, Rejected
+from shared.contracts.control import CancelRequest, Command
+from shared.contracts.events import Accepted, Cancelled, Rejected
 from shared.contracts.jobs import MAX_SPEC_BYTES
 from shared.errors import ContractError
 from shared.events import emit
 from shared.outcome import handle
+from shared.pools import Pools, load_table
 from shared.runs import Runs
 from shared.service import pull_loop
-from shared.streams import dispatcher_consumer, ensure, ensure_consumer
+from shared.streams import cancel_consumer, dispatcher_consumer, ensure, ensure_consumer
 
 log = logging.getLogger("baton.dispatcher")
 
@@ -53,16 +58,27 @@ class Dispatcher:
     async def start(self) -> None:
         await ensure(self.js)
         await ensure_consumer(self.js, names.SUBMIT_STREAM, dispatcher_consumer())
+        await ensure_consumer(self.js, names.CANCEL_STREAM, cancel_consumer())
         self.runs = await Runs.open(self.js)
+        self.pools = Pools(self.js, load_table(self.settings.pools_file))
 
     async def serve(self, stop: asyncio.Event) -> None:
-        await pull_loop(
-            self.js,
-            names.SUBMIT_STREAM,
-            names.DISPATCHER_CONSUMER,
-            stop,
-            lambda msg: handle(self.js, msg, "dispatcher", self.on_submission),
-            batch=10,
+        await asyncio.gather(
+            pull_loop(
+                self.js,
+                names.SUBMIT_STREAM,
+                names.DISPATCHER_CONSUMER,
+                stop,
+                lambda msg: handle(self.js, msg, "dispatcher", self.on_submission),
+                batch=10,
+            ),
+            pull_loop(
+                self.js,
+                names.CANCEL_STREAM,
+                names.CANCEL_CONSUMER,
+                stop,
+                lambda msg: handle(self.js, msg, "dispatcher", self.on_cancel),
+            ),
         )
 
     async def on_submission(self, msg: Msg) -> None:
@@ -84,8 +100,17 @@ class Dispatcher:
     async def dispatch(self, spec: JobSpec, key: str) -> None:
         run_id = run_id_for(key)
         now = time.time()
+        estimate, hard_s = await self._budget(run_id, spec)
+        soft_s = spec.limits.soft_timeout_s
         record = RunRecord(
-            run_id=run_id, spec=spec, spec_hash=spec_hash(spec), created_at=now, updated_at=now
+            run_id=run_id,
+            spec=spec,
+            spec_hash=spec_hash(spec),
+            created_at=now,
+            updated_at=now,
+            estimated_cost=estimate,
+            deadline_at=now + hard_s if hard_s else None,
+            soft_deadline_at=now + soft_s if soft_s else None,
         )
         duplicate = not await self.runs.create(record)
         if duplicate:
@@ -119,6 +144,56 @@ class Dispatcher:
         )
         verb = "re-accepted" if duplicate else "accepted"
         log.info("%s %s (%s) on pool %s", verb, run_id, spec.name, spec.pool)
+
+    async def _budget(self, run_id: str, spec: JobSpec) -> tuple[float | None, float | None]:
+        """The estimated cost, and the hard timeout the budget allows (seeds/003)."""
+        rate = self.pools.rate(spec.pool)
+        per_step = await self.pools.seconds_per_step(spec.pool)
+        estimate = spec.total_steps * per_step * rate / 3600 if per_step is not None else None
+        limit = spec.limits.max_cost
+        if limit is not None and estimate is not None and estimate > limit:
+            reason = (
+                f"estimated cost {estimate:.2f} ({spec.total_steps} steps x {per_step:.3g} s/step"
+                f" at {rate:g}/hour on pool {spec.pool!r}) is over max_cost {limit:g}"
+            )
+            await emit(self.js, Rejected(run_id=run_id, reason=reason, path="$.limits.max_cost"))
+            raise ContractError(reason, "$.limits.max_cost")
+        hard = spec.limits.hard_timeout_s
+        if limit is not None and rate > 0:
+            affordable = limit / rate * 3600
+            hard = min(hard, affordable) if hard else affordable
+        return estimate, hard
+
+    async def on_cancel(self, msg: Msg) -> None:
+        """QUEUED runs are cancelled here and now; a RUNNING one is asked to stop, and its
+        trainer checkpoints, stops the child, acks the task and marks it CANCELLED."""
+        req = decode(msg.data, CancelRequest)
+
+        def cancel(r: RunRecord) -> RunRecord | None:
+            if r.state is RunState.QUEUED:
+                return msgspec.structs.replace(r, state=RunState.CANCELLED, reason=req.reason)
+            if r.state is RunState.RUNNING and r.cancel_requested is None:
+                return msgspec.structs.replace(r, cancel_requested=req.reason)
+            return None
+
+        record = await self.runs.update(req.run_id, cancel)
+        if record is None:
+            log.info("cancel of %s: nothing to do (no such run, or already over)", req.run_id)
+        elif record.state is RunState.CANCELLED:
+            await emit(
+                self.js,
+                Cancelled(run_id=req.run_id, reason=req.reason),
+                msg_id=f"cancelled.{req.run_id}",
+            )
+            with contextlib.suppress(NotFoundError):  # its trainer would ack it on sight anyway
+                queued = await self.js.get_last_msg(
+                    names.TASKS_STREAM, names.task_subject(record.spec.pool, req.run_id)
+                )
+                assert queued.seq is not None
+                await self.js.delete_msg(names.TASKS_STREAM, queued.seq)
+        elif record.worker:
+            wake = Command(run_id=req.run_id, action="wake", reason=req.reason)
+            await self.nc.publish(names.control_subject(record.worker), encode(wake))
 
 
 def _fallback_key(msg: Msg) -> str:

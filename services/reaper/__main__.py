@@ -15,12 +15,13 @@ async def main() -> None:
     signals = StopSignals()
     signals.install()
     nc = await connect(settings.nats_url, "baton-reaper")
+    reaper = Reaper(nc, settings)
     try:
-        reaper = Reaper(nc, settings)
         await reaper.start()
         await reaper.serve(signals.stop)
     finally:
         await nc.drain()
+        await reaper.store.close()
 
 
 if __name__ == "__main__":

@@ -1,39 +1,50 @@
 """The reaper: periodic, idempotent sweeps that keep the run records true.
 
-This first sweep finds **lost runs**: RUNNING, nobody holds the lease, and no task for the
-run is left in the queue. That happens when a stale worker's late ack removes the
-redelivered copy of a task (NATS-NOTES.md: JetStream accepts such an ack silently), or
-when a trainer died between releasing a lease and answering its task. The run record is
-the truth, so the run is dispatched again.
+Every sweep reads the run records (the truth), the leases and the worker registry, and
+acts through compare-and-swap on the records, so two reapers may run at once: the second
+one's CAS finds the change made, or finds nothing left to do. Times are the reaper's own:
+durations on its monotonic clock, deadlines (minutes to days, set by the dispatcher) on its
+wall clock. No correctness depends on them, only when a run is given up.
 
-Safe with two reapers: the dispatch counter is bumped by a CAS on the run record, and the
-new task's `Nats-Msg-Id` is `task.<run>.<dispatch>`, so however the sweeps interleave one
-task is stored per bump. A lease can be missing for a moment during a normal hand-over
-(released, task about to be nak'ed), so a run counts as lost only once this reaper has
-seen it without lease and task for a whole lease TTL, on its own monotonic clock.
+    lost run     RUNNING, no lease, no task queued, for a whole lease TTL: dispatch again
+                 (a stale worker's late ack can remove the task — NATS-NOTES.md); if it was
+                 asked to cancel, cancel it instead
+    hard timeout past its deadline: FAILED (`hard_timeout`), its trainer stops the child
+    soft timeout past its soft deadline: a `warning` event, once
+    stall        lease alive but no step progress for `stall_timeout_s`: a warning; after
+                 another half of it, the attempt is stopped (counts as a failed attempt)
+    orphan       a heartbeat names a run its worker does not hold: a kill command to it
+    deliveries   a task or submission that used up its deliveries: dead letter, FAILED
+    cancel       a run asked to cancel whose trainer is gone: CANCELLED (see lost run)
+    garbage      checkpoint files never committed, older than `BATON_GC_AGE`: deleted
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 
 import msgspec
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from shared import names
+from services.reaper.deliveries import on_advisory
+from shared import names, retention
 from shared.config import Settings
 from shared.connect import publish
-from shared.contracts import RunRecord, RunState, Task, encode
-from shared.contracts.events import Redispatched
+from shared.contracts import RunRecord, RunState, Task, decode, encode
+from shared.contracts.control import Command, WorkerInfo
+from shared.contracts.events import Cancelled, Failed, Redispatched, RunWarning
 from shared.events import emit
-from shared.lease import is_held
+from shared.outcome import handle
 from shared.runs import Runs
-from shared.streams import ensure
+from shared.service import pull_loop
+from shared.store import open_store
+from shared.streams import ensure, ensure_consumer, reaper_consumer
 
 log = logging.getLogger("baton.reaper")
 
@@ -43,48 +54,193 @@ class Reaper:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.settings = settings
-        self.interval_s = settings.lease_ttl_s / 2
         self._unowned_since: dict[str, float] = {}
+        self._progress: dict[str, tuple[int, float]] = {}
+        self._orphan_seen: set[tuple[str, str]] = set()
+        self._last_gc = float("-inf")
+        self.store = open_store(settings.store_url)
         self.runs: Runs
 
     async def start(self) -> None:
         await ensure(self.js)
+        await ensure_consumer(self.js, names.ADVISORY_STREAM, reaper_consumer())
         self.runs = await Runs.open(self.js)
 
     async def serve(self, stop: asyncio.Event) -> None:
+        advisories = pull_loop(
+            self.js,
+            names.ADVISORY_STREAM,
+            names.REAPER_CONSUMER,
+            stop,
+            lambda msg: handle(
+                self.js, msg, "reaper", lambda m: on_advisory(self.js, self.runs, m)
+            ),
+        )
+        await asyncio.gather(advisories, self._sweeping(stop))
+
+    async def _sweeping(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 await self.sweep()
             except Exception:  # a link that is down, a server restarting: sweep again later
-                log.exception("sweep failed; trying again in %.1fs", self.interval_s)
+                log.exception("sweep failed; trying again in %.1fs", self.settings.sweep_s)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval_s)
+                await asyncio.wait_for(stop.wait(), self.settings.sweep_s)
 
     async def sweep(self) -> list[str]:
-        """One pass; returns the runs dispatched again."""
+        """One pass over every live run; returns the runs dispatched again."""
+        live = [r for r in await self.runs.all() if not r.state.terminal]
+        workers = await self._workers()
         redispatched = []
-        running = {r.run_id: r for r in await self.runs.all() if r.state is RunState.RUNNING}
-        for run_id in list(self._unowned_since):
-            if run_id not in running:
-                del self._unowned_since[run_id]
-        now = time.monotonic()
-        for record in running.values():
-            if await is_held(self.js, record.run_id) or await self._task_queued(record):
-                self._unowned_since.pop(record.run_id, None)
+        for r in live:
+            if await self._timeouts(r):
                 continue
-            since = self._unowned_since.setdefault(record.run_id, now)
-            if now - since >= self.settings.lease_ttl_s and await self._redispatch(record):
-                redispatched.append(record.run_id)
-                self._unowned_since.pop(record.run_id, None)
+            if r.state is RunState.RUNNING:
+                if await self._lost(r):
+                    redispatched.append(r.run_id)
+                await self._stall(r, workers)
+        await self._orphans(workers)
+        await self._garbage()
+        alive = {r.run_id for r in live}
+        for table in (self._unowned_since, self._progress):
+            for run_id in [k for k in table if k not in alive]:
+                del table[run_id]
         return redispatched
 
-    async def _task_queued(self, record: RunRecord) -> bool:
-        subject = names.task_subject(record.spec.pool, record.run_id)
-        try:
-            await self.js.get_last_msg(names.TASKS_STREAM, subject)
-        except NotFoundError:
+    # -- sweeps --------------------------------------------------------------------------
+
+    async def _timeouts(self, r: RunRecord) -> bool:
+        now = time.time()
+        if r.deadline_at is not None and now > r.deadline_at:
+            limit = r.deadline_at - r.created_at
+            reason = f"hard_timeout: not finished within {limit:.0f}s"
+            if await self._end(r, RunState.FAILED, reason):
+                await emit(
+                    self.js, Failed(run_id=r.run_id, reason=reason), msg_id=f"failed.{r.run_id}"
+                )
+            return True
+        if r.soft_deadline_at is not None and now > r.soft_deadline_at:
+            detail = f"running past its soft timeout of {r.soft_deadline_at - r.created_at:.0f}s"
+            await self._warn_once(r, "soft_timeout", detail)
+        return False
+
+    async def _lost(self, r: RunRecord) -> bool:
+        if await self._lease_holder(r.run_id) is not None or await self._task_queued(r):
+            self._unowned_since.pop(r.run_id, None)
             return False
+        now = time.monotonic()
+        since = self._unowned_since.setdefault(r.run_id, now)
+        if now - since < self.settings.lease_ttl_s:
+            return False
+        self._unowned_since.pop(r.run_id, None)
+        if r.cancel_requested is not None:
+            if await self._end(r, RunState.CANCELLED, r.cancel_requested):
+                cancelled = Cancelled(run_id=r.run_id, reason=r.cancel_requested)
+                await emit(self.js, cancelled, msg_id=f"cancelled.{r.run_id}")
+            return False
+        return await self._redispatch(r)
+
+    async def _stall(self, r: RunRecord, workers: dict[str, WorkerInfo]) -> None:
+        timeout = r.spec.limits.stall_timeout_s
+        beat = next(
+            (w for w in workers.values() if w.run_id == r.run_id and w.token == r.token), None
+        )
+        if timeout is None or beat is None or beat.step is None:
+            return
+        now = time.monotonic()
+        step, since = self._progress.get(r.run_id, (beat.step, now))
+        if beat.step != step:
+            step, since = beat.step, now
+        self._progress[r.run_id] = (step, since)
+        quiet = now - since
+        if quiet >= timeout:
+            await self._warn_once(r, "stalled", f"no step progress for {quiet:.0f}s at step {step}")
+        if quiet >= timeout * 1.5 and r.stop_token != r.token:
+            reason = f"stalled: no step progress for {quiet:.0f}s at step {step}"
+            changed = await self.runs.update(
+                r.run_id,
+                lambda x: (
+                    msgspec.structs.replace(x, stop_token=x.token, stop_reason=reason)
+                    if x.state is RunState.RUNNING and x.token == r.token
+                    else None
+                ),
+            )
+            if changed is not None and changed.worker:
+                await self._command(changed.worker, Command(run_id=r.run_id, action="wake"))
+
+    async def _orphans(self, workers: dict[str, WorkerInfo]) -> None:
+        """A worker whose heartbeat names a run it does not hold, on two sweeps in a row
+        (one could catch a hand-over half done), gets a kill command for that run."""
+        seen = set()
+        for w in workers.values():
+            if w.run_id is None:
+                continue
+            holder = await self._lease_holder(w.run_id)
+            found = await self.runs.get(w.run_id)
+            over = found is not None and found[0].state.terminal
+            if (holder is not None and holder != w.worker) or over:
+                key = (w.worker, w.run_id)
+                seen.add(key)
+                if key in self._orphan_seen:
+                    why = f"{w.worker} runs {w.run_id} but " + (
+                        "the run is over" if over else f"{holder} holds its lease"
+                    )
+                    log.warning("orphan: %s; sending a kill command", why)
+                    await self._command(
+                        w.worker, Command(run_id=w.run_id, action="kill", reason=why)
+                    )
+        self._orphan_seen = seen
+
+    async def _garbage(self) -> None:
+        """Checkpoint files that were never committed (a fenced zombie's, a crashed
+        upload's) and are older than `BATON_GC_AGE`. Not every sweep: it lists the store."""
+        now = time.monotonic()
+        if now - self._last_gc < min(300.0, max(self.settings.sweep_s, self.settings.gc_age_s / 4)):
+            return
+        self._last_gc = now
+        for r in await self.runs.all():
+            deleted = await retention.collect_garbage(
+                self.store, r.run_id, self.settings.gc_age_s, time.time()
+            )
+            if deleted:
+                log.info("%s: removed %d uncommitted objects", r.run_id, len(deleted))
+
+    # -- helpers -------------------------------------------------------------------------
+
+    async def _end(self, r: RunRecord, state: RunState, reason: str) -> bool:
+        def end(x: RunRecord) -> RunRecord | None:
+            if x.state.terminal:
+                return None
+            return msgspec.structs.replace(x, state=state, reason=reason)
+
+        changed = await self.runs.update(r.run_id, end)
+        if changed is None:
+            return False
+        if r.worker:  # its trainer reads the record at once and stops the child
+            await self._command(r.worker, Command(run_id=r.run_id, action="wake", reason=reason))
+        with contextlib.suppress(NotFoundError):
+            queued = await self.js.get_last_msg(
+                names.TASKS_STREAM, names.task_subject(r.spec.pool, r.run_id)
+            )
+            if r.state is RunState.QUEUED and queued.seq is not None:
+                await self.js.delete_msg(names.TASKS_STREAM, queued.seq)
+        log.warning("%s: %s (%s)", r.run_id, state.value, reason)
         return True
+
+    async def _warn_once(self, r: RunRecord, kind: str, detail: str) -> None:
+        if kind in r.warned:
+            return
+        changed = await self.runs.update(
+            r.run_id,
+            lambda x: (
+                msgspec.structs.replace(x, warned=[*x.warned, kind])
+                if kind not in x.warned and not x.state.terminal
+                else None
+            ),
+        )
+        if changed is not None:
+            warning = RunWarning(run_id=r.run_id, kind=kind, detail=detail)
+            await emit(self.js, warning, msg_id=f"warning.{r.run_id}.{kind}")
 
     async def _redispatch(self, seen: RunRecord) -> bool:
         def bump(r: RunRecord) -> RunRecord | None:
@@ -103,10 +259,43 @@ class Reaper:
             msg_id=f"task.{record.run_id}.{record.dispatch}",
         )
         reason = "running, but no lease and no task left in the queue"
-        await emit(
-            self.js,
-            Redispatched(run_id=record.run_id, dispatch=record.dispatch, reason=reason),
-            msg_id=f"redispatched.{record.run_id}.{record.dispatch}",
-        )
+        again = Redispatched(run_id=record.run_id, dispatch=record.dispatch, reason=reason)
+        await emit(self.js, again, msg_id=f"redispatched.{record.run_id}.{record.dispatch}")
         log.warning("%s: %s; dispatched again (#%d)", record.run_id, reason, record.dispatch)
         return True
+
+    async def _task_queued(self, record: RunRecord) -> bool:
+        subject = names.task_subject(record.spec.pool, record.run_id)
+        try:
+            await self.js.get_last_msg(names.TASKS_STREAM, subject)
+        except NotFoundError:
+            return False
+        return True
+
+    async def _lease_holder(self, run_id: str) -> str | None:
+        kv = await self.js.key_value(names.LEASES_BUCKET)
+        try:
+            entry = await kv.get(run_id)
+        except KeyNotFoundError:
+            return None
+        try:
+            return str(json.loads(entry.value or b"{}").get("worker", "?"))
+        except ValueError:
+            return "?"
+
+    async def _workers(self) -> dict[str, WorkerInfo]:
+        kv = await self.js.key_value(names.WORKERS_BUCKET)
+        try:
+            keys = await kv.keys()
+        except Exception:  # nats-py raises a bare NoKeysError when the bucket is empty
+            return {}
+        out = {}
+        for key in keys:
+            with contextlib.suppress(KeyNotFoundError):
+                entry = await kv.get(key)
+                if entry.value:
+                    out[key] = decode(entry.value, WorkerInfo)
+        return out
+
+    async def _command(self, worker: str, cmd: Command) -> None:
+        await self.nc.publish(names.control_subject(worker), encode(cmd))

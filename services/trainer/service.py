@@ -3,6 +3,8 @@
 The loop holds one task message at a time and answers it only through the outcome of its
 attempt (see `attempt.py`). It never cancels a run because NATS went away: the child keeps
 training through a blip, and the lease — not the connection — decides who owns the run.
+Beside the loop: a heartbeat in the worker registry (what this trainer is and runs), and
+a subscription to `baton.control.<worker>` for commands (wake up, kill an orphan).
 """
 
 from __future__ import annotations
@@ -11,8 +13,13 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
+import socket
+import subprocess
+import time
 from pathlib import Path
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -21,10 +28,15 @@ from services.trainer.attempt import Attempt, Outcome
 from services.trainer.child_proc import Child
 from shared import names
 from shared.config import Settings
-from shared.contracts import Task, decode
+from shared.connect import publish
+from shared.contracts import RunRecord, RunState, Task, decode, encode
+from shared.contracts.control import Command, WorkerInfo
+from shared.contracts.events import Cancelled
 from shared.errors import ContractError
+from shared.events import emit
 from shared.lease import Lease
 from shared.outcome import dead_letter
+from shared.pools import Pools, load_table
 from shared.runs import Runs
 from shared.service import StopSignals, pull_loop
 from shared.store import Store, open_store
@@ -41,16 +53,22 @@ class Trainer:
         self.signals = signals
         self.store: Store = open_store(settings.store_url)
         self.runs: Runs
+        self.pools = Pools(self.js, load_table(settings.pools_file))
         self.beat_now = asyncio.Event()
+        self.attempt: Attempt | None = None
+        self.device = _device()
         self._spare: Child | None = None
         self._stop_fetching = asyncio.Event()
 
     async def start(self) -> None:
         await ensure(self.js)
-        consumer = trainer_consumer(self.settings.pool, self.settings.ack_wait_s)
+        consumer = trainer_consumer(
+            self.settings.pool, self.settings.ack_wait_s, self.settings.max_deliver
+        )
         await ensure_consumer(self.js, names.TASKS_STREAM, consumer)
         self.runs = await Runs.open(self.js)
         self._spare = await Child.start(self._child_env())
+        await self.nc.subscribe(names.control_subject(self.settings.worker_id), cb=self._on_command)
 
     async def on_reconnect(self) -> None:
         # Tell the running attempt to touch its task and renew its lease at once: the
@@ -62,7 +80,7 @@ class Trainer:
             await self.signals.stop.wait()
             self._stop_fetching.set()
 
-        watcher = asyncio.create_task(stop_when_signalled())
+        side = [asyncio.create_task(stop_when_signalled()), asyncio.create_task(self._heartbeat())]
         try:
             await pull_loop(
                 self.js,
@@ -72,7 +90,8 @@ class Trainer:
                 self.on_task,
             )
         finally:
-            watcher.cancel()
+            for t in side:
+                t.cancel()
             if self._spare is not None:
                 self._spare.kill()
                 await self._spare.wait()
@@ -90,7 +109,8 @@ class Trainer:
             await dead_letter(self.js, msg, "trainer", f"no run record for {task.run_id}")
             await msg.term()
             return
-        if found[0].state.terminal:
+        record = found[0]
+        if record.state.terminal:
             await msg.ack()  # a duplicate of a run that is already over
             return
         lease = Lease(self.js, task.run_id, self.settings.worker_id, self.settings.lease_ttl_s)
@@ -99,35 +119,33 @@ class Trainer:
             # after a third of the TTL, in case the holder has died by then.
             await msg.nak(delay=self.settings.lease_ttl_s / 3)
             return
-        outcome = await self._attempt(task, lease, msg)
-        await self._answer(msg, outcome, lease)
+        if record.cancel_requested is not None and await self._cancel_unowned(record.run_id):
+            await msg.ack()
+            await lease.release()
+            return
+        outcome, delay = await self._attempt(task, lease, msg)
+        await self._answer(msg, outcome, delay, lease)
 
     async def _attempt(self, task: Task, lease: Lease, msg: Msg) -> tuple[Outcome, float]:
         child = self._spare or await Child.start(self._child_env())
         self._spare = None
+        signals = (self.signals.stop, self.signals.hurry)
         attempt = Attempt(
-            self.nc,
-            self.settings,
-            self.store,
-            self.runs,
-            task,
-            lease,
-            child,
-            self.signals.stop,
-            self.signals.hurry,
-            self.beat_now,
-        )
+            self.nc, self.settings, self.store, self.runs, self.pools, task, lease, child,
+            signals, self.beat_now,
+        )  # fmt: skip
+        self.attempt = attempt
         try:
             outcome = await attempt.run(msg.in_progress)
         finally:
+            self.attempt = None
             if not self.signals.stop.is_set():
                 self._spare = await Child.start(self._child_env())
         return outcome, attempt.retry_delay
 
-    async def _answer(self, msg: Msg, result: tuple[Outcome, float], lease: Lease) -> None:
-        outcome, delay = result
+    async def _answer(self, msg: Msg, outcome: Outcome, delay: float, lease: Lease) -> None:
         log.info("%s: attempt %s", lease.run_id, outcome.value)
-        if outcome in (Outcome.COMPLETED, Outcome.FAILED):
+        if outcome in (Outcome.COMPLETED, Outcome.FAILED, Outcome.CANCELLED, Outcome.STOPPED):
             # The run record already says how it ended, so a lost ack only costs a
             # redelivery that is acked on sight.
             with contextlib.suppress(Exception):
@@ -139,6 +157,54 @@ class Trainer:
             await msg.nak(delay=delay)
         # FENCED: the message is not ours to answer any more.
 
+    async def _cancel_unowned(self, run_id: str) -> bool:
+        """A run asked to cancel whose trainer is gone: nothing is training it, so it is
+        cancelled here, before any work starts."""
+
+        def cancel(r: RunRecord) -> RunRecord | None:
+            if r.state is not RunState.RUNNING or r.cancel_requested is None:
+                return None
+            return msgspec.structs.replace(r, state=RunState.CANCELLED, reason=r.cancel_requested)
+
+        record = await self.runs.update(run_id, cancel)
+        if record is None:
+            return False
+        event = Cancelled(run_id=run_id, reason=record.reason or "cancelled")
+        await emit(self.js, event, msg_id=f"cancelled.{run_id}")
+        return True
+
+    async def _on_command(self, msg: Msg) -> None:
+        try:
+            cmd = decode(msg.data, Command)
+        except ContractError:
+            return
+        attempt = self.attempt
+        if cmd.action == "kill" and attempt is not None and attempt.run_id == cmd.run_id:
+            log.warning("%s: kill command: %s", cmd.run_id, cmd.reason)
+            attempt.orphaned(cmd.reason)
+        self.beat_now.set()
+
+    async def _heartbeat(self) -> None:
+        """Publish what this trainer is and runs, with a server-side TTL, so that a dead
+        trainer disappears from the registry by itself."""
+        ttl = max(2, int(self.settings.heartbeat_s * 3))
+        subject = f"$KV.{names.WORKERS_BUCKET}.{self.settings.worker_id}"
+        while True:
+            a = self.attempt
+            info = WorkerInfo(
+                worker=self.settings.worker_id, pool=self.settings.pool,
+                host=socket.gethostname(), pid=os.getpid(), device=self.device[0],
+                gpu_name=self.device[1], gpu_memory_bytes=self.device[2],
+                run_id=a.run_id if a else None, token=a.lease.token if a else None,
+                step=a.step if a else None, at=time.time(),
+            )  # fmt: skip
+            with contextlib.suppress(Exception):  # the registry is advisory; try again
+                await publish(
+                    self.js, subject, encode(info), msg_id=f"hb.{info.worker}.{info.at}",
+                    headers={"Nats-TTL": f"{ttl}s"}, attempts=1,
+                )  # fmt: skip
+            await asyncio.sleep(self.settings.heartbeat_s)
+
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["BATON_SPOOL"] = str(Path(self.settings.work_dir, "spool").resolve())
@@ -146,3 +212,20 @@ class Trainer:
         # Required by cuBLAS for deterministic results; harmless without a GPU.
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         return env
+
+
+def _device() -> tuple[str, str, int]:
+    """(device, GPU name, GPU memory in bytes), read once from nvidia-smi if present:
+    the trainer itself does not import torch, only its children do."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return "cpu", "", 0
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.splitlines()[0]  # fmt: skip
+        name, mib = (p.strip() for p in out.split(","))
+        return "cuda", name, int(float(mib)) * 1024 * 1024
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return "cpu", "", 0

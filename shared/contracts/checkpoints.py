@@ -32,6 +32,8 @@ class CommitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     metrics: dict[str, float] = {}
     digest: str = ""
     """sha256 over the model tensors in name order (see `shared.digest`)."""
+    keep_last: Annotated[int, Meta(ge=1)] = 3
+    """The job's retention: committed checkpoints to keep besides pinned and final ones."""
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -102,6 +102,13 @@ class Redispatched(_Event, tag="redispatched", frozen=True):
     reason: str
 
 
+class RunWarning(_Event, tag="warning", frozen=True):
+    """Something needs attention but nothing was stopped (yet): `soft_timeout`, `stalled`."""
+
+    kind: str
+    detail: str
+
+
 class Cancelled(_Event, tag="cancelled", frozen=True):
     reason: str
 
@@ -120,6 +127,7 @@ Event = (
     | Fenced
     | Preempted
     | Redispatched
+    | RunWarning
     | Cancelled
 )
 

@@ -43,6 +43,23 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     """sha256 over the final weights, set on COMPLETED."""
     metrics: dict[str, float] = {}
     reason: str | None = None
+    """Why the run is FAILED or CANCELLED."""
+    cancel_requested: str | None = None
+    """Set while a RUNNING run is asked to cancel; its trainer checkpoints and stops."""
+    stop_token: int | None = None
+    stop_reason: str | None = None
+    """The reaper's order to stop the attempt holding `stop_token` (a stall); the attempt
+    counts as failed, so the run is retried while it has retries left."""
+    warned: list[str] = []
+    """Warnings already emitted (`soft_timeout`, `stalled`), so each is emitted once."""
+    deadline_at: float | None = None
+    soft_deadline_at: float | None = None
+    """Wall-clock seconds, set once by the dispatcher. Timeouts are coarse (minutes); the
+    reaper compares them with its own clock, and no correctness depends on them."""
+    estimated_cost: float | None = None
+    actual_cost: float = 0.0
+    busy_s: float = 0.0
+    """Seconds of training attempts so far, each measured on its trainer's own clock."""
 
 
 def run_id_for(idempotency_key: str) -> str:

@@ -11,13 +11,24 @@ Only two kinds of write exist, because the commit protocol needs nothing else:
 from __future__ import annotations
 
 import abc
+import builtins
 import hashlib
 from pathlib import Path
 from typing import Self
 
+import msgspec
+
 from shared.errors import ConfigError, ContractError
 
 CHUNK = 1024 * 1024
+
+
+class ObjectInfo(msgspec.Struct, frozen=True, kw_only=True):
+    key: str
+    size: int
+    modified: float
+    """When the store accepted the object, unix seconds by the *store's* clock (the S3
+    server's, the file server's): compare it only with generous margins."""
 
 
 class Store(abc.ABC):
@@ -46,6 +57,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def list(self, prefix: str) -> list[str]:
         """Keys under `prefix`, sorted."""
+
+    @abc.abstractmethod
+    async def list_info(self, prefix: str) -> builtins.list[ObjectInfo]:
+        """Like `list`, with each object's size and last-modified time; sorted by key."""
 
     @abc.abstractmethod
     async def delete(self, key: str) -> None:

@@ -16,10 +16,11 @@ import contextlib
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from shared.errors import AlreadyExists, NotFound, PreconditionFailed
-from shared.store.base import CHUNK, Store, check_key, sha256_file
+from shared.store.base import CHUNK, ObjectInfo, Store, check_key, sha256_file
 
 _WIDTH = 12
 
@@ -60,6 +61,9 @@ class FileStore(Store):
     async def list(self, prefix: str) -> list[str]:
         return await asyncio.to_thread(self._list, prefix)
 
+    async def list_info(self, prefix: str) -> builtins.list[ObjectInfo]:
+        return await asyncio.to_thread(self._list_info, prefix)
+
     async def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             await asyncio.to_thread(os.unlink, self.path(key))
@@ -92,6 +96,10 @@ class FileStore(Store):
             with src.open("rb") as s, tmp.open("xb") as d:
                 while chunk := s.read(CHUNK):
                     d.write(chunk)
+        # A hard link keeps the source's mtime, which may be long before the upload; the
+        # object's last-modified must be when the store took it, as on S3, or garbage
+        # collection would judge a fresh upload by how long it sat on the trainer's disk.
+        os.utime(tmp)
         with tmp.open("rb+") as f:
             os.fsync(f.fileno())
         self._publish(tmp, final)
@@ -108,20 +116,32 @@ class FileStore(Store):
         _fsync_dir(final.parent)
 
     def _list(self, prefix: str) -> builtins.list[str]:
+        return sorted(key for key, _path in self._walk(prefix))
+
+    def _list_info(self, prefix: str) -> builtins.list[ObjectInfo]:
+        found = []
+        for key, path in self._walk(prefix):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue  # deleted since the walk saw it: as absent as if never listed
+            found.append(ObjectInfo(key=key, size=st.st_size, modified=st.st_mtime))
+        return sorted(found, key=lambda info: info.key)
+
+    def _walk(self, prefix: str) -> Iterator[tuple[str, Path]]:
         # A plain string prefix, as on S3: "runs/a" matches "runs/ab/x" too, so the walk
         # starts at the directory that holds the prefix's last partial component.
         start = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
         if not start.is_dir():
-            return []
-        keys = []
+            return
         for dirpath, _dirs, files in os.walk(start):
             for name in files:
                 if name.startswith(".tmp-"):
                     continue
-                key = str(Path(dirpath, name).relative_to(self.root))
+                path = Path(dirpath, name)
+                key = str(path.relative_to(self.root))
                 if key.startswith(prefix):
-                    keys.append(key)
-        return sorted(keys)
+                    yield key, path
 
     def _read_pointer(self, log_dir: Path) -> tuple[bytes, str] | None:
         try:

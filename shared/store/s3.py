@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import contextlib
 import hashlib
 import logging
@@ -46,7 +47,7 @@ from shared.errors import (
     StoreError,
     StoreUnavailable,
 )
-from shared.store.base import CHUNK, Store, check_key, sha256_file
+from shared.store.base import CHUNK, ObjectInfo, Store, check_key, sha256_file
 
 log = logging.getLogger("baton.store")
 
@@ -213,19 +214,31 @@ class S3Store(Store):
         return await self._retry(f"stat {key}", key, op)
 
     async def list(self, prefix: str) -> list[str]:
+        # One ListObjectsV2 walk serves both: the listing carries sizes and times anyway.
+        return [info.key for info in await self.list_info(prefix)]
+
+    async def list_info(self, prefix: str) -> builtins.list[ObjectInfo]:
         if prefix:
             check_key(prefix.rstrip("/") or prefix)
 
-        async def op(s3: Any) -> list[str]:
-            keys: list[str] = []
+        async def op(s3: Any) -> list[ObjectInfo]:
+            found: list[ObjectInfo] = []
             pages = s3.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket,
                 Prefix=self._root + prefix,
                 PaginationConfig={"PageSize": self.list_page_size},
             )
             async for page in pages:
-                keys.extend(o["Key"][len(self._root) :] for o in page.get("Contents", []))
-            return sorted(keys)
+                found.extend(
+                    ObjectInfo(
+                        key=o["Key"][len(self._root) :],
+                        size=int(o["Size"]),
+                        # botocore parses LastModified into an aware datetime (UTC).
+                        modified=o["LastModified"].timestamp(),
+                    )
+                    for o in page.get("Contents", [])
+                )
+            return sorted(found, key=lambda info: info.key)
 
         return await self._retry(f"list {prefix!r}", prefix, op)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
@@ -54,9 +55,9 @@ async def queued_tasks(nc: Client, run_id: str) -> int:
     return sum((info.state.subjects or {}).values())
 
 
-async def test_two_racing_reapers_dispatch_a_lost_run_once(nc: Client) -> None:
+async def test_two_racing_reapers_dispatch_a_lost_run_once(nc: Client, tmp_path: Path) -> None:
     runs = await running(nc, "rlost")
-    settings = config.load({"BATON_LEASE_TTL": "2"})
+    settings = config.load({"BATON_LEASE_TTL": "2", "BATON_STORE": f"file://{tmp_path}"})
     a, b = Reaper(nc, settings), Reaper(nc, settings)
     await a.start()
     await b.start()
@@ -74,14 +75,14 @@ async def test_two_racing_reapers_dispatch_a_lost_run_once(nc: Client) -> None:
     assert await swept() == []  # a task is queued now: nothing more to do
 
 
-async def test_a_held_lease_or_a_queued_task_is_left_alone(nc: Client) -> None:
+async def test_a_held_lease_or_a_queued_task_is_left_alone(nc: Client, tmp_path: Path) -> None:
     await running(nc, "rheld")
     await running(nc, "rqueued")
     js = nc.jetstream()
     lease = Lease(js, "rheld", "w", ttl_s=30)
     assert await lease.acquire()
     await js.publish(names.task_subject("default", "rqueued"), encode({"queued": True}))
-    reaper = Reaper(nc, config.load({"BATON_LEASE_TTL": "2"}))
+    reaper = Reaper(nc, config.load({"BATON_LEASE_TTL": "2", "BATON_STORE": f"file://{tmp_path}"}))
     await reaper.start()
     deadline = time.monotonic() + 3  # longer than the TTL the sweep waits for
     while time.monotonic() < deadline:

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from shared.errors import (
     StoreUnavailable,
 )
 from shared.store.base import Store, open_store
+from shared.store.file import FileStore
 from shared.store.s3 import S3Store
 from tests.support.seaweed import SeaweedS3
 
@@ -126,6 +128,52 @@ async def test_delete_is_idempotent_and_frees_the_key(store: Store) -> None:
     assert await store.list("gc/") == []
     await store.put_once("gc/old", b"v2")
     assert await store.get("gc/old") == b"v2"
+
+
+# Last-modified times are whole seconds on S3, and SeaweedFS runs on this host's clock.
+CLOCK_SLACK_S = 2.0
+
+
+async def test_list_info_names_what_list_does_with_sizes_and_times(store: Store) -> None:
+    keys = {"runs/a/1": b"", "runs/a/10": b"ten bytes!", "runs/ab/x": b"xx", "other/y": b"y"}
+    before = time.time()
+    for key, data in keys.items():
+        await store.put_once(key, data)
+    after = time.time()
+    for prefix in ("runs/a/", "runs/a", "runs/", "", "runs/a/10", "none/"):
+        infos = await store.list_info(prefix)
+        assert [i.key for i in infos] == await store.list(prefix), prefix
+    for info in await store.list_info(""):
+        assert info.size == len(keys[info.key]), info
+        assert before - CLOCK_SLACK_S <= info.modified <= after + CLOCK_SLACK_S, (info, before)
+
+
+async def test_list_info_dates_an_uploaded_file_by_its_upload(store: Store, tmp_path: Path) -> None:
+    # Garbage collection judges age by this time: a file that sat on the trainer's disk
+    # for a day before its upload is still a fresh object.
+    src = tmp_path / "model.safetensors"
+    src.write_bytes(b"weights")
+    day_ago = time.time() - 86400
+    os.utime(src, (day_ago, day_ago))
+    before = time.time()
+    await store.put_file("runs/r/data/model.safetensors", src)
+    [info] = await store.list_info("runs/r/")
+    assert info.key == "runs/r/data/model.safetensors" and info.size == 7, info
+    assert info.modified >= before - CLOCK_SLACK_S, (info, before)
+
+
+async def test_list_info_skips_a_deleted_key(store: Store) -> None:
+    await store.put_once("gc/a", b"a")
+    await store.put_once("gc/b", b"b")
+    await store.delete("gc/a")
+    assert [i.key for i in await store.list_info("gc/")] == ["gc/b"]
+
+
+async def test_file_list_info_skips_unpublished_temporaries(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    await store.put_once("runs/r/data/x", b"x")
+    (tmp_path / "runs/r/data/.tmp-0123").write_bytes(b"half an upload")
+    assert [i.key for i in await store.list_info("runs/")] == ["runs/r/data/x"]
 
 
 BAD_KEYS = ["../escape", "/absolute", "a/../../b", "a//b", "./a", "a/.", ""]
@@ -313,6 +361,8 @@ async def test_s3_list_follows_pages_across_nested_keys(s3: S3Store) -> None:
     s3.list_page_size = 2
     assert await s3.list("runs/") == sorted(keys)
     assert await s3.list("runs/r1/step-00") == sorted(k for k in keys if "r1/step-00" in k)
+    infos = await s3.list_info("runs/")
+    assert [i.key for i in infos] == sorted(keys) and {i.size for i in infos} == {1}
 
 
 async def test_s3_unreachable_store_raises_store_unavailable(

@@ -29,3 +29,37 @@ def paced(ctx: RunContext) -> None:
         opt.step()
         ctx.report(loss=loss.item())
         time.sleep(pace)
+
+
+def stall(ctx: RunContext) -> None:
+    """Trains a few steps, then hangs inside a step, as a deadlocked data loader would."""
+    model = nn.Linear(4, 1)
+    ctx.restore(model=model)
+    for step in ctx.steps():
+        if step >= int(ctx.config.get("stall_at", 5)):
+            while True:
+                time.sleep(1)
+        time.sleep(0.01)
+
+
+def boom(ctx: RunContext) -> None:
+    """Raises partway through, as buggy user code does."""
+    model = nn.Linear(4, 1)
+    ctx.restore(model=model)
+    for step in ctx.steps():
+        if step == int(ctx.config.get("boom_at", 3)):
+            raise RuntimeError(f"boom at step {step}")
+        time.sleep(0.01)
+
+
+def kill_trainer(ctx: RunContext) -> None:
+    """Takes its trainer down with it, every time: a task that can never succeed."""
+    import os
+    import signal
+
+    model = nn.Linear(4, 1)
+    ctx.restore(model=model)
+    for step in ctx.steps():
+        if step == 2:
+            os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(0.01)

@@ -1,0 +1,116 @@
+"""Following an attempt's commits: publish the requests, learn the outcomes.
+
+Outcomes arrive as `checkpoint_committed` / `commit_refused` events on a core subscription.
+A core subscription misses what is published while the link is down, so a waiter that
+hears nothing asks the store, which is the truth anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from shared import commit, names
+from shared.connect import publish
+from shared.contracts import CommitRequest, RunRecord, decode, encode
+from shared.contracts.child import CheckpointReady
+from shared.contracts.events import CheckpointCommitted, CommitRefused, Event
+from shared.errors import ContractError
+from shared.runs import Runs
+from shared.store import Store
+
+POLL_STORE_S = 2.0
+
+
+class Commits:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        store: Store,
+        runs: Runs,
+        run_id: str,
+        worker: str,
+        token: Callable[[], int],
+        keep_last: int,
+    ) -> None:
+        self.js = js
+        self.store = store
+        self.runs = runs
+        self.run_id = run_id
+        self.worker = worker
+        self._token = token
+        self._keep_last = keep_last
+        self._outcomes: dict[tuple[int, int], asyncio.Future[bool]] = {}
+
+    async def request(self, ready: CheckpointReady) -> None:
+        self._future(ready.token, ready.step)
+        req = CommitRequest(
+            run_id=self.run_id,
+            token=ready.token,
+            step=ready.step,
+            worker=self.worker,
+            files=ready.files,
+            final=ready.final,
+            metrics=ready.metrics,
+            digest=ready.digest,
+            keep_last=self._keep_last,
+        )
+        await publish(
+            self.js,
+            names.commit_subject(self.run_id),
+            encode(req),
+            msg_id=f"commit.{self.run_id}.{ready.token}.{ready.step}",
+        )
+
+    async def on_event(self, msg: Msg) -> None:
+        try:
+            event: Event = decode(msg.data, Event)  # type: ignore[arg-type]
+        except ContractError:
+            return
+        if not isinstance(event, CheckpointCommitted | CommitRefused):
+            return
+        fut = self._outcomes.get((event.token, event.step))
+        if fut is not None and not fut.done():
+            fut.set_result(isinstance(event, CheckpointCommitted))
+        if isinstance(event, CheckpointCommitted) and event.token == self._token():
+            await self.runs.update(self.run_id, self._advance(event.step))
+
+    async def wait(self, token: int, step: int, timeout: float) -> bool:
+        """True once the checkpoint (token, step) is committed; False if refused, if a
+        higher token took over, or after `timeout` seconds."""
+        fut = self._future(token, step)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(asyncio.shield(fut), POLL_STORE_S)
+            with contextlib.suppress(Exception):  # the store may be down too; ask again
+                latest = await commit.read_latest(self.store, self.run_id)
+                if latest is not None:
+                    p = latest[0]
+                    if p.token == token and p.step >= step:
+                        return True
+                    if p.token > token:
+                        return False
+        return False
+
+    def _future(self, token: int, step: int) -> asyncio.Future[bool]:
+        key = (token, step)
+        if key not in self._outcomes:
+            self._outcomes[key] = asyncio.get_running_loop().create_future()
+        return self._outcomes[key]
+
+    def _advance(self, step: int) -> Callable[[RunRecord], RunRecord | None]:
+        token = self._token()
+
+        def change(r: RunRecord) -> RunRecord | None:
+            if r.token != token or r.step >= step or r.state.terminal:
+                return None
+            return msgspec.structs.replace(r, step=step)
+
+        return change

@@ -1,0 +1,129 @@
+"""Keeping an attempt's claim alive, and listening to what the run record says.
+
+Every third of the lease TTL (and at once after a reconnect or a `wake` command) the
+keeper touches the task message (`in_progress`), renews the lease, and reads the run
+record — the truth about the run — for orders: cancel it, stop this attempt (a stall), or
+the run is already over (a hard timeout). A renewal that loses its CAS means the lease
+lapsed or was taken: the keeper re-takes a lapsed lease only if nobody else moved the run
+on meanwhile; otherwise the attempt is fenced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from shared import commit
+from shared.contracts import RunRecord
+from shared.contracts.child import Control
+from shared.lease import Lease
+from shared.runs import Runs
+from shared.store import Store
+
+log = logging.getLogger("baton.trainer")
+
+
+class Orders:
+    """What the keeper learned; the attempt waits on these events."""
+
+    def __init__(self) -> None:
+        self.fenced = asyncio.Event()
+        self.cancel = asyncio.Event()
+        self.halt = asyncio.Event()
+        self.reason = ""
+        self.halt_is_stall = False
+
+    def fence(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        self.fenced.set()
+
+
+class Keeper:
+    def __init__(
+        self,
+        run_id: str,
+        lease: Lease,
+        runs: Runs,
+        store: Store,
+        beat_now: asyncio.Event,
+        send: Callable[[Control], None],
+    ) -> None:
+        self.run_id = run_id
+        self.lease = lease
+        self.runs = runs
+        self.store = store
+        self.beat_now = beat_now
+        self.send = send
+        self.orders = Orders()
+
+    async def keep(self, touch: Callable[[], Awaitable[None]]) -> None:
+        interval = self.lease.ttl_s / 3
+        while not self.orders.fenced.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.beat_now.wait(), interval)
+            self.beat_now.clear()
+            try:
+                await touch()
+                if not await self.lease.renew() and not await self._retake():
+                    self.orders.fence("the lease was taken over by another worker")
+                    return
+                await self._read_orders()
+            except Exception as exc:  # a link that is down: keep training, try again
+                log.warning(
+                    "%s: lease renewal failed (%s); training goes on",
+                    self.run_id,
+                    type(exc).__name__,
+                )
+
+    async def _read_orders(self) -> None:
+        found = await self.runs.get(self.run_id)
+        if found is None:
+            return
+        r = found[0]
+        if r.state.terminal:
+            self.orders.reason = r.reason or f"the run is {r.state.value}"
+            self.orders.halt.set()
+        elif r.stop_token is not None and r.stop_token == self.lease.token:
+            self.orders.reason = r.stop_reason or "stopped by the reaper"
+            self.orders.halt_is_stall = True
+            self.orders.halt.set()
+        elif r.cancel_requested is not None:
+            self.orders.reason = r.cancel_requested
+            self.orders.cancel.set()
+
+    async def _retake(self) -> bool:
+        """After a lapse: take the lease again unless someone committed or moved the
+        record in between, or continuing would rewind their work."""
+        old = self.lease.token
+        if not await self.lease.acquire():
+            return False
+        latest = await commit.read_latest(self.store, self.run_id)
+        found = await self.runs.get(self.run_id)
+        moved_on = (
+            found is None
+            or found[0].state.terminal
+            or (found[0].token or 0) > old
+            or (latest is not None and latest[0].token > old)
+        )
+        if moved_on:
+            await self.lease.release()
+            return False
+        log.warning(
+            "%s: lease lapsed and was re-taken; token %d -> %d", self.run_id, old, self.lease.token
+        )
+        self.send(Control(action="token", token=self.lease.token))
+        await self.runs.update(self.run_id, _retoken(old, self.lease.token))
+        return True
+
+
+def _retoken(old: int, new: int) -> Callable[[RunRecord], RunRecord | None]:
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or r.token != old:
+            return None
+        return msgspec.structs.replace(r, token=new)
+
+    return change

@@ -1,0 +1,93 @@
+"""Pools: what a step costs, for budgets and deadlines (seeds/003: prepaid cost).
+
+The configured table (`BATON_POOLS_FILE`) gives each pool a rate per hour and a first
+guess of seconds per step. Trainers measure real seconds per step on every completed run
+and fold them into the `baton_pools` bucket (an exponential moving average, updated by
+CAS), which overrides the guess from then on.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from shared import names
+from shared.contracts import convert, decode, encode
+from shared.errors import ConfigError
+
+EWMA_WEIGHT = 0.3
+
+
+class Pool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    rate_per_hour: float = 0.0
+    """What an hour of one trainer of this pool costs, in the budget's unit."""
+    seconds_per_step: float | None = None
+    """Configured first guess; replaced by measurements once runs complete."""
+
+
+class Measured(msgspec.Struct, frozen=True, kw_only=True):
+    seconds_per_step: float
+    runs: int
+
+
+class PoolTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pools: dict[str, Pool] = {}
+
+
+def load_table(path: str) -> PoolTable:
+    if not path:
+        return PoolTable()
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read pool table {path}: {exc}") from None
+    return convert(raw, PoolTable)
+
+
+class Pools:
+    def __init__(self, js: JetStreamContext, table: PoolTable) -> None:
+        self.js = js
+        self.table = table
+
+    def rate(self, pool: str) -> float:
+        return self.table.pools.get(pool, Pool()).rate_per_hour
+
+    async def seconds_per_step(self, pool: str) -> float | None:
+        kv = await self.js.key_value(names.POOLS_BUCKET)
+        try:
+            entry = await kv.get(pool)
+        except KeyNotFoundError:
+            return self.table.pools.get(pool, Pool()).seconds_per_step
+        assert entry.value is not None
+        return decode(entry.value, Measured).seconds_per_step
+
+    async def record(self, pool: str, seconds_per_step: float) -> None:
+        """Fold one completed run's measured speed into the pool's average."""
+        kv = await self.js.key_value(names.POOLS_BUCKET)
+        for _ in range(5):
+            try:
+                entry = await kv.get(pool)
+            except KeyNotFoundError:
+                try:
+                    await kv.create(
+                        pool, encode(Measured(seconds_per_step=seconds_per_step, runs=1))
+                    )
+                    return
+                except KeyWrongLastSequenceError:
+                    continue
+            assert entry.value is not None and entry.revision is not None
+            old = decode(entry.value, Measured)
+            new = Measured(
+                seconds_per_step=(1 - EWMA_WEIGHT) * old.seconds_per_step
+                + EWMA_WEIGHT * seconds_per_step,
+                runs=old.runs + 1,
+            )
+            try:
+                await kv.update(pool, encode(new), last=entry.revision)
+                return
+            except KeyWrongLastSequenceError:
+                continue

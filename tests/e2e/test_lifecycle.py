@@ -1,0 +1,257 @@
+"""Run lifecycle, driven for real: stalls, crashes, poison tasks, deadlines, budgets,
+cancels, orphans. Each test checks the final state, the events, and that no process is
+left behind (the `lifecycle` fixture's teardown)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from baton.cli import client
+from shared import commit, names, retention
+from shared.contracts import RunState, decode, run_id_for
+from shared.contracts.events import (
+    AttemptFailed,
+    Cancelled,
+    CheckpointCommitted,
+    Failed,
+    Fenced,
+    Progress,
+    Rejected,
+    RunWarning,
+    Started,
+)
+from shared.lease import Lease
+from shared.outcome import DeadLetter
+from shared.store import open_store
+from tests.e2e.jobs import EventLog, finished, history, job, submit
+from tests.support.stack import Stack, alive, eventually, training_processes
+
+FAST = {"BATON_SWEEP_INTERVAL": "0.5", "BATON_HEARTBEAT": "0.5"}
+
+
+@pytest.fixture
+async def lifecycle(tmp_path: Path) -> AsyncIterator[Stack]:
+    pools = tmp_path / "pools.toml"
+    pools.write_text("[pools.default]\nrate_per_hour = 3.6\nseconds_per_step = 0.5\n")
+    s = Stack(
+        tmp_path / "stack", trainers=1, lease_ttl=3, env={**FAST, "BATON_POOLS_FILE": str(pools)}
+    )
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.stop()
+
+        async def none_left() -> bool:
+            return not [p for p in training_processes() if alive(p)]
+
+        await eventually(none_left, 10, "training processes to exit")
+
+
+def spec(entry: str, **over: Any) -> Any:
+    return job(entry_point=f"tests.support.workloads:{entry}", **over)
+
+
+async def test_a_stalled_run_is_warned_then_stopped(lifecycle: Stack) -> None:
+    nc = await lifecycle.client()
+    run_id = await submit(
+        nc, spec("stall", total_steps=50, limits={"stall_timeout_s": 2, "max_retries": 0})
+    )
+    record = await finished(nc, run_id, timeout=60)
+    assert record.state is RunState.FAILED and "stalled" in (record.reason or "")
+    events = await history(nc, run_id)
+    warned = [e for e in events if isinstance(e, RunWarning)]
+    assert [w.kind for w in warned] == ["stalled"]
+    assert isinstance(events[-1], Failed) and "stalled" in events[-1].reason
+
+
+async def test_user_code_that_raises_is_retried_then_failed_with_its_traceback(
+    lifecycle: Stack,
+) -> None:
+    nc = await lifecycle.client()
+    run_id = await submit(nc, spec("boom", total_steps=20, limits={"max_retries": 2}))
+    record = await finished(nc, run_id, timeout=60)
+    assert record.state is RunState.FAILED and record.retries == 3 and record.attempts == 3
+    events = await history(nc, run_id)
+    retried = [e for e in events if isinstance(e, AttemptFailed)]
+    assert len(retried) == 2 and all("boom at step 3" in e.detail for e in retried)
+    failed = events[-1]
+    assert isinstance(failed, Failed) and "RuntimeError: boom at step 3" in failed.detail
+    starts = [e.at for e in events if isinstance(e, Started)]
+    assert starts[2] - starts[1] > starts[1] - starts[0]  # back-off grows
+
+
+async def test_a_task_that_kills_every_trainer_is_dead_lettered(tmp_path: Path) -> None:
+    s = Stack(tmp_path / "stack", trainers=1, lease_ttl=2, env={**FAST, "BATON_MAX_DELIVER": "2"})
+    try:
+        await s.start()
+        nc = await s.client()
+        run_id = await submit(nc, spec("kill_trainer", total_steps=50))
+        for i in range(2):  # each delivery takes a trainer down; bring up the next
+            victim = "trainer-1" if i == 0 else f"t{i}"
+            await eventually(lambda v=victim: _dead(s, v), 30, "the kill")
+            await s.add_trainer(f"t{i + 1}")
+        record = await finished(nc, run_id, timeout=60)
+        assert record.state is RunState.FAILED and "2 deliveries" in (record.reason or "")
+        js = nc.jetstream()
+        letter = await js.get_last_msg(
+            names.DLQ_STREAM, names.dlq_subject(names.trainer_consumer("default"))
+        )
+        assert letter.data is not None
+        dead = decode(letter.data, DeadLetter)
+        assert run_id in dead.payload.decode() and "deliveries" in dead.reason
+        info = await js.stream_info(
+            names.TASKS_STREAM, subjects_filter=names.task_subject("default", run_id)
+        )
+        assert not info.state.subjects, "the poison task must leave the work queue"
+    finally:
+        await s.stop()
+
+
+async def _dead(stack: Stack, name: str) -> bool:
+    return stack.sup.returncode(name) is not None
+
+
+async def test_a_run_past_its_hard_deadline_fails_and_its_child_stops(lifecycle: Stack) -> None:
+    nc = await lifecycle.client()
+    slow = spec("paced", total_steps=10_000, config={"pace": 0.05}, limits={"hard_timeout_s": 3})
+    run_id = await submit(nc, slow)
+    log = EventLog(nc, run_id)
+    await log.wait_for(lambda e: isinstance(e, Progress), 30, "training")
+    record = await finished(nc, run_id, timeout=30)
+    assert record.state is RunState.FAILED and (record.reason or "").startswith("hard_timeout")
+
+    async def child_gone() -> bool:
+        return len(training_processes()) <= 1  # only the trainer's warm spare remains
+
+    await eventually(child_gone, 15, "the training process to stop")
+    log.close()
+
+
+async def test_budget_rejects_and_derives_the_deadline(lifecycle: Stack) -> None:
+    nc = await lifecycle.client()
+    # 0.5 s/step at 3.6/hour costs 0.0005 per step: 10 000 steps cost 5.
+    too_dear = spec("paced", total_steps=10_000, limits={"max_cost": 1.0}, idempotency_key="dear")
+    _, answer = await client.submit(nc, too_dear, 10)
+    assert isinstance(answer, Rejected) and answer.path == "$.limits.max_cost"
+    assert "estimated cost 5.00" in answer.reason and "over max_cost 1" in answer.reason
+    assert await _no_record(nc, run_id_for("dear"))
+    ok = spec("paced", total_steps=40, config={"pace": 0.01}, limits={"max_cost": 0.5})
+    run_id = await submit(nc, ok)
+    record = await finished(nc, run_id)
+    assert record.state is RunState.COMPLETED
+    assert record.estimated_cost == pytest.approx(0.02)
+    assert (
+        record.deadline_at is not None
+        and record.deadline_at - record.created_at == pytest.approx(500)
+    )
+    assert record.actual_cost > 0 and record.busy_s > 0
+
+
+async def _no_record(nc: Any, run_id: str) -> bool:
+    try:
+        await client.record(nc, run_id)
+    except client.CliError:
+        return True
+    return False
+
+
+async def test_cancel_a_queued_and_a_running_run(tmp_path: Path) -> None:
+    s = Stack(tmp_path / "stack", trainers=0, lease_ttl=3, env=FAST)
+    try:
+        await s.start(("dispatcher", "checkpointer", "reaper"))
+        nc = await s.client()
+        queued = await submit(nc, spec("paced", total_steps=100))
+        await client.cancel(nc, queued, "not needed")
+        record = await finished(nc, queued, timeout=20)
+        assert record.state is RunState.CANCELLED and record.reason == "not needed"
+        info = await nc.jetstream().stream_info(
+            names.TASKS_STREAM, subjects_filter=names.task_subject("default", queued)
+        )
+        assert not info.state.subjects, "a cancelled queued run's task is removed"
+
+        await s.add_trainer("t1")
+        running = await submit(nc, spec("paced", total_steps=10_000, config={"pace": 0.03}))
+        log = EventLog(nc, running)
+        await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 10, 30, "training")
+        await client.cancel(nc, running, "changed my mind")
+        record = await finished(nc, running, timeout=30)
+        assert record.state is RunState.CANCELLED and record.reason == "changed my mind"
+        assert log.of(CheckpointCommitted), "a running run checkpoints before it stops"
+        await log.wait_for(lambda e: isinstance(e, Cancelled), 10, "the cancelled event")
+        consumer = await nc.jetstream().consumer_info(
+            names.TASKS_STREAM, names.trainer_consumer("default")
+        )
+        assert consumer.num_ack_pending == 0 and consumer.num_pending == 0  # the task was acked
+        log.close()
+    finally:
+        await s.stop()
+
+
+async def test_an_orphan_gets_a_kill_command(tmp_path: Path) -> None:
+    # A long TTL keeps the trainer's own lease check (every TTL/3) out of the way, so the
+    # reaper's orphan sweep is what must notice.
+    s = Stack(tmp_path / "stack", trainers=1, lease_ttl=60, env=FAST)
+    try:
+        await s.start()
+        nc = await s.client()
+        js = nc.jetstream()
+        run_id = await submit(nc, spec("paced", total_steps=10_000, config={"pace": 0.03}))
+        log = EventLog(nc, run_id)
+        await log.wait_for(lambda e: isinstance(e, Progress), 30, "training")
+        kv = await js.key_value(names.LEASES_BUCKET)
+        await kv.purge(run_id)  # the lease goes to someone else behind the worker's back
+        intruder = Lease(js, run_id, "intruder", ttl_s=60)
+        assert await intruder.acquire()
+        fenced = await log.wait_for(lambda e: isinstance(e, Fenced), 15, "the kill command")
+        assert isinstance(fenced, Fenced) and fenced.reason.startswith("orphan")
+
+        async def child_gone() -> bool:
+            return len(training_processes()) <= 1
+
+        await eventually(child_gone, 15, "the orphaned training process to stop")
+        workers = await client.workers(nc)
+        assert [w.worker for w in workers] == ["trainer-1"] and workers[0].device in ("cpu", "cuda")
+        log.close()
+    finally:
+        await s.stop()
+
+
+async def test_retention_under_a_fast_cadence_keeps_the_last_k(tmp_path: Path) -> None:
+    s = Stack(tmp_path / "stack", trainers=1, lease_ttl=3, env={**FAST, "BATON_GC_AGE": "1"})
+    try:
+        await s.start()
+        nc = await s.client()
+        quick = {"total_steps": 60, "checkpoint": {"every_steps": 1, "keep_last": 2}}
+        reference = await finished(
+            nc, await submit(nc, spec("paced", **quick, config={"pace": 0.0}))
+        )
+        run_id = await submit(nc, spec("paced", **quick, config={"pace": 0.0}))
+        async with open_store(s.store_url) as store:
+            await retention.pin(store, run_id, 10)  # pinned while it runs
+        record = await finished(nc, run_id)
+        assert record.state is RunState.COMPLETED and record.digest == reference.digest
+        async with open_store(s.store_url) as store:
+            chain = await retention.committed_chain(store, run_id)
+            steps = sorted({int(k.split("/")[4]) for k in await store.list(f"runs/{run_id}/data/")})
+            manifests = await store.list(f"runs/{run_id}/manifests/")
+            # Retention runs after each commit, so what is left is the last two, the pinned
+            # one, and whatever a commit queued behind the final one had not yet removed.
+            assert [m.step for m in chain][:2] == [60, 59]
+            assert 10 in steps and set(steps) <= {10, 58, 59, 60}
+            assert len(manifests) <= 4
+            # A zombie's files that were never committed are garbage once old enough.
+            zombie = commit.data_key(run_id, 1, 5, "model.safetensors")
+            await store.put_once(zombie, b"never committed")
+
+            async def collected() -> bool:
+                return zombie not in await store.list(f"runs/{run_id}/data/")
+
+            await eventually(collected, 20, "the reaper to collect the zombie's files")
+            assert 10 in {int(k.split("/")[4]) for k in await store.list(f"runs/{run_id}/data/")}
+    finally:
+        await s.stop()
