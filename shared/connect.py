@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import nats
 from nats.aio.client import Client
@@ -31,6 +32,7 @@ async def connect(
     *,
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     first_attempt_timeout: float | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> Client:
     """Connect, retrying the first connection too (a service may start before its server).
 
@@ -69,6 +71,7 @@ async def connect(
                 disconnected_cb=disconnected,
                 reconnected_cb=reconnected,
                 error_cb=errored,
+                **(options or {}),
             )
             return nc
         except (TimeoutError, NoServersError, OSError) as exc:

@@ -18,6 +18,7 @@ EVENTS_STREAM = "BATON_EVENTS"
 CKPT_STREAM = "BATON_CKPT"
 DLQ_STREAM = "BATON_DLQ"
 CANCEL_STREAM = "BATON_CANCEL"
+LOGS_STREAM = "BATON_LOGS"
 ADVISORY_STREAM = "BATON_ADVISORIES"
 
 # KV buckets.
@@ -39,6 +40,7 @@ EVENTS_ALL = f"{PREFIX}.events.>"
 CKPT_ALL = f"{PREFIX}.ckpt.>"
 DLQ_ALL = f"{PREFIX}.dlq.>"
 CANCEL_ALL = f"{PREFIX}.cancel.*"
+LOGS_ALL = f"{PREFIX}.logs.*"
 # JetStream's own advisory when a message has used up its deliveries, for our work queues
 # (wildcards match whole tokens only, so each stream is named).
 MAX_DELIVERIES_ADVISORIES = [
@@ -92,6 +94,11 @@ def cancel_subject(run_id: str) -> str:
     return f"{PREFIX}.cancel.{run_id}"
 
 
+def logs_subject(run_id: str) -> str:
+    """The entry point's stdout and stderr, as the trainer captured them."""
+    return f"{PREFIX}.logs.{run_id}"
+
+
 def dlq_subject(source: str) -> str:
     return f"{PREFIX}.dlq.{source}"
 
@@ -99,6 +106,18 @@ def dlq_subject(source: str) -> str:
 def control_subject(worker_id: str) -> str:
     """Where a trainer listens for commands addressed to it (cancel, kill)."""
     return f"{PREFIX}.control.{worker_id}"
+
+
+ALL_STREAMS = (
+    "BATON_SUBMIT",
+    "BATON_TASKS",
+    "BATON_CKPT",
+    "BATON_CANCEL",
+    "BATON_EVENTS",
+    "BATON_LOGS",
+    "BATON_DLQ",
+    "BATON_ADVISORIES",
+)
 
 
 def pool_from_submit_subject(subject: str) -> str:

@@ -69,6 +69,7 @@ def stream_configs() -> list[StreamConfig]:
         work_queue(names.CANCEL_STREAM, names.CANCEL_ALL, "Cancel requests, per run"),
         history(names.EVENTS_STREAM, names.EVENTS_ALL, "Run lifecycle events"),
         history(names.DLQ_STREAM, names.DLQ_ALL, "Dead letters, each with its reason"),
+        history(names.LOGS_STREAM, names.LOGS_ALL, "Entry points' stdout and stderr, per run"),
         # Advisories are published on core NATS only; capturing them makes "this message
         # used up its deliveries" durable until the reaper has dealt with it.
         work_queue(

@@ -12,52 +12,29 @@ import json
 import runpy
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
-import msgspec
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from baton.cli import client
-from baton.cli.client import CliError
-from baton.cli.watch import watch_run
-from shared.errors import BatonError
-
-T = TypeVar("T")
-
-app = typer.Typer(
-    name="baton",
-    help="Resumable PyTorch training on spare, unreliable GPUs.",
-    no_args_is_help=True,
-    add_completion=False,
+from baton.cli.common import (
+    SERVICES,
+    Connection,
+    Json,
+    Server,
+    app,
+    call,
+    err,
+    fmt,
+    out,
+    print_json,
+    run,
+    with_nats,
 )
-out = Console()
-err = Console(stderr=True)
-
-Server = Annotated[
-    str,
-    typer.Option("--server", "-s", envvar="NATS_URL", help="NATS server URL(s), comma-separated."),
-]
-Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
-SERVICES = ("dispatcher", "trainer", "checkpointer", "reaper")
-
-
-def _run(coro: Callable[[], Awaitable[T]]) -> T:
-    try:
-        return asyncio.run(coro())  # type: ignore[arg-type]
-    except CliError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(exc.code) from None
-    except BatonError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from None
-
-
-def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(json.loads(msgspec.json.encode(obj)), indent=2) + "\n")
+from baton.cli.watch import watch_run
+from shared.contracts import RunState
 
 
 @app.command()
@@ -107,7 +84,7 @@ def submit(
     """Submit a job; prints its run id once the dispatcher accepted it."""
     from shared.contracts.events import Rejected
 
-    spec = _run(lambda: _async(client.load_spec, file))
+    spec = run(lambda: call(client.load_spec, file))
 
     async def go() -> tuple[str, Any]:
         nc = await client.open_nats(server)
@@ -116,12 +93,12 @@ def submit(
         finally:
             await nc.close()
 
-    run_id, answer = _run(go)
+    run_id, answer = run(go)
     if isinstance(answer, Rejected):
         err.print(f"[red]rejected:[/red] {answer.reason} (at {answer.path})")
         raise typer.Exit(2)
     if as_json:
-        _print_json({"run_id": run_id, "accepted": answer is not None})
+        print_json({"run_id": run_id, "accepted": answer is not None})
     else:
         out.print(run_id)
         if answer is None and wait > 0:
@@ -133,9 +110,9 @@ def submit(
 @app.command()
 def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
     """Show one run's record: state, committed step, attempts, worker, digest."""
-    record = _run(lambda: _with_nats(server, lambda nc: client.record(nc, run_id)))
+    record = run(lambda: with_nats(server, lambda nc: client.record(nc, run_id)))
     if as_json:
-        _print_json(record)
+        print_json(record)
         return
     t = Table(show_header=False, box=None)
     for k, v in [
@@ -147,7 +124,7 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
         ("retries", str(record.retries)),
         ("worker", record.worker or "-"),
         ("token", str(record.token or "-")),
-        ("loss", _fmt(record.metrics.get("loss"))),
+        ("loss", fmt(record.metrics.get("loss"))),
         ("digest", record.digest or "-"),
         ("reason", record.reason or "-"),
     ]:
@@ -156,11 +133,27 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
 
 
 @app.command()
-def runs(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
-    """List runs."""
-    records = _run(lambda: _with_nats(server, client.all_records))
+def runs(
+    server: Server = "nats://127.0.0.1:4222",
+    state: Annotated[
+        list[str] | None, typer.Option(help="Only runs in this state (repeatable).")
+    ] = None,
+    pool: Annotated[str | None, typer.Option(help="Only runs of this pool.")] = None,
+    as_json: Json = False,
+) -> None:
+    """List runs, oldest first."""
+    wanted = {s.upper() for s in state or []}
+    unknown = wanted - {s.value for s in RunState}
+    if unknown:
+        err.print(f"[red]error:[/red] unknown state {', '.join(sorted(unknown))}")
+        raise typer.Exit(2)
+    records = [
+        r
+        for r in run(lambda: with_nats(server, client.all_records))
+        if (not wanted or r.state.value in wanted) and (pool is None or r.spec.pool == pool)
+    ]
     if as_json:
-        _print_json(records)
+        print_json(records)
         return
     t = Table("run", "name", "pool", "state", "step", "attempts", "worker", "loss")
     for r in records:
@@ -172,7 +165,7 @@ def runs(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> Non
             f"{r.step}/{r.spec.total_steps}",
             str(r.attempts),
             r.worker or "-",
-            _fmt(r.metrics.get("loss")),
+            fmt(r.metrics.get("loss")),
         )
     out.print(t)
 
@@ -180,7 +173,7 @@ def runs(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> Non
 @app.command()
 def watch(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
     """Follow a run live; exits 0 when it completes, 1 when it fails or is cancelled."""
-    ok = _run(lambda: _with_nats(server, lambda nc: watch_run(nc, run_id, out, as_json)))
+    ok = run(lambda: with_nats(server, lambda nc: watch_run(nc, run_id, out, as_json)))
     raise typer.Exit(0 if ok else 1)
 
 
@@ -192,10 +185,10 @@ def pull(
     as_json: Json = False,
 ) -> None:
     """Download and verify the newest committed checkpoint (safetensors + metadata)."""
-    url = _run(lambda: _async(client.store_url, store))
-    info = _run(lambda: client.pull(url, run_id, dest))
+    url = run(lambda: call(client.store_url, store))
+    info = run(lambda: client.pull(url, run_id, dest))
     if as_json:
-        _print_json(info)
+        print_json(info)
         return
     out.print(
         f"pulled step {info['step']} of {run_id} into {info['dir']}: {', '.join(info['files'])}"
@@ -225,9 +218,9 @@ def cancel(
             await asyncio.sleep(0.2)
         return await client.record(nc, run_id)
 
-    record = _run(lambda: _with_nats(server, go))
+    record = run(lambda: with_nats(server, go))
     if as_json:
-        _print_json(record)
+        print_json(record)
     else:
         out.print(
             f"{run_id}: {record.state.value}" + (f" ({record.reason})" if record.reason else "")
@@ -239,9 +232,9 @@ def cancel(
 @app.command()
 def workers(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
     """List live trainers from the worker registry: pool, device, current run and step."""
-    found = _run(lambda: _with_nats(server, client.workers))
+    found = run(lambda: with_nats(server, client.workers))
     if as_json:
-        _print_json(found)
+        print_json(found)
         return
     t = Table("worker", "pool", "host", "device", "gpu", "run", "step", "seen")
     now = time.time()
@@ -270,23 +263,33 @@ def demo(
     another finish it, and compare the weights with an uninterrupted run."""
     from baton.cli.demo import run_demo
 
-    raise typer.Exit(_run(lambda: run_demo(out, keep)))
+    raise typer.Exit(run(lambda: run_demo(out, keep)))
 
 
-async def _with_nats(server: str, fn: Callable[[Any], Awaitable[T]]) -> T:
-    nc = await client.open_nats(server)
-    try:
-        return await fn(nc)
-    finally:
-        await nc.close()
+Opt = str | None
 
 
-async def _async(fn: Callable[..., T], *args: Any) -> T:
-    return fn(*args)
+@app.callback()
+def connection(
+    creds: Annotated[
+        str | None, typer.Option(envvar="NATS_CREDS", help="NATS credentials file.")
+    ] = None,
+    tlsca: Annotated[
+        str | None, typer.Option(envvar="NATS_CA", help="CA to verify the server.")
+    ] = None,
+    tlscert: Annotated[
+        str | None, typer.Option(envvar="NATS_CERT", help="Client certificate.")
+    ] = None,
+    tlskey: Annotated[
+        str | None, typer.Option(envvar="NATS_KEY", help="Client certificate key.")
+    ] = None,
+) -> None:
+    """Resumable PyTorch training on spare, unreliable GPUs."""
+    Connection.creds, Connection.tls_ca = creds, tlsca
+    Connection.tls_cert, Connection.tls_key = tlscert, tlskey
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
+from baton.cli import ops  # noqa: E402, F401  (registers the operator commands)
 
 
 def main() -> None:

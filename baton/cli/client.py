@@ -38,9 +38,12 @@ class CliError(BatonError):
         self.code = code
 
 
-async def open_nats(url: str) -> Client:
+async def open_nats(url: str, **options: Any) -> Client:
+    """Connect for one CLI command; `options` carry credentials and TLS."""
     try:
-        return await connect(url, "baton-cli", first_attempt_timeout=CONNECT_TIMEOUT_S)
+        return await connect(
+            url, "baton-cli", first_attempt_timeout=CONNECT_TIMEOUT_S, options=options
+        )
     except ConnectionError as exc:
         raise CliError(f"{exc}. Is the stack up? Start it with `baton up`.") from None
 
@@ -139,6 +142,24 @@ async def _subscribe_events(nc: Client, run_id: str) -> Any:
             f"stream {names.EVENTS_STREAM} does not exist on this server: no Baton service has"
             " started here yet (`baton up` starts them)"
         ) from None
+
+
+async def history(nc: Client, run_id: str) -> list[Event]:
+    """Every event of a run so far (stops at the newest; does not wait for more)."""
+    sub = await _subscribe_events(nc, run_id)
+    out: list[Event] = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1.0)
+            except TimeoutError:
+                return out
+            out.append(decode(msg.data, Event))  # type: ignore[arg-type]
+            if msg.metadata.num_pending == 0:
+                return out
+    finally:
+        with contextlib.suppress(ConnectionClosedError):
+            await sub.unsubscribe()
 
 
 async def record(nc: Client, run_id: str) -> RunRecord:

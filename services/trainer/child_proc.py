@@ -8,7 +8,7 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import IO
 
@@ -62,13 +62,18 @@ class Child:
         )
         return cls(proc, os.fdopen(to_child_w, "wb", 0), reader)
 
-    async def copy_output(self, log_path: Path) -> None:
-        """Append the child's stdout and stderr to the run's log until it exits."""
+    async def copy_output(
+        self, log_path: Path, sink: Callable[[bytes], Awaitable[None]] | None = None
+    ) -> None:
+        """Append the child's stdout and stderr to the run's log file until it exits, and
+        hand each chunk to `sink` (the run's log stream), which must not raise."""
         assert self.proc.stdout is not None
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab", buffering=0) as log:
             while chunk := await self.proc.stdout.read(65536):
                 log.write(chunk)
+                if sink is not None:
+                    await sink(chunk)
 
     def send(self, msg: ToChild) -> None:
         # A child that is gone cannot read; its exit code tells the rest.

@@ -23,6 +23,7 @@ from shared.natsserver import NatsServer
 from shared.procs import ServiceSpec, Supervisor
 
 T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Stack:

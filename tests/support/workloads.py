@@ -63,3 +63,13 @@ def kill_trainer(ctx: RunContext) -> None:
         if step == 2:
             os.kill(os.getppid(), signal.SIGKILL)
         time.sleep(0.01)
+
+
+def chatty(ctx: RunContext) -> None:
+    """Prints as it trains, so its captured output can be checked."""
+    model = nn.Linear(4, 1)
+    ctx.restore(model=model)
+    for step in ctx.steps():
+        if step % 10 == 0:
+            print(f"chatty: at step {step}", flush=True)
+        time.sleep(float(ctx.config.get("pace", 0.01)))

@@ -1,0 +1,89 @@
+"""What every `baton` command shares: the app, consoles, options, error handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+import typer
+from rich.console import Console
+
+from baton.cli import client
+from baton.cli.client import CliError
+from shared.errors import BatonError
+
+T = TypeVar("T")
+
+app = typer.Typer(
+    name="baton",
+    help="Resumable PyTorch training on spare, unreliable GPUs.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+Server = Annotated[
+    str,
+    typer.Option("--server", "-s", envvar="NATS_URL", help="NATS server URL(s), comma-separated."),
+]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+SERVICES = ("dispatcher", "trainer", "checkpointer", "reaper")
+
+
+class Connection:
+    """Credentials and TLS for every client command, named like the nats CLI's options
+    and read from the same environment variables; set by the app's callback."""
+
+    creds: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def options(cls) -> dict[str, Any]:
+        opts: dict[str, Any] = {}
+        if cls.creds:
+            opts["user_credentials"] = cls.creds
+        if cls.tls_ca or cls.tls_cert:
+            ctx = ssl.create_default_context(cafile=cls.tls_ca)
+            if cls.tls_cert:
+                ctx.load_cert_chain(cls.tls_cert, cls.tls_key)
+            opts["tls"] = ctx
+        return opts
+
+
+def run(coro: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return asyncio.run(coro())  # type: ignore[arg-type]
+    except CliError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(exc.code) from None
+    except BatonError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(json.loads(msgspec.json.encode(obj)), indent=2) + "\n")
+
+
+async def with_nats(server: str, fn: Callable[[Any], Awaitable[T]]) -> T:
+    nc = await client.open_nats(server, **Connection.options())
+    try:
+        return await fn(nc)
+    finally:
+        await nc.close()
+
+
+async def call(fn: Callable[..., T], *args: Any) -> T:
+    return fn(*args)
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
