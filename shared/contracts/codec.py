@@ -40,6 +40,8 @@ def decode(data: bytes | str, kind: type[T], *, max_bytes: int | None = None) ->
         raise ContractError(f"malformed JSON: {exc}") from None
     except RecursionError:
         raise ContractError("payload is nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise ContractError(f"payload is not valid UTF-8 (byte {exc.start})") from None
 
 
 def convert(obj: Any, kind: type[T]) -> T:
