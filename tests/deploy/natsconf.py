@@ -1,0 +1,218 @@
+"""Start the committed NATS configs (deploy/nats/) with the real nats-server, on loopback.
+
+A config is copied into a temporary directory with every listener moved to
+`127.0.0.1:-1` (the server picks a free port and reports it in its ports file, so there is
+no probe-then-bind race), its store and certificate paths moved under that directory, and
+its leafnode remote pointed at the hub under test. Everything else — domains, pings,
+reconnect, TLS blocks — is the committed text, so the test exercises the file compose runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from shared.natsserver import find_binary
+from shared.procs import open_log
+
+REPO = Path(__file__).resolve().parents[2]
+NATS_DIR = REPO / "deploy" / "nats"
+CERT_SCRIPT = REPO / "deploy" / "certs" / "gen-dev-certs.sh"
+
+START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0
+POLL_S = 0.05
+
+_LISTENER = re.compile(r"^(?P<lead>\s*(?:listen|http)\s*:\s*)(?P<addr>\S+)\s*$", re.M)
+_STORE = re.compile(r'^(?P<lead>\s*store_dir\s*:\s*)"[^"]*"\s*$', re.M)
+_REMOTE_URL = re.compile(r'"(?:wss?|nats-leaf|nats)://[^"]+"')
+_PORT_KEY = re.compile(r"^\s*(?:port|http_port|https_port)\s*:", re.M)
+
+
+def strip_comments(text: str) -> str:
+    return "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+
+
+def listeners(text: str) -> list[str]:
+    """The `listen:`/`http:` addresses of a config, in file order (comments ignored)."""
+    return [m["addr"] for m in _LISTENER.finditer(strip_comments(text))]
+
+
+def localize(
+    text: str,
+    workdir: Path,
+    *,
+    certs_dir: Path | None = None,
+    remote_url: str | None = None,
+) -> str:
+    """The config, runnable on loopback under `workdir` (see the module docstring).
+
+    Raises AssertionError when the config has a shape this rewrite cannot vouch for (a
+    `port:` key that would escape the move to loopback, no store, several remotes), so a
+    change to the committed file cannot silently make the test bind elsewhere.
+    """
+    body = strip_comments(text)
+    assert not _PORT_KEY.search(body), "use `listen: host:port` / `http: host:port` only"
+    out, n = _LISTENER.subn(r"\g<lead>127.0.0.1:-1", body)
+    assert n >= 2, f"expected client and monitoring listeners, found {n}"
+    out, n = _STORE.subn(rf'\g<lead>"{workdir / "store"}"', out)
+    assert n == 1, f"expected one quoted jetstream store_dir, found {n}"
+    if certs_dir is not None:
+        assert "/etc/nats/certs/" in out, "no certificate paths to move"
+        out = out.replace("/etc/nats/certs/", f"{certs_dir}/")
+    urls = _REMOTE_URL.findall(out)
+    if remote_url is not None:
+        assert len(urls) == 1, f"expected one leafnode remote url, found {urls}"
+        out = out.replace(urls[0], json.dumps(remote_url))
+    else:
+        assert not urls, f"unexpected remote urls {urls}"
+    assert "0.0.0.0" not in out
+    return f'ports_file_dir: "{workdir}"\n' + out
+
+
+class ConfiguredServer:
+    """One nats-server process running a localized config; see `localize`."""
+
+    def __init__(self, name: str, config: str, workdir: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.workdir = workdir
+        self.config = config
+        self.env = {**os.environ, **(env or {})}
+        self.proc: asyncio.subprocess.Process | None = None
+        self.ports: dict[str, list[str]] = {}
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / f"{self.name}.conf"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def _port(self, kind: str) -> int:
+        return int(self.ports[kind][0].rsplit(":", 1)[1])
+
+    @property
+    def client_url(self) -> str:
+        return f"nats://127.0.0.1:{self._port('nats')}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self._port('monitoring')}"
+
+    @property
+    def ws_port(self) -> int:
+        return self._port("websocket")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    async def start(self) -> ConfiguredServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(self.config)
+        with open_log(self.log_path) as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                str(find_binary()),
+                "-c",
+                str(self.config_path),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                env=self.env,
+                process_group=0,
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        ports_file = self.workdir / f"nats-server_{self.proc.pid}.ports"
+        while True:
+            if self.proc.returncode is not None:
+                raise AssertionError(
+                    f"{self.name}: nats-server exited {self.proc.returncode}:\n{self.log()}"
+                )
+            with contextlib.suppress(OSError, ValueError):
+                self.ports = json.loads(ports_file.read_text())
+                if "nats" in self.ports:
+                    return self
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: no ports file after {START_TIMEOUT_S:g} s")
+            await asyncio.sleep(POLL_S)
+
+    async def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    async def monitor(self, path: str) -> Any:
+        """GET a monitoring endpoint (`/leafz`, `/varz`, ...) as JSON."""
+
+        def get() -> Any:
+            with urllib.request.urlopen(self.http_url + path, timeout=2.0) as resp:
+                return json.loads(resp.read())
+
+        return await asyncio.to_thread(get)
+
+    async def leaf_names(self) -> list[str]:
+        return [leaf.get("name", "") for leaf in (await self.monitor("/leafz")).get("leafs") or []]
+
+
+async def check_config(
+    text: str, workdir: Path, env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """`nats-server -t` on a config text: (exit status, output)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "check.conf"
+    path.write_text(text)
+    proc = await asyncio.create_subprocess_exec(
+        str(find_binary()),
+        "-t",
+        "-c",
+        str(path),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 20.0)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return proc.returncode or 0, out.decode(errors="replace")
+
+
+async def gen_certs(out_dir: Path) -> None:
+    """Run deploy/certs/gen-dev-certs.sh into `out_dir` (a new CA and hub certificate)."""
+    proc = await asyncio.create_subprocess_exec(
+        "bash",
+        str(CERT_SCRIPT),
+        str(out_dir),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 60.0)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, f"gen-dev-certs.sh failed:\n{out.decode(errors='replace')}"

@@ -1,0 +1,304 @@
+"""The committed NATS configs (deploy/nats/), run by the real nats-server.
+
+Dev variant (deploy/nats/dev/): a leaf dials the hub over plain ws:// on loopback.
+Deployment variant (deploy/nats/hub.conf, leaf.conf — what compose runs): the leaf dials
+wss:// with the CA from deploy/certs/gen-dev-certs.sh; a leaf trusting another CA is
+refused. Also re-checks the NATS-NOTES facts the configs rely on: the hub's `leafnodes`
+block, duration strings, pings that notice a silent partition in ~4 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import nats
+import pytest
+
+from tests.deploy.natsconf import (
+    NATS_DIR,
+    ConfiguredServer,
+    check_config,
+    gen_certs,
+    localize,
+    strip_comments,
+)
+
+POLL_S = 0.05
+LINK_WITHIN_S = 15.0
+
+Launch = Callable[..., Awaitable[ConfiguredServer]]
+
+
+@pytest.fixture
+async def launch(tmp_path: Path) -> AsyncIterator[Launch]:
+    """Starts localized configs; stops every server it started, whatever the test did."""
+    started: list[ConfiguredServer] = []
+
+    async def go(
+        name: str,
+        conf: str,
+        *,
+        env: dict[str, str] | None = None,
+        certs_dir: Path | None = None,
+        remote_url: str | None = None,
+        text: str | None = None,
+    ) -> ConfiguredServer:
+        """Start `conf` (relative to deploy/nats/), or `text` in its place."""
+        workdir = tmp_path / name
+        if text is None:
+            text = (NATS_DIR / conf).read_text()
+        server = ConfiguredServer(
+            name,
+            localize(text, workdir, certs_dir=certs_dir, remote_url=remote_url),
+            workdir,
+            env=env,
+        )
+        started.append(server)
+        return await server.start()
+
+    try:
+        yield go
+    finally:
+        for server in reversed(started):
+            await server.stop()
+
+
+async def wait_for(cond: Callable[[], Awaitable[bool]], within: float, what: str) -> float:
+    """Poll until `cond()` holds; returns the seconds it took. No fixed sleeps."""
+    start = time.monotonic()
+    while not await cond():
+        if time.monotonic() - start > within:
+            raise AssertionError(f"timed out after {within:g} s waiting for {what}")
+        await asyncio.sleep(POLL_S)
+    return time.monotonic() - start
+
+
+async def linked(hub: ConfiguredServer, site: str) -> None:
+    async def up() -> bool:
+        return site in await hub.leaf_names()
+
+    try:
+        await wait_for(up, LINK_WITHIN_S, f"leaf {site!r} in the hub's /leafz")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nhub log:\n{hub.log()[-3000:]}") from None
+
+
+async def assert_domains(leaf: ConfiguredServer, site: str) -> None:
+    """From a client of the leaf, both JetStream domains answer (the hub's across the link)."""
+    nc = await nats.connect(leaf.client_url, allow_reconnect=False)
+    try:
+        hub_info = await nc.jetstream(domain="hub", timeout=5).account_info()
+        assert hub_info.domain == "hub", hub_info
+        site_info = await nc.jetstream(domain=site, timeout=5).account_info()
+        assert site_info.domain == site, site_info
+        local = await nc.jetstream(timeout=5).account_info()
+        assert local.domain == site, f"a leaf client's own JetStream is {local.domain!r}"
+    finally:
+        await nc.close()
+
+
+# -- dev variant: ws:// on loopback ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("site", ["site1", "edge-b"])
+async def test_dev_leaf_joins_hub_over_websocket(launch: Launch, site: str) -> None:
+    assert "$SITE" in (NATS_DIR / "dev" / "leaf.conf").read_text()
+    hub = await launch("hub", "dev/hub.conf")
+    leaf = await launch(
+        "leaf",
+        "dev/leaf.conf",
+        env={"SITE": site},
+        remote_url=f"ws://127.0.0.1:{hub.ws_port}",
+    )
+    await linked(hub, site)
+
+    leafz = await hub.monitor("/leafz")
+    (link,) = leafz["leafs"]
+    assert link["name"] == site and link["websocket"] is True, link
+    (back,) = (await leaf.monitor("/leafz"))["leafs"]
+    assert back["name"] == "hub" and back["websocket"] is True, back
+    varz = await leaf.monitor("/varz")
+    assert varz["server_name"] == site, varz["server_name"]
+    assert varz["ping_interval"] == 2_000_000_000 and varz["ping_max"] == 2, varz
+
+    await assert_domains(leaf, site)
+    # The hub reaches the site's domain too (what sourcing a site stream needs).
+    nc = await nats.connect(hub.client_url, allow_reconnect=False)
+    try:
+        info = await nc.jetstream(domain=site, timeout=5).account_info()
+        assert info.domain == site, info
+    finally:
+        await nc.close()
+    assert f'local "hub", remote "{site}"' in hub.log(), hub.log()[-2000:]
+
+
+async def test_leaf_without_site_fails_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The site name has no silent default: a leaf started without SITE refuses to start."""
+    monkeypatch.delenv("SITE", raising=False)
+    (tmp_path / "ca.pem").write_text("")  # `-t` opens the CA file; its content is not read
+    for conf in ("dev/leaf.conf", "leaf.conf"):
+        text = (NATS_DIR / conf).read_text().replace("/etc/nats/certs/", f"{tmp_path}/")
+        rc, out = await check_config(text, tmp_path / "check")
+        assert rc != 0, out
+        assert "variable reference for 'SITE'" in out, out
+
+
+async def test_durations_must_be_strings(tmp_path: Path) -> None:
+    """NATS-NOTES: `reconnect` must be a duration string; so must `ping_interval`."""
+    text = (NATS_DIR / "dev" / "leaf.conf").read_text()
+    env = {"SITE": "site1"}
+    rc, out = await check_config(text, tmp_path / "ok", env=env)
+    assert rc == 0, out
+    for key, string, bare in [
+        ("reconnect", 'reconnect: "1s"', "reconnect: 1"),
+        ("ping_interval", 'ping_interval: "2s"', "ping_interval: 2"),
+    ]:
+        assert string in text, f"{key} is not the duration string {string!r}"
+        rc, out = await check_config(text.replace(string, bare), tmp_path / key, env=env)
+        assert rc != 0 and "duration" in out, out
+
+
+async def test_hub_needs_a_leafnodes_block(launch: Launch) -> None:
+    """NATS-NOTES: without `leafnodes { listen }` the hub refuses leaves on its WebSocket.
+    (2.15.1 logs the refusal on the hub; the leaf retries silently at the default level.)"""
+    text = (NATS_DIR / "dev" / "hub.conf").read_text()
+    assert re.search(r"^leafnodes\s*\{\s*listen:", strip_comments(text), re.M)
+    bare = re.sub(r"^leafnodes\s*\{[^}]*\}", "", strip_comments(text), flags=re.M)
+    assert "leafnodes" not in bare
+    hub = await launch("bare-hub", "dev/hub.conf", text=bare)
+    await launch(
+        "leaf", "dev/leaf.conf", env={"SITE": "site1"},
+        remote_url=f"ws://127.0.0.1:{hub.ws_port}",
+    )  # fmt: skip
+
+    async def refused_twice() -> bool:
+        assert not await hub.leaf_names(), "a leaf joined a hub with no leafnodes block"
+        return hub.log().count("Not configured to accept leaf node connections") >= 2
+
+    await wait_for(refused_twice, 10.0, "two refusals in the hub's log")
+
+
+async def test_silent_partition_is_noticed_in_about_4s(launch: Launch) -> None:
+    """ping_interval "2s" x ping_max 2: a link whose bytes vanish is dropped in ~4 s (the
+    defaults took minutes), and the leaf relinks once bytes flow again."""
+    hub = await launch("hub", "dev/hub.conf")
+    hole = BlackHole(hub.ws_port)
+    await hole.start()
+    try:
+        await launch(
+            "leaf", "dev/leaf.conf", env={"SITE": "site1"},
+            remote_url=f"ws://127.0.0.1:{hole.port}",
+        )  # fmt: skip
+        await linked(hub, "site1")
+
+        hole.silent = True
+
+        async def dropped() -> bool:
+            return not await hub.leaf_names()
+
+        took = await wait_for(dropped, 15.0, "the hub to drop the silent leaf link")
+        assert 2.0 <= took <= 8.0, f"silent link dropped after {took:.1f} s, expected ~4 s"
+
+        hole.silent = False
+        relink = await wait_for(
+            lambda: _has(hub, "site1"), 10.0, "the leaf to relink after the partition"
+        )
+        print(f"silent link dropped after {took:.2f} s; relinked {relink:.2f} s after heal")
+    finally:
+        await hole.stop()
+
+
+async def _has(hub: ConfiguredServer, site: str) -> bool:
+    return site in await hub.leaf_names()
+
+
+class BlackHole:
+    """A loopback TCP relay that can go silent: connections stay open, bytes vanish."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.silent = False
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for w in list(self._writers):
+            w.transport.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.silent:
+            writer.transport.abort()  # a real partition: new dials fail too
+            return
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers.update((writer, up_w))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    if not self.silent:
+                        dst.write(data)
+                        await dst.drain()
+            dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+        self._writers.difference_update((writer, up_w))
+
+
+# -- deployment variant: wss:// with the dev CA ----------------------------------------------
+
+
+async def test_tls_leaf_joins_hub_over_wss(launch: Launch, tmp_path: Path) -> None:
+    certs = tmp_path / "certs"
+    await gen_certs(certs)
+    hub = await launch("hub", "hub.conf", certs_dir=certs)
+    assert hub.ports["websocket"][0].startswith("wss://"), hub.ports
+    leaf = await launch(
+        "leaf", "leaf.conf", env={"SITE": "site1"}, certs_dir=certs,
+        remote_url=f"wss://localhost:{hub.ws_port}",
+    )  # fmt: skip
+    await linked(hub, "site1")
+    (link,) = (await hub.monitor("/leafz"))["leafs"]
+    assert link["websocket"] is True, link
+    await assert_domains(leaf, "site1")
+    assert "TLS handshake error" not in hub.log()
+
+
+async def test_leaf_trusting_another_ca_is_refused(launch: Launch, tmp_path: Path) -> None:
+    await gen_certs(tmp_path / "hub-ca")
+    await gen_certs(tmp_path / "other-ca")
+    hub = await launch("hub", "hub.conf", certs_dir=tmp_path / "hub-ca")
+    leaf = await launch(
+        "leaf", "leaf.conf", env={"SITE": "site1"}, certs_dir=tmp_path / "other-ca",
+        remote_url=f"wss://localhost:{hub.ws_port}",
+    )  # fmt: skip
+
+    async def refused_twice() -> bool:
+        names = await hub.leaf_names()
+        assert not names, f"a leaf trusting another CA joined: {names}"
+        return hub.log().count("websocket: TLS handshake error") >= 2
+
+    # Two refused attempts (reconnect "1s") — the leaf keeps trying and never gets in.
+    await wait_for(refused_twice, 10.0, "two refused TLS handshakes in the hub log")
+    assert "tls: bad certificate" in hub.log(), hub.log()[-2000:]
+    assert "certificate signed by unknown authority" in leaf.log(), leaf.log()[-2000:]
+    assert not await hub.leaf_names()
