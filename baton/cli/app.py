@@ -266,6 +266,34 @@ def demo(
     raise typer.Exit(run(lambda: run_demo(out, keep)))
 
 
+@app.command()
+def report(
+    run_id: str,
+    out_dir: Annotated[
+        Path, typer.Option("--out", "-o", help="Directory for <run>.png and <run>.html.")
+    ] = Path("reports"),
+    server: Server = "nats://127.0.0.1:4222",
+    as_json: Json = False,
+) -> None:
+    """Draw a run's history (loss per attempt, interruptions, resumes, commits) as a PNG and
+    a self-contained HTML page, and print their paths."""
+    from baton.cli.report import collect, render
+
+    async def go(nc: Any) -> tuple[Any, Any]:
+        return await client.record(nc, run_id), await collect(nc, run_id)
+
+    record, events = run(lambda: with_nats(server, go))
+    try:  # drawing needs no connection: it runs after NATS is closed
+        png, page = render(record, events, out_dir)
+    except OSError as exc:
+        err.print(f"[red]error:[/red] cannot write the report into {out_dir}: {exc.strerror}")
+        raise typer.Exit(1) from None
+    if as_json:
+        print_json({"run_id": run_id, "png": str(png), "html": str(page)})
+    else:
+        out.print(f"{png}\n{page}")
+
+
 Opt = str | None
 
 
