@@ -98,8 +98,12 @@ async def publish(
 ) -> PubAck:
     """Publish to a stream until it is stored. `msg_id` makes the retries safe: a publish
     that timed out may still land from the client's buffer after a reconnect, and the
-    stream's duplicate window drops the second copy. `attempts=0` retries forever."""
-    hdrs = {"Nats-Msg-Id": msg_id, **(headers or {})}
+    stream's duplicate window drops the second copy. `attempts=0` retries forever.
+
+    `headers` ride along (CAS and TTL headers, W3C trace context from
+    `shared.telemetry.inject`); `msg_id` is set last, so no header copied from elsewhere
+    can replace the id that makes the retries safe."""
+    hdrs = {**(headers or {}), "Nats-Msg-Id": msg_id}
     tried = 0
     delay = 0.1
     while True:

@@ -34,6 +34,7 @@ from baton.cli.common import (
     with_nats,
 )
 from baton.cli.watch import watch_run
+from shared import telemetry
 from shared.contracts import RunState
 
 
@@ -321,4 +322,10 @@ from baton.cli import ops  # noqa: E402, F401  (registers the operator commands)
 
 
 def main() -> None:
-    app()
+    # Traces start at `baton submit`; nothing is exported unless OTEL_EXPORTER_OTLP_ENDPOINT
+    # is set, and setting up costs no connection.
+    telemetry.setup("baton-cli")
+    try:
+        app()
+    finally:
+        telemetry.shutdown()

@@ -86,30 +86,50 @@ def load_spec(path: Path) -> JobSpec:
 
 
 async def submit(nc: Client, spec: JobSpec, wait_s: float) -> tuple[str, Event | None]:
-    """Publish a spec; wait up to `wait_s` for the dispatcher's accepted/rejected event."""
+    """Publish a spec; wait up to `wait_s` for the dispatcher's accepted/rejected event.
+
+    The root span of the run's trace is `submit`: a new trace (never a child of whatever
+    span the caller has open), since one trace is one run. Its context goes to the
+    dispatcher in the submission's headers. Without `shared.telemetry.setup()` in this
+    process the span is a no-op, nothing is injected, and the dispatch starts the trace."""
+    from opentelemetry import trace
+    from opentelemetry.context import Context
+
+    from shared import telemetry
+
     key = spec.idempotency_key or uuid.uuid4().hex
     spec = convert({**json.loads(encode(spec)), "idempotency_key": key}, JobSpec)
     run_id = run_id_for(key)
     js = nc.jetstream()
-    sub = await _subscribe_events(nc, run_id)
-    try:
-        await js.publish(
-            names.submit_subject(spec.pool), encode(spec), headers={"Nats-Msg-Id": key}
-        )
-        if wait_s <= 0:
+    with telemetry.tracer.start_as_current_span(
+        "submit",
+        context=Context(),
+        kind=trace.SpanKind.PRODUCER,
+        attributes={telemetry.RUN_ID: run_id, telemetry.POOL: spec.pool, "baton.name": spec.name},
+    ) as span:
+        sub = await _subscribe_events(nc, run_id)
+        try:
+            await js.publish(
+                names.submit_subject(spec.pool),
+                encode(spec),
+                headers=telemetry.inject({"Nats-Msg-Id": key}),
+            )
+            if wait_s <= 0:
+                return run_id, None
+            deadline = asyncio.get_running_loop().time() + wait_s
+            while (left := deadline - asyncio.get_running_loop().time()) > 0:
+                try:
+                    msg = await sub.next_msg(timeout=left)
+                except TimeoutError:
+                    break
+                event: Event = decode(msg.data, Event)  # type: ignore[arg-type]
+                if isinstance(event, Accepted | Rejected):
+                    verdict = "accepted" if isinstance(event, Accepted) else "rejected"
+                    span.set_attribute(telemetry.OUTCOME, verdict)
+                    return run_id, event
             return run_id, None
-        deadline = asyncio.get_running_loop().time() + wait_s
-        while (left := deadline - asyncio.get_running_loop().time()) > 0:
-            try:
-                msg = await sub.next_msg(timeout=left)
-            except TimeoutError:
-                break
-            event: Event = decode(msg.data, Event)  # type: ignore[arg-type]
-            if isinstance(event, Accepted | Rejected):
-                return run_id, event
-        return run_id, None
-    finally:
-        await sub.unsubscribe()
+        finally:
+            await sub.unsubscribe()
 
 
 async def events(nc: Client, run_id: str) -> AsyncIterator[Event]:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 
 from services.checkpointer.service import Checkpointer
-from shared import config
+from shared import config, telemetry
 from shared.connect import connect
 from shared.service import StopSignals, setup_logging
 
 
 async def main() -> None:
     settings = config.load()
+    telemetry.setup("baton-checkpointer")
     signals = StopSignals()
     signals.install()
     nc = await connect(settings.nats_url, "baton-checkpointer")
@@ -22,6 +23,7 @@ async def main() -> None:
     finally:
         await nc.drain()
         await checkpointer.store.close()
+        telemetry.shutdown()  # last: flushes what the final work recorded
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 Whatever a trainer claims about its files is checked here by reading them back; the
 protocol itself is `shared.commit`. A refused commit (a fenced worker's, or one whose files
 are damaged) is not retried: the trainer learns of it from the `commit_refused` event.
+
+Each commit is a `checkpoint.commit` span (verify, manifest, pointer CAS, outcome event),
+the child of the trainer's `commit` span whose context the request's headers carry.
+Retention runs after the span: it is housekeeping, not part of what a commit costs.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from collections.abc import AsyncIterator
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from opentelemetry import trace
 
-from shared import commit, names, retention
+from shared import commit, names, retention, telemetry
 from shared.config import Settings
 from shared.contracts import CommitRequest, decode
 from shared.contracts.events import CheckpointCommitted, CommitRefused
@@ -52,7 +57,28 @@ class Checkpointer:
         )
 
     async def on_commit(self, msg: Msg) -> None:
+        with telemetry.tracer.start_as_current_span(
+            "checkpoint.commit",
+            context=telemetry.extract(msg.headers),
+            kind=trace.SpanKind.CONSUMER,
+        ) as span:
+            req = await self._commit(msg, span)
+        if req is None:
+            return
+        # Only now, with a newer commit durable, may older checkpoints go.
+        try:
+            pinned = await retention.pins(self.store, req.run_id)
+            await retention.apply_retention(self.store, req.run_id, req.keep_last, pinned)
+        except Exception:  # retention is housekeeping: the next commit tries again
+            log.exception("retention for %s failed; will retry after the next commit", req.run_id)
+
+    async def _commit(self, msg: Msg, span: trace.Span) -> CommitRequest | None:
+        """Verify and commit; the request on success. A refusal raises (after its event),
+        except a fenced one, which returns None."""
         req = decode(msg.data, CommitRequest)
+        span.set_attributes(
+            {telemetry.RUN_ID: req.run_id, telemetry.TOKEN: req.token, telemetry.STEP: req.step}
+        )
         try:
             async with _in_progress(msg):
                 pointer, size = await commit.commit(self.store, req)
@@ -62,8 +88,10 @@ class Checkpointer:
                 run_id=req.run_id, step=req.step, token=req.token, reason=str(exc)
             )
             await emit(self.js, refused, msg_id=f"refused.{req.run_id}.{req.token}.{req.step}")
+            span.set_attribute(telemetry.OUTCOME, "refused")
             if isinstance(exc, Fenced):
-                return  # expected behaviour of the protocol, not a poison message
+                span.set_status(trace.StatusCode.ERROR, str(exc))
+                return None  # expected behaviour of the protocol, not a poison message
             raise
         await emit(
             self.js,
@@ -78,12 +106,8 @@ class Checkpointer:
             msg_id=f"committed.{req.run_id}.{req.token}.{req.step}",
         )
         log.info("committed %s step %d token %d (%d bytes)", req.run_id, req.step, req.token, size)
-        # Only now, with a newer commit durable, may older checkpoints go.
-        try:
-            pinned = await retention.pins(self.store, req.run_id)
-            await retention.apply_retention(self.store, req.run_id, req.keep_last, pinned)
-        except Exception:  # retention is housekeeping: the next commit tries again
-            log.exception("retention for %s failed; will retry after the next commit", req.run_id)
+        span.set_attributes({telemetry.OUTCOME: "committed", "baton.bytes": size})
+        return req
 
 
 @contextlib.asynccontextmanager

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 
 from services.dispatcher.service import Dispatcher
-from shared import config
+from shared import config, telemetry
 from shared.connect import connect
 from shared.service import StopSignals, setup_logging
 
 
 async def main() -> None:
     settings = config.load()
+    telemetry.setup("baton-dispatcher")
     signals = StopSignals()
     signals.install()
     nc = await connect(settings.nats_url, "baton-dispatcher")
@@ -22,6 +23,7 @@ async def main() -> None:
     finally:
         # Drain lets in-flight acks reach the server before the socket closes.
         await nc.drain()
+        telemetry.shutdown()  # last: flushes what the final work recorded
 
 
 if __name__ == "__main__":

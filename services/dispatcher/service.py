@@ -5,6 +5,10 @@ key names one run and the KV `create` lets exactly one submission make its recor
 is published with `Nats-Msg-Id = task.<run>.<dispatch>`, so every submission of that key —
 concurrent, redelivered, or retried after a crash between the two writes — publishes the
 same task id, and the stream keeps one copy.
+
+Tracing: a submission's headers carry the submitter's trace context; the `dispatch` span
+continues that trace, and the task's headers carry it on to the trainers (never the Task
+itself: the contract is the same with tracing on or off).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
+from opentelemetry import trace
 
-from shared import names
+from shared import names, telemetry
 from shared.config import Settings
 from shared.connect import publish
 from shared.contracts import (
@@ -82,6 +87,16 @@ class Dispatcher:
         )
 
     async def on_submission(self, msg: Msg) -> None:
+        # A rejection propagates out of the span, which records it as an error.
+        with telemetry.tracer.start_as_current_span(
+            "dispatch",
+            context=telemetry.extract(msg.headers),
+            kind=trace.SpanKind.CONSUMER,
+            attributes={"messaging.destination.name": msg.subject},
+        ):
+            await self._on_submission(msg)
+
+    async def _on_submission(self, msg: Msg) -> None:
         pool = names.pool_from_submit_subject(msg.subject)
         key = _fallback_key(msg)
         try:
@@ -99,6 +114,9 @@ class Dispatcher:
 
     async def dispatch(self, spec: JobSpec, key: str) -> None:
         run_id = run_id_for(key)
+        trace.get_current_span().set_attributes(
+            {telemetry.RUN_ID: run_id, telemetry.POOL: spec.pool}
+        )
         now = time.time()
         estimate, hard_s = await self._budget(run_id, spec)
         soft_s = spec.limits.soft_timeout_s
@@ -130,6 +148,8 @@ class Dispatcher:
                 names.task_subject(spec.pool, run_id),
                 encode(task),
                 msg_id=f"task.{run_id}.{record.dispatch}",
+                # The current span is `dispatch` (none when called outside on_submission).
+                headers=telemetry.inject(),
             )
         await emit(
             self.js,
@@ -143,6 +163,7 @@ class Dispatcher:
             msg_id=f"accepted.{run_id}" if not duplicate else None,
         )
         verb = "re-accepted" if duplicate else "accepted"
+        trace.get_current_span().set_attribute(telemetry.OUTCOME, verb)
         log.info("%s %s (%s) on pool %s", verb, run_id, spec.name, spec.pool)
 
     async def _budget(self, run_id: str, spec: JobSpec) -> tuple[float | None, float | None]:

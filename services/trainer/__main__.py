@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 
 from services.trainer.service import Trainer
-from shared import config
+from shared import config, telemetry
 from shared.connect import connect
 from shared.service import StopSignals, setup_logging
 
 
 async def main() -> None:
     settings = config.load()
+    telemetry.setup("baton-trainer")
     signals = StopSignals()
     signals.install()
     holder: list[Trainer] = []
@@ -36,6 +37,7 @@ async def main() -> None:
         await trainer.serve()
     finally:
         await nc.drain()
+        telemetry.shutdown()  # last: flushes what the final work recorded
 
 
 if __name__ == "__main__":

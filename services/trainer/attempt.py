@@ -11,6 +11,9 @@ the task message:
     FAILED     user code failed for good, run record FAILED           -> ack
     FENCED     someone else holds the run now                         -> nothing: the message is
                no longer ours, and a late ack could delete the new holder's copy (NATS-NOTES)
+
+Each attempt is an `attempt` span, continuing the trace whose context the task message's
+headers carry (the dispatch), and the parent of the attempt's `commit` spans.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from pathlib import Path
 
 import msgspec
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from opentelemetry import trace
 
 from services.trainer.child_proc import Child
 from services.trainer.commits import Commits
 from services.trainer.keeper import Keeper
-from shared import commit, names
+from shared import commit, names, telemetry
 from shared.config import Settings
 from shared.contracts import RunRecord, RunState, Task
 from shared.contracts.child import CheckpointReady, Control, Finished, Launch, Restored, StepDone
@@ -101,7 +106,7 @@ class Attempt:
         self.orders = self.keeper.orders
         self.commits = Commits(
             self.js, store, runs, task.run_id, self.worker, lambda: lease.token,
-            task.spec.checkpoint.keep_last,
+            task.spec.checkpoint.keep_last, task.spec.pool,
         )  # fmt: skip
         self.step = 0
         self.start_step = 0
@@ -111,8 +116,34 @@ class Attempt:
         self._began = time.monotonic()
         self._last_progress = 0.0
         self._rate: tuple[float, int] | None = None
+        self._metric_attrs = {telemetry.POOL: task.spec.pool}
+        self._recovering = False
+        """Set for an attempt after the run's first, until its first step is done."""
 
-    async def run(self, touch: Callable[[], Awaitable[None]]) -> Outcome:
+    async def run(self, msg: Msg) -> Outcome:
+        """Run the attempt for the task message `msg`: its `in_progress` keeps it ours, and
+        its headers carry the run's trace context."""
+        touch = msg.in_progress
+        with telemetry.tracer.start_as_current_span(
+            "attempt",
+            context=telemetry.extract(msg.headers),
+            kind=trace.SpanKind.CONSUMER,
+            attributes={
+                telemetry.RUN_ID: self.run_id,
+                telemetry.WORKER: self.worker,
+                telemetry.TOKEN: self.lease.token,
+                telemetry.POOL: self.task.spec.pool,
+            },
+        ) as span:
+            self.commits.trace_context = trace.set_span_in_context(span)
+            try:
+                outcome = await self._run(touch, span)
+            finally:
+                self.commits.close()
+            span.set_attribute(telemetry.OUTCOME, outcome.value)
+            return outcome
+
+    async def _run(self, touch: Callable[[], Awaitable[None]], span: trace.Span) -> Outcome:
         token = self.lease.token
         record = await self.runs.update(self.run_id, self._mark_running)
         if record is None:
@@ -121,6 +152,8 @@ class Attempt:
             return Outcome.STOPPED if terminal else Outcome.FENCED
         latest = await commit.read_latest(self.store, self.run_id)
         self.step = self.start_step = latest[0].step if latest else 0
+        span.set_attributes({telemetry.ATTEMPT: record.attempts, telemetry.START_STEP: self.step})
+        self._recovering = record.attempts > 1
         started = Started(
             run_id=self.run_id, worker=self.worker, token=token,
             attempt=record.attempts, start_step=self.step,
@@ -133,7 +166,7 @@ class Attempt:
         launch = Launch(task=self.task, token=token, worker=self.worker, store_url=self.store.url)
         self.child.send(launch)
         background = [
-            asyncio.create_task(self.child.copy_output(self.log_path)),
+            asyncio.create_task(self.child.copy_output(self.log_path, self._publish_output)),
             asyncio.create_task(self.keeper.keep(touch)),
         ]
         try:
@@ -145,6 +178,12 @@ class Attempt:
                 t.cancel()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def _publish_output(self, chunk: bytes) -> None:
+        # The captured output goes to the run's log stream for `baton logs`; it is best
+        # effort (the local log file keeps everything), so a down link skips chunks.
+        with contextlib.suppress(Exception):
+            await self.js.publish(names.logs_subject(self.run_id), chunk, timeout=2)
 
     def orphaned(self, reason: str) -> None:
         """The reaper saw this worker run a run it does not hold: stop at once."""
@@ -201,8 +240,14 @@ class Attempt:
                 await emit(self.js, restored)
             elif isinstance(msg, StepDone):
                 self.step = msg.step
+                if self._recovering:
+                    self._recovering = False
+                    telemetry.RECOVERY.record(time.monotonic() - self._began, self._metric_attrs)
                 await self._progress(msg)
             elif isinstance(msg, CheckpointReady):
+                telemetry.CHECKPOINT_STALL.record(msg.stall_s, self._metric_attrs)
+                size = sum(f.size for f in msg.files)
+                telemetry.CHECKPOINT_BYTES.record(size, self._metric_attrs)
                 await self.commits.request(msg)
                 self.last_checkpoint = msg
             elif isinstance(msg, Finished):
@@ -263,6 +308,7 @@ class Attempt:
         self.child.kill()
         reason = self.orders.reason or "lease lost"
         log.warning("%s: fenced (%s); training process killed", self.run_id, reason)
+        trace.get_current_span().set_attribute("baton.reason", reason)
         fenced = Fenced(
             run_id=self.run_id, worker=self.worker, token=self.lease.token, reason=reason
         )
@@ -278,6 +324,7 @@ class Attempt:
         )
         token = self.lease.token
         spent = self._spent()
+        trace.get_current_span().set_status(trace.StatusCode.ERROR, reason)
 
         def count(r: RunRecord) -> RunRecord | None:
             if r.state.terminal or r.token != token:
@@ -343,6 +390,9 @@ class Attempt:
         t0, s0 = self._rate
         rate = (msg.step - s0) / (now - t0) if now > t0 else 0.0
         self._last_progress = now
+        if now > t0:  # the first sample has no interval yet; a 0 would read as a stall
+            attrs = {**self._metric_attrs, telemetry.WORKER: self.worker}
+            telemetry.STEPS_PER_SECOND.set(rate, attrs)
         event = Progress(
             run_id=self.run_id, step=msg.step, total_steps=self.task.spec.total_steps,
             metrics=msg.metrics, steps_per_s=rate, worker=self.worker,

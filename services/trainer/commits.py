@@ -3,6 +3,10 @@
 Outcomes arrive as `checkpoint_committed` / `commit_refused` events on a core subscription.
 A core subscription misses what is published while the link is down, so a waiter that
 hears nothing asks the store, which is the truth anyway.
+
+Each request is a `commit` span, from the publish until the trainer learns the outcome (the
+event, the store, or the attempt ending first); its context rides in the request's headers,
+so the checkpointer's `checkpoint.commit` span is its child.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from collections.abc import Callable
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from opentelemetry import trace
+from opentelemetry.context import Context
 
-from shared import commit, names
+from shared import commit, names, telemetry
 from shared.connect import publish
 from shared.contracts import CommitRequest, RunRecord, decode, encode
 from shared.contracts.child import CheckpointReady
@@ -38,6 +44,7 @@ class Commits:
         worker: str,
         token: Callable[[], int],
         keep_last: int,
+        pool: str = "",
     ) -> None:
         self.js = js
         self.store = store
@@ -47,6 +54,10 @@ class Commits:
         self._token = token
         self._keep_last = keep_last
         self._outcomes: dict[tuple[int, int], asyncio.Future[bool]] = {}
+        self._pool = pool
+        self.trace_context: Context | None = None
+        """The attempt's span, parent of every `commit` span."""
+        self._spans: dict[tuple[int, int], tuple[trace.Span, float]] = {}
 
     async def request(self, ready: CheckpointReady) -> None:
         self._future(ready.token, ready.step)
@@ -61,11 +72,27 @@ class Commits:
             digest=ready.digest,
             keep_last=self._keep_last,
         )
+        span = telemetry.tracer.start_span(
+            "commit",
+            context=self.trace_context,
+            kind=trace.SpanKind.PRODUCER,
+            attributes={
+                telemetry.RUN_ID: self.run_id,
+                telemetry.TOKEN: ready.token,
+                telemetry.STEP: ready.step,
+                "baton.final": ready.final,
+                "baton.bytes": sum(f.size for f in ready.files),
+            },
+        )
+        # Started before the publish: a publish retried through an outage is part of what
+        # the commit costs. Monotonic, so a clock step never makes a negative latency.
+        self._spans[(ready.token, ready.step)] = (span, time.monotonic())
         await publish(
             self.js,
             names.commit_subject(self.run_id),
             encode(req),
             msg_id=f"commit.{self.run_id}.{ready.token}.{ready.step}",
+            headers=telemetry.inject(context=trace.set_span_in_context(span)),
         )
 
     async def on_event(self, msg: Msg) -> None:
@@ -78,6 +105,10 @@ class Commits:
         fut = self._outcomes.get((event.token, event.step))
         if fut is not None and not fut.done():
             fut.set_result(isinstance(event, CheckpointCommitted))
+        if isinstance(event, CheckpointCommitted):
+            self._end_span(event.token, event.step, "committed", measured=True)
+        else:
+            self._end_span(event.token, event.step, "refused", error=event.reason)
         if isinstance(event, CheckpointCommitted) and event.token == self._token():
             await self.runs.update(self.run_id, self._advance(event.step))
 
@@ -94,10 +125,33 @@ class Commits:
                 if latest is not None:
                     p = latest[0]
                     if p.token == token and p.step >= step:
+                        # Heard from the store, not the event: no latency sample, since
+                        # the polling interval would be most of it.
+                        self._end_span(token, step, "committed")
                         return True
                     if p.token > token:
+                        self._end_span(token, step, "superseded")
                         return False
         return False
+
+    def close(self) -> None:
+        """The attempt is over: end the spans of commits whose outcome it never learned."""
+        for token, step in list(self._spans):
+            self._end_span(token, step, "unknown")
+
+    def _end_span(
+        self, token: int, step: int, outcome: str, *, measured: bool = False, error: str = ""
+    ) -> None:
+        found = self._spans.pop((token, step), None)
+        if found is None:  # not ours, or ended already (a duplicate event)
+            return
+        span, began = found
+        if measured:
+            telemetry.COMMIT_LATENCY.record(time.monotonic() - began, {telemetry.POOL: self._pool})
+        span.set_attribute(telemetry.OUTCOME, outcome)
+        if error:
+            span.set_status(trace.StatusCode.ERROR, error)
+        span.end()
 
     def _future(self, token: int, step: int) -> asyncio.Future[bool]:
         key = (token, step)

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from shared import commit
+from shared import commit, telemetry
 from shared.contracts import RunRecord
 from shared.contracts.child import Control
 from shared.lease import Lease
@@ -68,11 +68,14 @@ class Keeper:
             self.beat_now.clear()
             try:
                 await touch()
-                if not await self.lease.renew() and not await self._retake():
-                    self.orders.fence("the lease was taken over by another worker")
-                    return
+                if not await self.lease.renew():
+                    telemetry.LEASE_RENEW_FAILURES.add(1, {"baton.reason": "cas"})
+                    if not await self._retake():
+                        self.orders.fence("the lease was taken over by another worker")
+                        return
                 await self._read_orders()
             except Exception as exc:  # a link that is down: keep training, try again
+                telemetry.LEASE_RENEW_FAILURES.add(1, {"baton.reason": "error"})
                 log.warning(
                     "%s: lease renewal failed (%s); training goes on",
                     self.run_id,

@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 
 from services.trainer.attempt import Attempt, Outcome
 from services.trainer.child_proc import Child
-from shared import names
+from shared import names, telemetry
 from shared.config import Settings
 from shared.connect import publish
 from shared.contracts import RunRecord, RunState, Task, decode, encode
@@ -98,6 +98,8 @@ class Trainer:
             await self.store.close()
 
     async def on_task(self, msg: Msg) -> None:
+        if msg.metadata.num_delivered > 1:
+            telemetry.REDELIVERIES.add(1, {telemetry.POOL: self.settings.pool})
         try:
             task = decode(msg.data, Task)
         except ContractError as exc:
@@ -136,7 +138,7 @@ class Trainer:
         )  # fmt: skip
         self.attempt = attempt
         try:
-            outcome = await attempt.run(msg.in_progress)
+            outcome = await attempt.run(msg)
         finally:
             self.attempt = None
             if not self.signals.stop.is_set():
