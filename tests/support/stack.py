@@ -135,6 +135,12 @@ class Stack:
         await self.sup.stop(stop_order(self.specs), hurry=hurry)
         await self.nats.stop()
 
+        # Whatever the test did, no training process may outlive the stack.
+        async def none_left() -> bool:
+            return not [p for p in training_processes() if alive(p)]
+
+        await eventually(none_left, 10, "every training process to exit")
+
 
 async def eventually(
     check: Callable[[], Awaitable[T | None]], timeout: float, what: str, every: float = 0.1
