@@ -220,9 +220,10 @@ class Attempt:
                 self.child.kill()
                 return await self._on_stopped_early(None)
             finished = reader.result()
-            code = await self.child.wait()
-            if finished is None or code != 0:
-                return await self._on_child_failed(code)
+            if finished is None:
+                return await self._on_child_failed(await self.child.wait())
+            # `Finished` comes after the child's last write, so its exit (a second or so of
+            # interpreter teardown) is not waited for: the next worker would wait with us.
             if finished.stopped:
                 return await self._on_stopped_early(finished)
             return await self._on_finished()

@@ -37,6 +37,7 @@ def main(argv: list[str]) -> int:
         with out_lock:
             ctl_out.write(line)
 
+    _warm_up()
     launch = decode(ctl_in.readline(), Launch)
     spec = launch.task.spec
     _configure_torch(spec.deterministic, spec.seed)
@@ -85,6 +86,15 @@ def _listen(ctl_in: Any, ctx: RunContext) -> None:
         ctx.request(msg.action, msg.token)
     # The trainer closed our pipe: it is gone, and nobody would commit what we produce.
     os._exit(EXIT_ORPHANED)
+
+
+def _warm_up() -> None:
+    """Pay torch's one-off costs while this child is the trainer's spare, before a run
+    is handed to it: the first `use_deterministic_algorithms` call alone takes over a
+    second (it imports more of torch), which a takeover would otherwise wait for."""
+    import torch
+
+    torch.use_deterministic_algorithms(False)
 
 
 def _configure_torch(deterministic: bool, seed: int) -> None:

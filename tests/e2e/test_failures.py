@@ -111,7 +111,8 @@ async def test_sigterm_loses_no_step_and_hands_over_at_once(two: Stack) -> None:
     log = EventLog(nc, run_id)
     first = await log.wait_for(lambda e: isinstance(e, Started), 30, "start")
     assert isinstance(first, Started)
-    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 25, 30, "step 25")
+    # Late enough that the other trainer has its spare child warm again after the reference.
+    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 60, 30, "step 60")
     two.signal(first.worker, signal.SIGTERM)
     pre = await log.wait_for(lambda e: isinstance(e, Preempted), 30, "preemption")
     assert isinstance(pre, Preempted) and pre.step % 40 != 0  # a checkpoint off the policy
