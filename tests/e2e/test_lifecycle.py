@@ -81,8 +81,10 @@ async def test_user_code_that_raises_is_retried_then_failed_with_its_traceback(
     assert len(retried) == 2 and all("boom at step 3" in e.detail for e in retried)
     failed = events[-1]
     assert isinstance(failed, Failed) and "RuntimeError: boom at step 3" in failed.detail
+    # The wait between a failure and the next attempt is the back-off: 2 s, then 4 s.
     starts = [e.at for e in events if isinstance(e, Started)]
-    assert starts[2] - starts[1] > starts[1] - starts[0]  # back-off grows
+    waits = [starts[i + 1] - retried[i].at for i in range(2)]
+    assert 1.5 < waits[0] < waits[1], waits
 
 
 async def test_a_task_that_kills_every_trainer_is_dead_lettered(tmp_path: Path) -> None:
