@@ -201,17 +201,17 @@ class Dispatcher:
         if record is None:
             log.info("cancel of %s: nothing to do (no such run, or already over)", req.run_id)
         elif record.state is RunState.CANCELLED:
-            await emit(
-                self.js,
-                Cancelled(run_id=req.run_id, reason=req.reason),
-                msg_id=f"cancelled.{req.run_id}",
-            )
             with contextlib.suppress(NotFoundError):  # its trainer would ack it on sight anyway
                 queued = await self.js.get_last_msg(
                     names.TASKS_STREAM, names.task_subject(record.spec.pool, req.run_id)
                 )
                 assert queued.seq is not None
                 await self.js.delete_msg(names.TASKS_STREAM, queued.seq)
+            await emit(
+                self.js,
+                Cancelled(run_id=req.run_id, reason=req.reason),
+                msg_id=f"cancelled.{req.run_id}",
+            )
         elif record.worker:
             wake = Command(run_id=req.run_id, action="wake", reason=req.reason)
             await self.nc.publish(names.control_subject(record.worker), encode(wake))

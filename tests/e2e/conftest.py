@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.stack import Stack, alive, eventually, training_processes
+from tests.support.stack import Stack
 
 
 @pytest.fixture
@@ -15,10 +15,4 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
     try:
         yield s
     finally:
-        await s.stop()
-
-        # Whatever the test did, no training process may outlive it.
-        async def none_left() -> bool:
-            return not [p for p in training_processes() if alive(p)]
-
-        await eventually(none_left, 10, "training processes to exit")
+        await s.stop()  # which also waits for every training process to exit

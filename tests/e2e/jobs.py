@@ -51,20 +51,7 @@ async def finished(nc: Client, run_id: str, timeout: float = 90) -> RunRecord:
 
 
 async def history(nc: Client, run_id: str) -> list[Event]:
-    from shared import names
-    from shared.contracts import decode
-
-    sub = await nc.jetstream().subscribe(names.events_of_run(run_id), ordered_consumer=True)
-    out: list[Event] = []
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=0.5)
-            except TimeoutError:
-                return out
-            out.append(decode(msg.data, Event))  # type: ignore[arg-type]
-    finally:
-        await sub.unsubscribe()
+    return await client.history(nc, run_id)
 
 
 class EventLog:

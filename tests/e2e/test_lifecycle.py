@@ -28,7 +28,7 @@ from shared.lease import Lease
 from shared.outcome import DeadLetter
 from shared.store import open_store
 from tests.e2e.jobs import EventLog, finished, history, job, submit
-from tests.support.stack import Stack, alive, eventually, training_processes
+from tests.support.stack import Stack, eventually, training_processes
 
 FAST = {"BATON_SWEEP_INTERVAL": "0.5", "BATON_HEARTBEAT": "0.5"}
 
@@ -44,12 +44,7 @@ async def lifecycle(tmp_path: Path) -> AsyncIterator[Stack]:
     try:
         yield s
     finally:
-        await s.stop()
-
-        async def none_left() -> bool:
-            return not [p for p in training_processes() if alive(p)]
-
-        await eventually(none_left, 10, "training processes to exit")
+        await s.stop()  # which also waits for every training process to exit
 
 
 def spec(entry: str, **over: Any) -> Any:
@@ -128,7 +123,7 @@ async def test_a_run_past_its_hard_deadline_fails_and_its_child_stops(lifecycle:
     assert log.of(Started), "the run was training when its deadline passed"
 
     async def child_gone() -> bool:
-        return len(training_processes()) <= 1  # only the trainer's warm spare remains
+        return len(training_processes(lifecycle.root)) <= 1  # only the warm spare is left
 
     await eventually(child_gone, 15, "the training process to stop")
     log.close()
@@ -168,13 +163,16 @@ async def test_cancel_a_queued_and_a_running_run(tmp_path: Path) -> None:
         await s.start(("dispatcher", "checkpointer", "reaper"))
         nc = await s.client()
         queued = await submit(nc, spec("paced", total_steps=100))
+        log_of_queued = EventLog(nc, queued)
         await client.cancel(nc, queued, "not needed")
         record = await finished(nc, queued, timeout=20)
         assert record.state is RunState.CANCELLED and record.reason == "not needed"
+        await log_of_queued.wait_for(lambda e: isinstance(e, Cancelled), 10, "cancelled")
         info = await nc.jetstream().stream_info(
             names.TASKS_STREAM, subjects_filter=names.task_subject("default", queued)
         )
         assert not info.state.subjects, "a cancelled queued run's task is removed"
+        log_of_queued.close()
 
         await s.add_trainer("t1")
         running = await submit(nc, spec("paced", total_steps=10_000, config={"pace": 0.03}))
@@ -213,7 +211,7 @@ async def test_an_orphan_gets_a_kill_command(tmp_path: Path) -> None:
         assert isinstance(fenced, Fenced) and fenced.reason.startswith("orphan")
 
         async def child_gone() -> bool:
-            return len(training_processes()) <= 1
+            return len(training_processes(s.root)) <= 1
 
         await eventually(child_gone, 15, "the orphaned training process to stop")
         workers = await client.workers(nc)

@@ -4,29 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
-import pytest
 from nats.aio.client import Client
 
+from baton.cli import client
 from services.dispatcher.service import Dispatcher
 from shared import config, names
-from shared.connect import connect
 from shared.contracts import decode, run_id_for
 from shared.contracts.events import Accepted, Event, Rejected
-from shared.natsserver import NatsServer
 from shared.outcome import DeadLetter
 from shared.runs import Runs
 from tests.support.stack import eventually
 
 GOOD = {"name": "t", "entry_point": "examples.regression:train", "total_steps": 10}
-
-
-@pytest.fixture
-async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
-    client = await connect(nats_server.url, "test", first_attempt_timeout=5)
-    yield client
-    await client.close()
 
 
 async def start_dispatchers(
@@ -42,18 +32,7 @@ async def start_dispatchers(
 
 
 async def events_of(nc: Client, run_id: str) -> list[Event]:
-    js = nc.jetstream()
-    out: list[Event] = []
-    sub = await js.subscribe(names.events_of_run(run_id), ordered_consumer=True)
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=0.3)
-            except TimeoutError:
-                return out
-            out.append(decode(msg.data, Event))  # type: ignore[arg-type]
-    finally:
-        await sub.unsubscribe()
+    return await client.history(nc, run_id)
 
 
 async def tasks_for(nc: Client, run_id: str) -> int:

@@ -4,31 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
 from nats.aio.client import Client
 
 from services.reaper.service import Reaper
 from shared import config, names
-from shared.connect import connect
 from shared.contracts import JobSpec, RunRecord, RunState, convert, encode, spec_hash
 from shared.lease import Lease
-from shared.natsserver import NatsServer
 from shared.runs import Runs
-from shared.streams import ensure
 from tests.support.stack import eventually
 
 SPEC = convert({"name": "t", "entry_point": "m:f", "total_steps": 5}, JobSpec)
-
-
-@pytest.fixture
-async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
-    client = await connect(nats_server.url, "test", first_attempt_timeout=5)
-    await ensure(client.jetstream())
-    yield client
-    await client.close()
 
 
 async def running(nc: Client, run_id: str) -> Runs:
@@ -55,7 +42,10 @@ async def queued_tasks(nc: Client, run_id: str) -> int:
     return sum((info.state.subjects or {}).values())
 
 
-async def test_two_racing_reapers_dispatch_a_lost_run_once(nc: Client, tmp_path: Path) -> None:
+async def test_two_racing_reapers_dispatch_a_lost_run_once(
+    declared: Client, tmp_path: Path
+) -> None:
+    nc = declared
     runs = await running(nc, "rlost")
     settings = config.load({"BATON_LEASE_TTL": "2", "BATON_STORE": f"file://{tmp_path}"})
     a, b = Reaper(nc, settings), Reaper(nc, settings)
@@ -75,7 +65,10 @@ async def test_two_racing_reapers_dispatch_a_lost_run_once(nc: Client, tmp_path:
     assert await swept() == []  # a task is queued now: nothing more to do
 
 
-async def test_a_held_lease_or_a_queued_task_is_left_alone(nc: Client, tmp_path: Path) -> None:
+async def test_a_held_lease_or_a_queued_task_is_left_alone(
+    declared: Client, tmp_path: Path
+) -> None:
+    nc = declared
     await running(nc, "rheld")
     await running(nc, "rqueued")
     js = nc.jetstream()

@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
-import pytest
 from nats.aio.client import Client
 
-from shared.connect import connect
 from shared.lease import Lease, is_held
-from shared.natsserver import NatsServer
-from shared.streams import ensure
 from tests.support.stack import eventually
 
 
-@pytest.fixture
-async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
-    client = await connect(nats_server.url, "test", first_attempt_timeout=5)
-    await ensure(client.jetstream())
-    yield client
-    await client.close()
-
-
-async def test_one_holder_at_a_time_and_tokens_only_grow(nc: Client) -> None:
+async def test_one_holder_at_a_time_and_tokens_only_grow(declared: Client) -> None:
+    nc = declared
     js = nc.jetstream()
     a, b = Lease(js, "run1", "a", ttl_s=30), Lease(js, "run1", "b", ttl_s=30)
     assert await a.acquire()
@@ -35,7 +23,8 @@ async def test_one_holder_at_a_time_and_tokens_only_grow(nc: Client) -> None:
     assert not await a.renew(), "the old holder's renewal must lose its CAS"
 
 
-async def test_expiry_is_decided_by_the_server(nc: Client) -> None:
+async def test_expiry_is_decided_by_the_server(declared: Client) -> None:
+    nc = declared
     js = nc.jetstream()
     a, b = Lease(js, "run2", "a", ttl_s=2), Lease(js, "run2", "b", ttl_s=2)
     assert await a.acquire()
@@ -49,7 +38,8 @@ async def test_expiry_is_decided_by_the_server(nc: Client) -> None:
     assert not await a.renew()
 
 
-async def test_renewal_keeps_a_lease_alive_past_its_ttl(nc: Client) -> None:
+async def test_renewal_keeps_a_lease_alive_past_its_ttl(declared: Client) -> None:
+    nc = declared
     js = nc.jetstream()
     a, b = Lease(js, "run3", "a", ttl_s=2), Lease(js, "run3", "b", ttl_s=2)
     assert await a.acquire()

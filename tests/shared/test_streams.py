@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, RetentionPolicy, StreamConfig
 
 from shared import names
-from shared.connect import connect
 from shared.errors import ConfigError
-from shared.natsserver import NatsServer
 from shared.streams import ensure, stream_configs
-
-
-@pytest.fixture
-async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
-    client = await connect(nats_server.url, "test", first_attempt_timeout=5)
-    yield client
-    await client.close()
 
 
 async def test_ensure_is_idempotent_and_creates_everything(nc: Client) -> None:

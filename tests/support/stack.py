@@ -137,7 +137,7 @@ class Stack:
 
         # Whatever the test did, no training process may outlive the stack.
         async def none_left() -> bool:
-            return not [p for p in training_processes() if alive(p)]
+            return not training_processes(self.root)
 
         await eventually(none_left, 10, "every training process to exit")
 
@@ -188,16 +188,25 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
-def training_processes() -> list[int]:
-    """pids of live training child processes (`services.trainer.child`) on this machine."""
+def training_processes(root: Path | None = None) -> list[int]:
+    """pids of live training child processes (`services.trainer.child`); with `root`, only
+    those of the stack under that directory (their environment names it), so that another
+    suite running on the same machine does not count. Orphans are re-parented, so the
+    environment, not the process tree, is what ties a child to its stack."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"services.trainer.child" in f.read() and alive(int(entry)):
-                        found.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
+                    if b"services.trainer.child" not in f.read():
+                        continue
+                if root is not None:
+                    with open(f"/proc/{entry}/environ", "rb") as f:
+                        if str(root).encode() not in f.read():
+                            continue
+                if alive(int(entry)):
+                    found.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
                 continue
     return found
 
