@@ -1,4 +1,4 @@
-"""What every service's `main()` shares: logging, stop signals, the pull loop."""
+"""What every service shares: its `main()`, logging, stop signals, the pull loop."""
 
 from __future__ import annotations
 
@@ -9,13 +9,59 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, ServiceUnavailableError
 
+from shared import config, telemetry
+from shared.config import Settings
+from shared.connect import connect
+
 log = logging.getLogger("baton.service")
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+    async def serve(self, stop: asyncio.Event) -> None: ...
+    async def on_reconnect(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+def main(name: str, make: Callable[[Client, Settings, StopSignals], Service]) -> None:
+    """Run one service until SIGTERM/SIGINT: `python -m services.<name>`."""
+    setup_logging(name)
+    asyncio.run(_main(name, make))
+
+
+async def _main(name: str, make: Callable[[Client, Settings, StopSignals], Service]) -> None:
+    settings = config.load()
+    telemetry.setup(f"baton-{name}")
+    signals = StopSignals()
+    signals.install()
+    made: list[Service] = []
+
+    async def reconnected() -> None:
+        if made:
+            await made[0].on_reconnect()
+
+    client_name = f"baton-{name}-{settings.worker_id}" if name == "trainer" else f"baton-{name}"
+    nc = await connect(settings.nats_url, client_name, on_reconnect=reconnected)
+    service = make(nc, settings, signals)
+    made.append(service)
+    try:
+        await service.start()
+        await service.serve(signals.stop)
+    finally:
+        # The service finished its own shutdown in serve(); draining now lets its last acks
+        # and events reach the server before the socket closes, then its resources go, and
+        # telemetry last, to flush what that final work recorded.
+        await nc.drain()
+        await service.close()
+        telemetry.shutdown()
 
 
 def setup_logging(name: str) -> None:

@@ -43,6 +43,12 @@ class Checkpointer:
         self.js: JetStreamContext = nc.jetstream()
         self.store = store or open_store(settings.store_url)
 
+    async def on_reconnect(self) -> None:
+        return None  # pull consumers resume by themselves once NATS is back
+
+    async def close(self) -> None:
+        await self.store.close()
+
     async def start(self) -> None:
         await ensure(self.js)
         await ensure_consumer(self.js, names.CKPT_STREAM, checkpointer_consumer())

@@ -60,6 +60,12 @@ class Dispatcher:
         self.settings = settings
         self.runs: Runs
 
+    async def on_reconnect(self) -> None:
+        return None  # pull consumers resume by themselves once NATS is back
+
+    async def close(self) -> None:
+        return None
+
     async def start(self) -> None:
         await ensure(self.js)
         await ensure_consumer(self.js, names.SUBMIT_STREAM, dispatcher_consumer())

@@ -61,6 +61,12 @@ class Reaper:
         self.store = open_store(settings.store_url)
         self.runs: Runs
 
+    async def on_reconnect(self) -> None:
+        return None  # pull consumers resume by themselves once NATS is back
+
+    async def close(self) -> None:
+        await self.store.close()
+
     async def start(self) -> None:
         await ensure(self.js)
         await ensure_consumer(self.js, names.ADVISORY_STREAM, reaper_consumer())

@@ -75,9 +75,14 @@ class Trainer:
         # in_progress sent while the link was down reached nobody.
         self.beat_now.set()
 
-    async def serve(self) -> None:
+    async def close(self) -> None:
+        return None  # serve() already stopped the spare child and closed the store
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """`stop` is the first signal; attempts also see the second (`hurry`)."""
+
         async def stop_when_signalled() -> None:
-            await self.signals.stop.wait()
+            await stop.wait()
             self._stop_fetching.set()
 
         side = [asyncio.create_task(stop_when_signalled()), asyncio.create_task(self._heartbeat())]

@@ -83,7 +83,7 @@ class Services:
         signals = StopSignals()
         trainer = Trainer(await self._conn(), settings, signals)
         await trainer.start()
-        self.trainers.append((trainer, signals, asyncio.create_task(trainer.serve())))
+        self.trainers.append((trainer, signals, asyncio.create_task(trainer.serve(signals.stop))))
         return self.trainers[-1]
 
     async def close(self) -> None:
