@@ -78,14 +78,6 @@ class Lease:
         except (APIError, KeyNotFoundError) as exc:
             log.info("%s: lease already gone on release (%s)", self.run_id, exc)
 
-    async def holder(self) -> str | None:
-        kv = await self._js.key_value(names.LEASES_BUCKET)
-        try:
-            entry = await kv.get(self.run_id)
-        except (KeyNotFoundError, KeyDeletedError):
-            return None
-        return (entry.value or b"").decode() or None
-
     async def _write(self, expected: int) -> int | None:
         try:
             ack = await publish(

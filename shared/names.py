@@ -7,8 +7,6 @@ scanning a stream.
 
 from __future__ import annotations
 
-import re
-
 PREFIX = "baton"
 
 # Streams.
@@ -50,17 +48,6 @@ MAX_DELIVERIES_ADVISORIES = [
 
 # Control plane: core NATS, never stored (a lost control message is re-sent by its sweep).
 CONTROL_ALL = f"{PREFIX}.control.>"
-
-# Runs whose id cannot be known (the submission was not even JSON) get their events here.
-UNKNOWN_RUN = "unknown"
-
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-def is_token(value: str) -> bool:
-    """True when `value` is safe as a single subject token (pool names, run ids)."""
-    return bool(_TOKEN.match(value))
-
 
 def submit_subject(pool: str) -> str:
     return f"{PREFIX}.submit.{pool}"
