@@ -34,6 +34,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`BATON_GRACE`: seconds a preempted (SIGTERMed) trainer gets to checkpoint and commit."""
     work_dir: str = "./.baton/work"
     """`BATON_WORK_DIR`: local scratch for a trainer (run logs, upload spool)."""
+    entry_allow: tuple[str, ...] = ()
+    """`BATON_ENTRY_ALLOW`: comma-separated module prefixes a trainer may run entry points
+    from (`examples,mylab.models`); a job naming any other module is failed before anything
+    is imported. Empty allows every module."""
     entry_path: str = ""
     """`BATON_ENTRY_PATH`: extra `os.pathsep`-separated directories searched for entry
     points, before the trainer's working directory."""
@@ -58,6 +62,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         survives never makes JetStream hand the task to someone else."""
         return self.lease_ttl_s * 1.5
 
+    def allows(self, entry_point: str) -> bool:
+        module = entry_point.partition(":")[0]
+        return not self.entry_allow or any(
+            module == p or module.startswith(p + ".") for p in self.entry_allow
+        )
+
     @property
     def sweep_s(self) -> float:
         return self.sweep_interval_s or self.lease_ttl_s / 2
@@ -75,6 +85,9 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             lease_ttl_s=_int(env, "BATON_LEASE_TTL", d.lease_ttl_s, minimum=2),
             grace_s=_float(env, "BATON_GRACE", d.grace_s),
             work_dir=env.get("BATON_WORK_DIR", d.work_dir),
+            entry_allow=tuple(
+                p.strip() for p in env.get("BATON_ENTRY_ALLOW", "").split(",") if p.strip()
+            ),
             entry_path=env.get("BATON_ENTRY_PATH", ""),
             progress_interval_s=_float(env, "BATON_PROGRESS_INTERVAL", d.progress_interval_s),
             max_deliver=_int(env, "BATON_MAX_DELIVER", d.max_deliver, minimum=1),

@@ -49,6 +49,7 @@ MAX_DELIVERIES_ADVISORIES = [
 # Control plane: core NATS, never stored (a lost control message is re-sent by its sweep).
 CONTROL_ALL = f"{PREFIX}.control.>"
 
+
 def submit_subject(pool: str) -> str:
     return f"{PREFIX}.submit.{pool}"
 

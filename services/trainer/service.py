@@ -31,7 +31,7 @@ from shared.config import Settings
 from shared.connect import publish
 from shared.contracts import RunRecord, RunState, Task, decode, encode
 from shared.contracts.control import Command, WorkerInfo
-from shared.contracts.events import Cancelled
+from shared.contracts.events import Cancelled, Failed
 from shared.errors import ContractError
 from shared.events import emit
 from shared.lease import Lease
@@ -126,6 +126,9 @@ class Trainer:
             # after a third of the TTL, in case the holder has died by then.
             await msg.nak(delay=self.settings.lease_ttl_s / 3)
             return
+        if not self.settings.allows(task.spec.entry_point):
+            await self._refuse(task, msg)
+            return
         if record.cancel_requested is not None and await self._cancel_unowned(record.run_id):
             await msg.ack()
             await lease.release()
@@ -163,6 +166,26 @@ class Trainer:
         elif outcome is Outcome.RETRY:
             await msg.nak(delay=delay)
         # FENCED: the message is not ours to answer any more.
+
+    async def _refuse(self, task: Task, msg: Msg) -> None:
+        """An entry point outside this trainer's allow-list: the run fails here, before the
+        child imports anything, because whoever may publish jobs must not be able to run
+        arbitrary code on a GPU host."""
+        module = task.spec.entry_point.partition(":")[0]
+        allowed = ", ".join(self.settings.entry_allow)
+        reason = f"entry point module {module!r} is not allowed here (allowed: {allowed})"
+
+        def fail(r: RunRecord) -> RunRecord | None:
+            if r.state.terminal:
+                return None
+            return msgspec.structs.replace(r, state=RunState.FAILED, reason=reason, worker=None)
+
+        if await self.runs.update(task.run_id, fail) is not None:
+            await emit(
+                self.js, Failed(run_id=task.run_id, reason=reason), msg_id=f"failed.{task.run_id}"
+            )
+        log.warning("%s: refused: %s", task.run_id, reason)
+        await msg.ack()
 
     async def _cancel_unowned(self, run_id: str) -> bool:
         """A run asked to cancel whose trainer is gone: nothing is training it, so it is

@@ -255,3 +255,23 @@ async def test_retention_under_a_fast_cadence_keeps_the_last_k(tmp_path: Path) -
             assert 10 in {int(k.split("/")[4]) for k in await store.list(f"runs/{run_id}/data/")}
     finally:
         await s.stop()
+
+
+async def test_an_entry_point_outside_the_allow_list_is_refused_before_import(
+    tmp_path: Path,
+) -> None:
+    s = Stack(tmp_path / "stack", trainers=1, lease_ttl=3, env={"BATON_ENTRY_ALLOW": "examples"})
+    try:
+        await s.start()
+        nc = await s.client()
+        refused = await submit(nc, spec("paced", total_steps=20))
+        record = await finished(nc, refused)
+        assert record.state is RunState.FAILED
+        assert "'tests.support.workloads' is not allowed" in (record.reason or "")
+        events = await history(nc, refused)
+        assert not [e for e in events if isinstance(e, Started)], "no attempt may start"
+        assert record.attempts == 0
+        allowed = await submit(nc, job(total_steps=30, config={"hidden": 16, "batch": 16}))
+        assert (await finished(nc, allowed)).state is RunState.COMPLETED
+    finally:
+        await s.stop()

@@ -1,0 +1,34 @@
+"""Settings from the environment: defaults, validation, the entry-point allow-list."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared import config
+from shared.errors import ConfigError
+
+
+def test_defaults_and_derived_values() -> None:
+    s = config.load({})
+    assert s.lease_ttl_s == 10 and s.ack_wait_s == 15 and s.sweep_s == 5
+    assert s.allows("anything.at:all")
+
+
+def test_allow_list_matches_whole_module_prefixes() -> None:
+    s = config.load({"BATON_ENTRY_ALLOW": "examples, mylab.models"})
+    assert s.allows("examples.regression:train")
+    assert s.allows("examples:train")
+    assert s.allows("mylab.models.big:train")
+    assert not s.allows("examplesx.evil:train")
+    assert not s.allows("mylab.other:train")
+    assert not s.allows("os:system")
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("BATON_LEASE_TTL", "soon"), ("BATON_LEASE_TTL", "1"), ("BATON_GRACE", "-3"),
+     ("BATON_MAX_DELIVER", "0")],
+)  # fmt: skip
+def test_bad_values_name_the_variable(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        config.load({name: value})
