@@ -1,6 +1,9 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,7 @@ from nats.aio.client import Client
 from shared.connect import connect
 from shared.natsserver import NatsServer
 from shared.streams import ensure
+from tests.shared.helpers import descendants, wait_until_sync
 
 
 @pytest.fixture
@@ -37,3 +41,18 @@ async def declared(nc: Client) -> Client:
     """`nc`, with Baton's streams and buckets declared on its server."""
     await ensure(nc.jetstream())
     return nc
+
+
+@pytest.fixture
+def no_leftover_processes() -> Iterator[None]:
+    """The test must leave no process behind; stragglers are killed, then reported.
+    Opt-in (`pytestmark`), because long-lived session servers legitimately outlive a test."""
+    before = set(descendants())
+    yield
+    if wait_until_sync(lambda: not set(descendants()) - before, within=5.0):
+        return
+    left = sorted(set(descendants()) - before)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"processes left behind: {left}")
