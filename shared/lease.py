@@ -13,6 +13,7 @@ higher token than the one it replaces — which is what the store's pointer CAS 
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 
@@ -112,10 +113,18 @@ class Lease:
         return None
 
 
-async def is_held(js: JetStreamContext, run_id: str) -> bool:
+async def holder(js: JetStreamContext, run_id: str) -> str | None:
+    """The worker holding a run's lease, or None when nobody does."""
     kv = await js.key_value(names.LEASES_BUCKET)
     try:
-        await kv.get(run_id)
+        entry = await kv.get(run_id)
     except (KeyNotFoundError, KeyDeletedError):
-        return False
-    return True
+        return None
+    try:
+        return str(json.loads(entry.value or b"{}").get("worker", "?"))
+    except ValueError:
+        return "?"
+
+
+async def is_held(js: JetStreamContext, run_id: str) -> bool:
+    return await holder(js, run_id) is not None

@@ -26,6 +26,7 @@ from shared.digest import weights_digest
 from shared.errors import BatonError, ContractError, IntegrityError
 from shared.runs import Runs
 from shared.store import open_store
+from shared.workers import live_workers
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -208,18 +209,7 @@ async def cancel(nc: Client, run_id: str, reason: str) -> RunRecord:
 
 
 async def workers(nc: Client) -> list[WorkerInfo]:
-    kv = await nc.jetstream().key_value(names.WORKERS_BUCKET)
-    try:
-        keys = await kv.keys()
-    except Exception:  # nats-py raises a bare NoKeysError when the bucket is empty
-        return []
-    out = []
-    for key in sorted(keys):
-        with contextlib.suppress(NotFoundError):
-            entry = await kv.get(key)
-            if entry.value:
-                out.append(decode(entry.value, WorkerInfo))
-    return out
+    return await live_workers(nc.jetstream())
 
 
 def store_url(explicit: str | None) -> str:

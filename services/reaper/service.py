@@ -23,28 +23,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 
 import msgspec
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from services.reaper.deliveries import on_advisory
 from shared import names, retention
 from shared.config import Settings
 from shared.connect import publish
-from shared.contracts import RunRecord, RunState, Task, decode, encode
+from shared.contracts import RunRecord, RunState, Task, encode
 from shared.contracts.control import Command, WorkerInfo
 from shared.contracts.events import Cancelled, Failed, Redispatched, RunWarning
 from shared.events import emit
+from shared.lease import holder as lease_holder
 from shared.outcome import handle
 from shared.runs import Runs
 from shared.service import pull_loop
 from shared.store import open_store
 from shared.streams import ensure, ensure_consumer, reaper_consumer
+from shared.workers import live_workers
 
 log = logging.getLogger("baton.reaper")
 
@@ -95,8 +96,9 @@ class Reaper:
 
     async def sweep(self) -> list[str]:
         """One pass over every live run; returns the runs dispatched again."""
-        live = [r for r in await self.runs.all() if not r.state.terminal]
-        workers = await self._workers()
+        records = await self.runs.all()
+        live = [r for r in records if not r.state.terminal]
+        workers = {w.worker: w for w in await live_workers(self.js)}
         redispatched = []
         for r in live:
             if await self._timeouts(r):
@@ -106,7 +108,7 @@ class Reaper:
                     redispatched.append(r.run_id)
                 await self._stall(r, workers)
         await self._orphans(workers)
-        await self._garbage()
+        await self._garbage(records)
         alive = {r.run_id for r in live}
         for table in (self._unowned_since, self._progress):
             for run_id in [k for k in table if k not in alive]:
@@ -131,7 +133,7 @@ class Reaper:
         return False
 
     async def _lost(self, r: RunRecord) -> bool:
-        if await self._lease_holder(r.run_id) is not None or await self._task_queued(r):
+        if await lease_holder(self.js, r.run_id) is not None or await self._task_queued(r):
             self._unowned_since.pop(r.run_id, None)
             return False
         now = time.monotonic()
@@ -181,7 +183,7 @@ class Reaper:
         for w in workers.values():
             if w.run_id is None:
                 continue
-            holder = await self._lease_holder(w.run_id)
+            holder = await lease_holder(self.js, w.run_id)
             found = await self.runs.get(w.run_id)
             over = found is not None and found[0].state.terminal
             if (holder is not None and holder != w.worker) or over:
@@ -197,14 +199,14 @@ class Reaper:
                     )
         self._orphan_seen = seen
 
-    async def _garbage(self) -> None:
+    async def _garbage(self, records: list[RunRecord]) -> None:
         """Checkpoint files that were never committed (a fenced zombie's, a crashed
         upload's) and are older than `BATON_GC_AGE`. Not every sweep: it lists the store."""
         now = time.monotonic()
         if now - self._last_gc < min(300.0, max(self.settings.sweep_s, self.settings.gc_age_s / 4)):
             return
         self._last_gc = now
-        for r in await self.runs.all():
+        for r in records:
             deleted = await retention.collect_garbage(
                 self.store, r.run_id, self.settings.gc_age_s, time.time()
             )
@@ -277,31 +279,6 @@ class Reaper:
         except NotFoundError:
             return False
         return True
-
-    async def _lease_holder(self, run_id: str) -> str | None:
-        kv = await self.js.key_value(names.LEASES_BUCKET)
-        try:
-            entry = await kv.get(run_id)
-        except KeyNotFoundError:
-            return None
-        try:
-            return str(json.loads(entry.value or b"{}").get("worker", "?"))
-        except ValueError:
-            return "?"
-
-    async def _workers(self) -> dict[str, WorkerInfo]:
-        kv = await self.js.key_value(names.WORKERS_BUCKET)
-        try:
-            keys = await kv.keys()
-        except Exception:  # nats-py raises a bare NoKeysError when the bucket is empty
-            return {}
-        out = {}
-        for key in keys:
-            with contextlib.suppress(KeyNotFoundError):
-                entry = await kv.get(key)
-                if entry.value:
-                    out[key] = decode(entry.value, WorkerInfo)
-        return out
 
     async def _command(self, worker: str, cmd: Command) -> None:
         await self.nc.publish(names.control_subject(worker), encode(cmd))
