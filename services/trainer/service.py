@@ -58,7 +58,6 @@ class Trainer:
         self.attempt: Attempt | None = None
         self.device = _device()
         self._spare: Child | None = None
-        self._stop_fetching = asyncio.Event()
 
     async def start(self) -> None:
         await ensure(self.js)
@@ -80,23 +79,17 @@ class Trainer:
 
     async def serve(self, stop: asyncio.Event) -> None:
         """`stop` is the first signal; attempts also see the second (`hurry`)."""
-
-        async def stop_when_signalled() -> None:
-            await stop.wait()
-            self._stop_fetching.set()
-
-        side = [asyncio.create_task(stop_when_signalled()), asyncio.create_task(self._heartbeat())]
+        heartbeat = asyncio.create_task(self._heartbeat())
         try:
             await pull_loop(
                 self.js,
                 names.TASKS_STREAM,
                 names.trainer_consumer(self.settings.pool),
-                self._stop_fetching,
+                stop,
                 self.on_task,
             )
         finally:
-            for t in side:
-                t.cancel()
+            heartbeat.cancel()
             if self._spare is not None:
                 self._spare.kill()
                 await self._spare.wait()
