@@ -72,12 +72,24 @@ class Lease:
         return True
 
     async def release(self) -> None:
-        """Give the lease up now, so the next worker need not wait for the TTL."""
+        """Give the lease up now, so the next worker need not wait for the TTL. A renewal
+        whose reply was lost may have moved the revision on; the lease is then still ours
+        (it names this worker) and is released at its real revision."""
         kv = await self._js.key_value(names.LEASES_BUCKET)
-        try:
-            await kv.delete(self.run_id, last=self.revision)
-        except (APIError, KeyNotFoundError) as exc:
-            log.info("%s: lease already gone on release (%s)", self.run_id, exc)
+        for _ in range(2):
+            try:
+                await kv.delete(self.run_id, last=self.revision)
+                return
+            except (APIError, KeyNotFoundError) as exc:
+                try:
+                    entry = await kv.get(self.run_id)
+                except (KeyNotFoundError, KeyDeletedError):
+                    return  # lapsed or released already
+                holder = json.loads(entry.value or b"{}").get("worker")
+                if entry.revision is None or holder != self.worker:
+                    log.info("%s: lease no longer ours on release (%s)", self.run_id, exc)
+                    return
+                self.revision = entry.revision
 
     async def _write(self, expected: int) -> int | None:
         try:

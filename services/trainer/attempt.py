@@ -114,6 +114,7 @@ class Attempt:
         self.log_path = Path(settings.work_dir) / "logs" / f"{self.run_id}.log"
         self.last_checkpoint: CheckpointReady | None = None
         self._began = time.monotonic()
+        self._keeping: asyncio.Task[None]
         self._last_progress = 0.0
         self._rate: tuple[float, int] | None = None
         self._metric_attrs = {telemetry.POOL: task.spec.pool}
@@ -165,9 +166,10 @@ class Attempt:
         sub = await self.nc.subscribe(names.events_of_run(self.run_id), cb=self.commits.on_event)
         launch = Launch(task=self.task, token=token, worker=self.worker, store_url=self.store.url)
         self.child.send(launch)
+        self._keeping = asyncio.create_task(self.keeper.keep(touch))
         background = [
+            self._keeping,
             asyncio.create_task(self.child.copy_output(self.log_path, self._publish_output)),
-            asyncio.create_task(self.keeper.keep(touch)),
         ]
         try:
             return await self._follow()
@@ -176,6 +178,9 @@ class Attempt:
             await self.child.wait()
             for t in background:
                 t.cancel()
+            # Wait for them to end, so that nothing of this attempt (a lease renewal above
+            # all) still runs when the trainer answers the task and frees the lease.
+            await asyncio.gather(*background, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
@@ -184,6 +189,15 @@ class Attempt:
         # effort (the local log file keeps everything), so a down link skips chunks.
         with contextlib.suppress(Exception):
             await self.js.publish(names.logs_subject(self.run_id), chunk, timeout=2)
+
+    async def _release(self) -> None:
+        """Stop keeping the lease, then give it up. In that order: a keeper beat after the
+        release would find the lease free and take it again, and the next worker would
+        wait out the TTL."""
+        self._keeping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._keeping
+        await self.lease.release()
 
     def orphaned(self, reason: str) -> None:
         """The reaper saw this worker run a run it does not hold: stop at once."""
@@ -295,12 +309,12 @@ class Attempt:
             reason = self.orders.reason
             cancelled = self._spent(state=RunState.CANCELLED, reason=reason, worker=None)
             if await self.runs.update(self.run_id, cancelled) is not None:
-                await self.lease.release()
+                await self._release()
                 event = Cancelled(run_id=self.run_id, reason=reason)
                 await emit(self.js, event, msg_id=f"cancelled.{self.run_id}")
                 return Outcome.CANCELLED
         await self.runs.update(self.run_id, self._spent(worker=None))
-        await self.lease.release()
+        await self._release()
         await emit(self.js, Preempted(run_id=self.run_id, worker=self.worker, step=step))
         log.info("%s: preempted; lease released after step %d", self.run_id, step)
         return Outcome.PREEMPTED
@@ -351,7 +365,7 @@ class Attempt:
             reason=reason, detail=tail,
         )  # fmt: skip
         await emit(self.js, attempt_failed)
-        await self.lease.release()
+        await self._release()
         self.retry_delay = min(2.0**record.retries, 60.0)
         return Outcome.RETRY
 

@@ -49,3 +49,21 @@ async def test_renewal_keeps_a_lease_alive_past_its_ttl(declared: Client) -> Non
         # The passage of time is what is under test here: 5 renewals a third of the TTL
         # apart span well past the TTL.
         await asyncio.sleep(0.6)
+
+
+async def test_release_frees_the_lease_after_a_renewal_it_did_not_hear_of(
+    declared: Client,
+) -> None:
+    js = declared.jetstream()
+    a = Lease(js, "run4", "a", ttl_s=30)
+    assert await a.acquire()
+    stale = a.revision
+    assert await a.renew()
+    a.revision = stale  # as if the renewal landed but its reply was lost
+    await a.release()
+    b = Lease(js, "run4", "b", ttl_s=30)
+    assert await b.acquire(), "the lease must be free at once"
+    stale_b = Lease(js, "run4", "c", ttl_s=30)
+    stale_b.revision = 1
+    await stale_b.release()  # someone else's lease is never released
+    assert await is_held(js, "run4")
