@@ -1,8 +1,14 @@
-"""`baton up`: the whole stack on one machine.
+"""`baton up`: the whole stack on one machine — or one site of it.
 
 An embedded nats-server (JetStream, loopback only), a `file://` store, and the services as
-supervised child processes: dispatcher, checkpointer and N trainers. Everything lives under
-one data directory:
+supervised child processes: dispatcher, checkpointer, reaper and N trainers. The server is
+the hub (JetStream domain `hub`) and listens for sites on a WebSocket port.
+
+With `site`, it is a site instead: a leaf nats-server in the site's own domain that dials
+the hub's WebSocket, the site's checkpointer, and N trainers that take the hub's work. A site
+shares the hub's store (`store`), since either may resume the other's runs.
+
+Everything lives under one data directory:
 
     <data>/nats   server config, log and JetStream store
     <data>/store  checkpoints (the `file://` object store)
@@ -27,7 +33,9 @@ from typing import IO, Any
 
 import msgspec
 
+from shared import names
 from shared.config import Settings
+from shared.natsconf import hub_fragment, leaf_fragment
 from shared.natsserver import NatsServer, NatsServerError
 from shared.procs import (
     SERVICE_GRACE_S,
@@ -60,23 +68,29 @@ class StackOptions(msgspec.Struct, kw_only=True):
     """Seconds; None leaves the services' default (`BATON_LEASE_TTL`)."""
     extra_env: dict[str, str] = {}
     """Laid over every service's environment, after Baton's own variables."""
+    ws_port: int = 8080
+    """The hub's WebSocket port for sites, on 127.0.0.1 (0: any free port)."""
+    site: str = ""
+    """Run a site of this name instead of the hub."""
+    hub_url: str = ""
+    """A site's way to the hub: its WebSocket URL (`ws://…` or `wss://…`)."""
+    store: str = ""
+    """The store URL; default `file://<data_dir>/store`. A site must name the hub's."""
 
 
 SpecBuilder = Callable[[StackOptions, str], list[ServiceSpec]]
 
 
 def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
-    """Dispatcher, checkpointer and the trainers, in start order."""
+    """Dispatcher, checkpointer, reaper and the trainers, in start order; at a site, its
+    checkpointer and trainers (named after the site: worker names are unique system-wide)."""
     data = opts.data_dir.absolute()
-    names = [
-        "dispatcher",
-        "checkpointer",
-        "reaper",
-        *(f"trainer-{i}" for i in range(1, opts.trainers + 1)),
-    ]
+    trainer = f"{opts.site}-trainer" if opts.site else "trainer"
+    services = ["checkpointer"] if opts.site else ["dispatcher", "checkpointer", "reaper"]
+    services += [f"{trainer}-{i}" for i in range(1, opts.trainers + 1)]
     specs = []
-    for name in names:
-        module = "services.trainer" if name.startswith("trainer-") else f"services.{name}"
+    for name in services:
+        module = "services.trainer" if _is_trainer(name) else f"services.{name}"
         env = {
             "NATS_URL": nats_url,
             "BATON_STORE": store_url(opts),
@@ -89,6 +103,8 @@ def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
             env["PYTHONPATH"] = pythonpath
         if opts.lease_ttl is not None:
             env["BATON_LEASE_TTL"] = str(opts.lease_ttl)
+        if opts.site:
+            env["BATON_SITE"] = opts.site
         env.update(opts.extra_env)
         # The user's cwd, so that entry points `module:function` next to them import.
         specs.append(
@@ -108,7 +124,26 @@ def _pythonpath() -> str:
 
 
 def store_url(opts: StackOptions) -> str:
-    return f"file://{opts.data_dir.absolute() / 'store'}"
+    return opts.store or f"file://{opts.data_dir.absolute() / 'store'}"
+
+
+def _is_trainer(name: str) -> bool:
+    return "trainer-" in name
+
+
+def nats_server(opts: StackOptions, stop_timeout_s: float = 10.0) -> NatsServer:
+    """The hub's server, or a site's leaf node."""
+    data = opts.data_dir.absolute()
+    if opts.site:
+        return NatsServer(
+            data / "nats", port=opts.port, server_name=opts.site, domain=opts.site,
+            extra_config=leaf_fragment(opts.hub_url), stop_timeout_s=stop_timeout_s,
+        )  # fmt: skip
+    ws = f"127.0.0.1:{opts.ws_port or -1}"
+    return NatsServer(
+        data / "nats", port=opts.port, domain=names.HUB_DOMAIN,
+        extra_config=hub_fragment(ws), stop_timeout_s=stop_timeout_s,
+    )  # fmt: skip
 
 
 def stop_order(specs: list[ServiceSpec]) -> list[StopGroup]:
@@ -116,8 +151,8 @@ def stop_order(specs: list[ServiceSpec]) -> list[StopGroup]:
     needs NATS and a live checkpointer, so those must still be there. Then the dispatcher and
     the checkpointer, which by then have nothing left to serve. (The NATS server goes last,
     after the supervisor is done.)"""
-    trainers = [s for s in specs if s.name.startswith("trainer-")]
-    others = [s.name for s in specs if not s.name.startswith("trainer-")]
+    trainers = [s for s in specs if _is_trainer(s.name)]
+    others = [s.name for s in specs if not _is_trainer(s.name)]
     grace = max([TRAINER_GRACE_S, *(_trainer_grace(s) for s in trainers)])
     return [StopGroup([s.name for s in trainers], grace), StopGroup(others, SERVICE_GRACE_S)]
 
@@ -161,7 +196,7 @@ async def run_stack(
     if own_signals:
         install_stop_signals(loop, stop, hurry)
 
-    server = NatsServer(data / "nats", port=opts.port, stop_timeout_s=NATS_STOP_TIMEOUT_S)
+    server = nats_server(opts, NATS_STOP_TIMEOUT_S)
     supervisor = Supervisor(data / "logs", data / "run")
     specs: list[ServiceSpec] = []
     stack_json = data / "run" / "stack.json"
@@ -173,16 +208,23 @@ async def run_stack(
         except (NatsServerError, OSError) as exc:
             print(f"error: the stack did not start: {exc}", file=sys.stderr, flush=True)
             return 1
+        sites_url = (server.ports.get("websocket") or [""])[0]
         _write_json(
             stack_json,
             {
                 "nats_url": server.url,
+                "site": opts.site,
+                "sites_url": sites_url,
                 "store_url": store_url(opts),
                 "pids": {"supervisor": os.getpid(), "nats-server": server.pid, **supervisor.pids()},
                 "started_at": time.time(),
             },
         )
         print(f"nats: {server.url}", file=out)
+        if opts.site:
+            print(f"site: {opts.site} (leaf of {opts.hub_url})", file=out)
+        else:
+            print(f"sites join at: {sites_url}", file=out)
         print(f"store: {store_url(opts)}", file=out)
         print(f"logs: {data / 'logs'}", file=out, flush=True)
         try:

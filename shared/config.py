@@ -8,11 +8,14 @@ they cannot leak into a spec, an event or a log line that prints settings.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Mapping
 
 import msgspec
 
+from shared import names
+from shared.contracts.sites import SITE_NAME
 from shared.errors import ConfigError
 
 
@@ -55,6 +58,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     pools_file: str = ""
     """`BATON_POOLS_FILE`: TOML table of pools (`[pools.<name>] rate_per_hour`,
     `seconds_per_step`) used to estimate cost; measured speeds override it."""
+    site: str = ""
+    """`BATON_SITE`: the site a trainer or checkpointer runs at — its leaf node's JetStream
+    domain, which `NATS_URL` then points at. Empty at the hub."""
+    hub_domain: str = "hub"
+    """`BATON_HUB_DOMAIN`: the hub's JetStream domain, as a site reaches it."""
+
+    @property
+    def hub_api(self) -> str | None:
+        """API prefix for writes into the hub's KV from a site; None at the hub."""
+        return f"$JS.{self.hub_domain}.API" if self.site else None
 
     @property
     def ack_wait_s(self) -> float:
@@ -95,9 +108,20 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             gc_age_s=_float(env, "BATON_GC_AGE", d.gc_age_s),
             heartbeat_s=_float(env, "BATON_HEARTBEAT", d.heartbeat_s),
             pools_file=env.get("BATON_POOLS_FILE", ""),
+            site=_site(env.get("BATON_SITE", "")),
+            hub_domain=env.get("BATON_HUB_DOMAIN", d.hub_domain),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _site(raw: str) -> str:
+    if raw and (not re.fullmatch(SITE_NAME, raw) or raw == names.HUB_DOMAIN):
+        raise ValueError(
+            f"BATON_SITE={raw!r} is not a site name: lower-case letters, digits, '-' and '_', "
+            f"at most 32, and not {names.HUB_DOMAIN!r}"
+        )
+    return raw
 
 
 def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:

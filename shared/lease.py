@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, KeyDeletedError, KeyNotFoundError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from shared import names
-from shared.connect import publish
 from shared.contracts import encode
+from shared.kvwrite import KvWriter
 
 log = logging.getLogger("baton.lease")
-
-WRONG_LAST_SEQUENCE = 10071
 
 
 class Lease:
@@ -42,8 +39,7 @@ class Lease:
         self.run_id = run_id
         self.worker = worker
         self.ttl_s = ttl_s
-        bucket_subject = f"$KV.{names.LEASES_BUCKET}.{run_id}"
-        self._subject = f"{api_prefix}.{bucket_subject}" if api_prefix else bucket_subject
+        self._writer = KvWriter(js, names.LEASES_BUCKET, api_prefix)
         self.token = 0
         """Revision of the write that acquired the lease: the fencing token."""
         self.revision = 0
@@ -77,39 +73,21 @@ class Lease:
         (it names this worker) and is released at its real revision."""
         kv = await self._js.key_value(names.LEASES_BUCKET)
         for _ in range(2):
-            try:
-                await kv.delete(self.run_id, last=self.revision)
+            if await self._writer.delete(self.run_id, expected=self.revision):
                 return
-            except (APIError, KeyNotFoundError) as exc:
-                try:
-                    entry = await kv.get(self.run_id)
-                except (KeyNotFoundError, KeyDeletedError):
-                    return  # lapsed or released already
-                holder = json.loads(entry.value or b"{}").get("worker")
-                if entry.revision is None or holder != self.worker:
-                    log.info("%s: lease no longer ours on release (%s)", self.run_id, exc)
-                    return
-                self.revision = entry.revision
+            try:
+                entry = await kv.get(self.run_id)
+            except (KeyNotFoundError, KeyDeletedError):
+                return  # lapsed or released already
+            holder = json.loads(entry.value or b"{}").get("worker")
+            if entry.revision is None or holder != self.worker:
+                log.info("%s: lease no longer ours on release", self.run_id)
+                return
+            self.revision = entry.revision
 
     async def _write(self, expected: int) -> int | None:
-        try:
-            ack = await publish(
-                self._js,
-                self._subject,
-                encode({"worker": self.worker, "token": self.token}),
-                msg_id=f"lease.{self.run_id}.{uuid.uuid4().hex}",
-                headers={
-                    "Nats-Expected-Last-Subject-Sequence": str(expected),
-                    "Nats-TTL": f"{self.ttl_s}s",
-                },
-                attempts=3,
-            )
-        except APIError as exc:
-            if exc.err_code == WRONG_LAST_SEQUENCE:
-                return None
-            raise
-        # A duplicate ack (our own earlier try landed) carries that write's sequence.
-        return int(ack.seq)
+        value = encode({"worker": self.worker, "token": self.token})
+        return await self._writer.put(self.run_id, value, expected=expected, ttl_s=self.ttl_s)
 
     async def _free_revision(self) -> int | None:
         """The revision a create must name: 0 if the key never existed or expired, the

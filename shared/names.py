@@ -18,12 +18,20 @@ DLQ_STREAM = "BATON_DLQ"
 CANCEL_STREAM = "BATON_CANCEL"
 LOGS_STREAM = "BATON_LOGS"
 ADVISORY_STREAM = "BATON_ADVISORIES"
+# In a site's own JetStream domain: everything the site sends to the hub, kept there until
+# the hub's streams have sourced it (see `shared.sites`). The site's commit requests live in
+# a site-domain stream named CKPT_STREAM too, with site subjects.
+OUTBOX_STREAM = "BATON_OUTBOX"
+
+# JetStream domain of the hub, as sites address it.
+HUB_DOMAIN = "hub"
 
 # KV buckets.
 RUNS_BUCKET = "baton_runs"
 LEASES_BUCKET = "baton_leases"
 WORKERS_BUCKET = "baton_workers"
 POOLS_BUCKET = "baton_pools"
+SITES_BUCKET = "baton_sites"
 
 # Durable consumers.
 DISPATCHER_CONSUMER = "dispatcher"
@@ -105,7 +113,50 @@ ALL_STREAMS = (
     "BATON_LOGS",
     "BATON_DLQ",
     "BATON_ADVISORIES",
+    "BATON_OUTBOX",
 )
+
+
+# -- sites ----------------------------------------------------------------------------
+#
+# A site publishes what the hub must receive on the same subjects with `site.<name>.` after
+# the prefix (`baton.site.lab1.events.<run>.<kind>`). Those are captured by the site's own
+# outbox, never by a hub stream (hub streams listen on `baton.events.>` etc.), so a message
+# is stored once at the site and copied once to the hub by sourcing — whether the link was
+# up or down when it was published (NATS-NOTES: "double capture").
+
+SITE_OUTBOX_KINDS = ("submit", "events", "logs", "dlq", "cancel", "workers")
+"""Subject roots a site sends to the hub through its outbox; `workers` are heartbeats,
+sourced into the workers bucket."""
+
+
+def at_site(subject: str, site: str) -> str:
+    """The subject a message bound for the hub takes when published at `site` ("" = hub)."""
+    if not site:
+        return subject
+    head, _, rest = subject.partition(".")
+    assert head == PREFIX, subject
+    return f"{PREFIX}.site.{site}.{rest}"
+
+
+def site_root(site: str, kind: str) -> str:
+    return f"{PREFIX}.site.{site}.{kind}.>"
+
+
+def hello_subject(site: str) -> str:
+    """Core NATS: a site's checkpointer says it is there, about once a second."""
+    return f"{PREFIX}.site.{site}.hello"
+
+
+HELLO_ALL = f"{PREFIX}.site.*.hello"
+
+
+def heartbeat_subject(worker_id: str, site: str) -> str:
+    """A trainer's heartbeat: straight into the workers bucket at the hub; through the
+    outbox (sourced into that bucket) at a site."""
+    if site:
+        return f"{PREFIX}.site.{site}.workers.{worker_id}"
+    return f"$KV.{WORKERS_BUCKET}.{worker_id}"
 
 
 def pool_from_submit_subject(subject: str) -> str:

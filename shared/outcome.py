@@ -28,6 +28,10 @@ from shared.errors import PermanentError, TransientError
 log = logging.getLogger("baton.outcome")
 
 BUG_DELAY_S = 5.0
+MAX_LETTER_PAYLOAD = 512 * 1024
+"""A letter carries its payload base64-encoded (4/3 the size), so a poison message near the
+1 MiB message limit would not fit in one: the publish would fail and the message would never
+be dead-lettered. The beginning is what a person reads."""
 
 
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,7 +47,12 @@ class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
 
 
 async def handle(
-    js: JetStreamContext, msg: Msg, source: str, handler: Callable[[Msg], Awaitable[None]]
+    js: JetStreamContext,
+    msg: Msg,
+    source: str,
+    handler: Callable[[Msg], Awaitable[None]],
+    *,
+    site: str = "",
 ) -> None:
     try:
         await handler(msg)
@@ -51,7 +60,7 @@ async def handle(
         log.info("%s: transient failure, retrying in %.1fs: %s", source, exc.delay, exc)
         await msg.nak(delay=exc.delay)
     except PermanentError as exc:
-        await dead_letter(js, msg, source, str(exc))
+        await dead_letter(js, msg, source, str(exc), site=site)
         await msg.term()
     except Exception:
         log.exception("%s: unexpected failure handling %s; will retry", source, msg.subject)
@@ -60,13 +69,20 @@ async def handle(
         await msg.ack()
 
 
-async def dead_letter(js: JetStreamContext, msg: Msg, source: str, reason: str) -> None:
+async def dead_letter(
+    js: JetStreamContext, msg: Msg, source: str, reason: str, *, site: str = ""
+) -> None:
+    """At a site (`site`), the letter goes through the site's outbox to the hub."""
     meta = msg.metadata
+    if len(msg.data) > MAX_LETTER_PAYLOAD:
+        reason = (
+            f"{reason} (payload cut to its first {MAX_LETTER_PAYLOAD} of {len(msg.data)} bytes)"
+        )
     letter = DeadLetter(
         source=source,
         subject=msg.subject,
         reason=reason,
-        payload=msg.data,
+        payload=msg.data[:MAX_LETTER_PAYLOAD],
         headers=dict(msg.headers or {}),
         stream_seq=meta.sequence.stream,
         delivered=meta.num_delivered,
@@ -74,7 +90,8 @@ async def dead_letter(js: JetStreamContext, msg: Msg, source: str, reason: str) 
     )
     await publish(
         js,
-        names.dlq_subject(source),
+        names.at_site(names.dlq_subject(source), site),
         encode(letter),
-        msg_id=f"dlq.{meta.stream}.{meta.sequence.stream}",
+        # The site is part of the id: a site's and the hub's streams number alike.
+        msg_id=f"dlq.{site or names.HUB_DOMAIN}.{meta.stream}.{meta.sequence.stream}",
     )

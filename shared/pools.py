@@ -13,11 +13,12 @@ from pathlib import Path
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError
 
 from shared import names
 from shared.contracts import convert, decode, encode
 from shared.errors import ConfigError
+from shared.kvwrite import KvWriter
 
 EWMA_WEIGHT = 0.3
 
@@ -49,9 +50,12 @@ def load_table(path: str) -> PoolTable:
 
 
 class Pools:
-    def __init__(self, js: JetStreamContext, table: PoolTable) -> None:
+    def __init__(
+        self, js: JetStreamContext, table: PoolTable, api_prefix: str | None = None
+    ) -> None:
         self.js = js
         self.table = table
+        self._writer = KvWriter(js, names.POOLS_BUCKET, api_prefix)
 
     def rate(self, pool: str) -> float:
         return self.table.pools.get(pool, Pool()).rate_per_hour
@@ -72,13 +76,10 @@ class Pools:
             try:
                 entry = await kv.get(pool)
             except KeyNotFoundError:
-                try:
-                    await kv.create(
-                        pool, encode(Measured(seconds_per_step=seconds_per_step, runs=1))
-                    )
+                first = Measured(seconds_per_step=seconds_per_step, runs=1)
+                if await self._writer.put(pool, encode(first), expected=0) is not None:
                     return
-                except KeyWrongLastSequenceError:
-                    continue
+                continue
             assert entry.value is not None and entry.revision is not None
             old = decode(entry.value, Measured)
             new = Measured(
@@ -86,8 +87,5 @@ class Pools:
                 + EWMA_WEIGHT * seconds_per_step,
                 runs=old.runs + 1,
             )
-            try:
-                await kv.update(pool, encode(new), last=entry.revision)
+            if await self._writer.put(pool, encode(new), expected=entry.revision) is not None:
                 return
-            except KeyWrongLastSequenceError:
-                continue

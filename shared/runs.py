@@ -1,4 +1,8 @@
-"""Run records in the `baton_runs` KV bucket, changed only by compare-and-swap."""
+"""Run records in the `baton_runs` KV bucket, changed only by compare-and-swap.
+
+Updates are raw CAS publishes (`shared.kvwrite`), so a trainer at a site changes the hub's
+records the same way a hub service does.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +16,21 @@ from nats.js.kv import KeyValue
 
 from shared import names
 from shared.contracts import RunRecord, decode, encode
+from shared.kvwrite import KvWriter
 
 Change = Callable[[RunRecord], RunRecord | None]
 
 
 class Runs:
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KeyValue, writer: KvWriter) -> None:
         self._kv = kv
+        self._writer = writer
 
     @classmethod
-    async def open(cls, js: JetStreamContext) -> Runs:
-        return cls(await js.key_value(names.RUNS_BUCKET))
+    async def open(cls, js: JetStreamContext, api_prefix: str | None = None) -> Runs:
+        """`js` reads the hub's domain; `api_prefix` routes writes into it from a site."""
+        kv = await js.key_value(names.RUNS_BUCKET)
+        return cls(kv, KvWriter(js, names.RUNS_BUCKET, api_prefix))
 
     async def get(self, run_id: str) -> tuple[RunRecord, int] | None:
         try:
@@ -52,11 +60,8 @@ class Runs:
             if new is None:
                 return None
             new = msgspec.structs.replace(new, updated_at=time.time())
-            try:
-                await self._kv.update(run_id, encode(new), last=revision)
+            if await self._writer.put(run_id, encode(new), expected=revision) is not None:
                 return new
-            except KeyWrongLastSequenceError:
-                continue
 
     async def all(self) -> list[RunRecord]:
         try:

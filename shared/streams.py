@@ -8,7 +8,7 @@ named, because running against a stale definition would silently break an invari
 from __future__ import annotations
 
 import logging
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from nats.js import JetStreamContext
@@ -80,6 +80,39 @@ def stream_configs() -> list[StreamConfig]:
     ]
 
 
+def site_stream_configs(site: str) -> list[StreamConfig]:
+    """The streams in a site's own JetStream domain. The outbox keeps what the site sends to
+    the hub until the hub has sourced it: a limits stream (the hub reads it, nobody acks
+    it), big and long-lived enough to ride out a long WAN outage. Per-message TTLs are on
+    for heartbeats, which must not reach the hub long after they stopped being true."""
+    return [
+        StreamConfig(
+            name=names.OUTBOX_STREAM,
+            description=f"What site {site} sends to the hub; sourced by the hub's streams",
+            subjects=[names.site_root(site, kind) for kind in names.SITE_OUTBOX_KINDS],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=30 * DAY_S,
+            max_bytes=4 * 1024**3,
+            max_msg_size=MAX_MSG_BYTES,
+            duplicate_window=DUPLICATE_WINDOW_S,
+            allow_msg_ttl=True,
+        ),
+        StreamConfig(
+            name=names.CKPT_STREAM,
+            description=f"Checkpoint commit requests of site {site}'s trainers",
+            subjects=[names.site_root(site, "ckpt")],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.NEW,
+            max_age=7 * DAY_S,
+            max_msg_size=MAX_MSG_BYTES,
+            duplicate_window=DUPLICATE_WINDOW_S,
+        ),
+    ]
+
+
 def kv_configs() -> list[KeyValueConfig]:
     return [
         KeyValueConfig(bucket=names.RUNS_BUCKET, history=5, description="Run records"),
@@ -88,6 +121,7 @@ def kv_configs() -> list[KeyValueConfig]:
         KeyValueConfig(bucket=names.LEASES_BUCKET, history=1, description="Run leases"),
         KeyValueConfig(bucket=names.WORKERS_BUCKET, history=1, description="Trainer heartbeats"),
         KeyValueConfig(bucket=names.POOLS_BUCKET, history=1, description="Measured pool speeds"),
+        KeyValueConfig(bucket=names.SITES_BUCKET, history=1, description="Sites and their links"),
     ]
 
 
@@ -102,12 +136,12 @@ def dispatcher_consumer() -> ConsumerConfig:
     )
 
 
-def checkpointer_consumer() -> ConsumerConfig:
+def checkpointer_consumer(site: str = "") -> ConsumerConfig:
     # Commits are never dropped for lack of tries: a store that is down for an hour must
     # still get every commit once it is back. Poison commits are terminated explicitly.
     return ConsumerConfig(
         durable_name=names.CHECKPOINTER_CONSUMER,
-        filter_subject=names.CKPT_ALL,
+        filter_subject=names.at_site(names.CKPT_ALL, site),
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=60.0,
@@ -151,11 +185,17 @@ def reaper_consumer() -> ConsumerConfig:
 
 
 async def ensure(js: JetStreamContext) -> None:
-    """Create or update every stream and bucket Baton needs."""
+    """Create or update every stream and bucket Baton needs at the hub."""
     for config in stream_configs():
         await _ensure_stream(js, config)
     for kv in kv_configs():
         await _ensure_bucket(js, kv)
+
+
+async def ensure_site(js: JetStreamContext, site: str) -> None:
+    """Create or update the streams of `site`, in its own domain (`js` is the site's)."""
+    for config in site_stream_configs(site):
+        await _ensure_stream(js, config)
 
 
 async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> None:
@@ -188,6 +228,9 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     if not differs:
         return
     log.warning("stream %s differs (%s); updating", config.name, ", ".join(differs))
+    # Sources are added at run time, one per linked site (`shared.sites`); an update made
+    # for another field must not unlink them.
+    config = replace(config, sources=config.sources or info.config.sources)
     try:
         await js.update_stream(config)
     except APIError as exc:  # the server answers 400 or 500, depending on the field

@@ -24,9 +24,11 @@ from baton.cli.common import (
     Connection,
     Json,
     Server,
+    Site,
     app,
     call,
     err,
+    fail,
     fmt,
     out,
     print_json,
@@ -34,7 +36,7 @@ from baton.cli.common import (
     with_nats,
 )
 from baton.cli.watch import watch_run
-from shared import telemetry
+from shared import names, telemetry
 from shared.contracts import RunState
 
 
@@ -44,18 +46,56 @@ def up(
         ".baton"
     ),
     port: Annotated[
-        int, typer.Option(help="NATS client port on 127.0.0.1 (0: any free port).")
-    ] = 4222,
+        int | None,
+        typer.Option(
+            help="NATS client port on 127.0.0.1 (0: any free port). [default: 4222, a site 4223]"
+        ),
+    ] = None,
     trainers: Annotated[int, typer.Option(min=0, max=64, help="Trainer processes to run.")] = 2,
     pool: Annotated[str, typer.Option(help="Pool the trainers serve.")] = "default",
     lease_ttl: Annotated[int | None, typer.Option(min=2, help="Lease TTL in seconds.")] = None,
+    ws_port: Annotated[
+        int, typer.Option(help="The hub's WebSocket port for sites, on 127.0.0.1 (0: any).")
+    ] = 8080,
+    site: Annotated[
+        str | None, typer.Option(help="Run a site of this name (a leaf of --hub) instead.")
+    ] = None,
+    hub: Annotated[
+        str | None, typer.Option(help="A site's hub: its WebSocket URL, ws://… or wss://….")
+    ] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(help="Store URL (file:///… or s3://…); a site must name the hub's."),
+    ] = None,
 ) -> None:
     """Run the whole stack on this machine: NATS with JetStream, a file:// store, and every
-    service as its own process. Ctrl-C or SIGTERM stops everything it started."""
+    service as its own process — or, with --site NAME --hub URL, a site: a leaf NATS server
+    that keeps working while its link to the hub is down, the site's checkpointer, and
+    trainers. Ctrl-C or SIGTERM stops everything it started."""
     from baton.stack import StackOptions, run_stack
+    from shared.config import load
 
+    if site is not None:
+        try:
+            load({"BATON_SITE": site})
+        except Exception as exc:
+            fail(str(exc), code=2)
+        if not hub or not hub.startswith(("ws://", "wss://")):
+            fail("a site needs --hub ws://HOST:PORT (the URL `baton up` printed)", code=2)
+        if not store:
+            fail("a site needs --store, the hub's store (it resumes the hub's runs)", code=2)
+    elif hub:
+        fail("--hub is for a site: add --site NAME", code=2)
     opts = StackOptions(
-        data_dir=data_dir, port=port, trainers=trainers, pool=pool, lease_ttl=lease_ttl
+        data_dir=data_dir,
+        port=port if port is not None else (4223 if site else 4222),
+        trainers=trainers,
+        pool=pool,
+        lease_ttl=lease_ttl,
+        ws_port=ws_port,
+        site=site or "",
+        hub_url=hub or "",
+        store=store or "",
     )
     raise typer.Exit(asyncio.run(run_stack(opts)))
 
@@ -80,6 +120,7 @@ def submit(
     wait: Annotated[
         float, typer.Option(help="Seconds to wait for the dispatcher's answer.")
     ] = 10.0,
+    site: Site = "",
     as_json: Json = False,
 ) -> None:
     """Submit a job; prints its run id once the dispatcher accepted it."""
@@ -90,7 +131,7 @@ def submit(
     async def go() -> tuple[str, Any]:
         nc = await client.open_nats(server)
         try:
-            return await client.submit(nc, spec, wait)
+            return await client.submit(nc, spec, wait, site)
         finally:
             await nc.close()
 
@@ -103,9 +144,8 @@ def submit(
     else:
         out.print(run_id)
         if answer is None and wait > 0:
-            err.print(
-                "[yellow]no answer from a dispatcher yet; the job waits in the queue[/yellow]"
-            )
+            where = f"site {site}'s outbox until the hub takes it" if site else "the queue"
+            err.print(f"[yellow]no answer from a dispatcher yet; the job waits in {where}[/yellow]")
 
 
 @app.command()
@@ -205,19 +245,21 @@ def cancel(
     ] = "cancelled by user",
     server: Server = "nats://127.0.0.1:4222",
     wait: Annotated[float, typer.Option(help="Seconds to wait for CANCELLED (0: don't).")] = 60.0,
+    site: Site = "",
     as_json: Json = False,
 ) -> None:
     """Cancel a queued or running run. A running one checkpoints before it stops."""
+    domain = names.HUB_DOMAIN if site else None
 
     async def go(nc: Any) -> Any:
-        await client.cancel(nc, run_id, reason)
+        await client.cancel(nc, run_id, reason, site)
         deadline = asyncio.get_running_loop().time() + wait
         while wait > 0 and asyncio.get_running_loop().time() < deadline:
-            record = await client.record(nc, run_id)
+            record = await client.record(nc, run_id, domain)
             if record.state.terminal:
                 return record
             await asyncio.sleep(0.2)
-        return await client.record(nc, run_id)
+        return await client.record(nc, run_id, domain)
 
     record = run(lambda: with_nats(server, go))
     if as_json:

@@ -15,7 +15,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.errors import ConnectionClosedError
 from nats.js.api import DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from shared import commit, names
 from shared.connect import connect
@@ -86,8 +86,14 @@ def load_spec(path: Path) -> JobSpec:
         raise CliError(f"{path}: invalid job spec: {exc}", 2) from None
 
 
-async def submit(nc: Client, spec: JobSpec, wait_s: float) -> tuple[str, Event | None]:
+async def submit(
+    nc: Client, spec: JobSpec, wait_s: float, site: str = ""
+) -> tuple[str, Event | None]:
     """Publish a spec; wait up to `wait_s` for the dispatcher's accepted/rejected event.
+
+    At a site (`nc` connected to its leaf node) the spec goes to the site's outbox, which
+    stores it even while the link to the hub is down; the answer is then read from the hub
+    across the link, and is simply not there yet while the link is down.
 
     The root span of the run's trace is `submit`: a new trace (never a child of whatever
     span the caller has open), since one trace is one run. Its context goes to the
@@ -108,15 +114,18 @@ async def submit(nc: Client, spec: JobSpec, wait_s: float) -> tuple[str, Event |
         kind=trace.SpanKind.PRODUCER,
         attributes={telemetry.RUN_ID: run_id, telemetry.POOL: spec.pool, "baton.name": spec.name},
     ) as span:
-        sub = await _subscribe_events(nc, run_id)
+        await js.publish(
+            names.at_site(names.submit_subject(spec.pool), site),
+            encode(spec),
+            headers=telemetry.inject({"Nats-Msg-Id": key}),
+        )
+        if wait_s <= 0:
+            return run_id, None
         try:
-            await js.publish(
-                names.submit_subject(spec.pool),
-                encode(spec),
-                headers=telemetry.inject({"Nats-Msg-Id": key}),
-            )
-            if wait_s <= 0:
-                return run_id, None
+            sub = await _subscribe_events(nc, run_id, names.HUB_DOMAIN if site else None)
+        except ServiceUnavailableError:
+            return run_id, None  # a site cut off from the hub: the outbox has the job
+        try:
             deadline = asyncio.get_running_loop().time() + wait_s
             while (left := deadline - asyncio.get_running_loop().time()) > 0:
                 try:
@@ -150,9 +159,9 @@ async def events(nc: Client, run_id: str) -> AsyncIterator[Event]:
             await sub.unsubscribe()
 
 
-async def _subscribe_events(nc: Client, run_id: str) -> Any:
+async def _subscribe_events(nc: Client, run_id: str, domain: str | None = None) -> Any:
     try:
-        return await nc.jetstream().subscribe(
+        return await nc.jetstream(domain=domain).subscribe(
             names.events_of_run(run_id),
             stream=names.EVENTS_STREAM,
             ordered_consumer=True,
@@ -183,8 +192,8 @@ async def history(nc: Client, run_id: str) -> list[Event]:
             await sub.unsubscribe()
 
 
-async def record(nc: Client, run_id: str) -> RunRecord:
-    found = await (await Runs.open(nc.jetstream())).get(run_id)
+async def record(nc: Client, run_id: str, domain: str | None = None) -> RunRecord:
+    found = await (await Runs.open(nc.jetstream(domain=domain))).get(run_id)
     if found is None:
         raise CliError(f"no run {run_id!r}", 3)
     return found[0]
@@ -195,15 +204,17 @@ async def all_records(nc: Client) -> list[RunRecord]:
     return sorted(records, key=lambda r: r.created_at)
 
 
-async def cancel(nc: Client, run_id: str, reason: str) -> RunRecord:
+async def cancel(nc: Client, run_id: str, reason: str, site: str = "") -> RunRecord:
     """Ask for a cancel; the dispatcher applies it (at once for a queued run, through its
     trainer's checkpoint for a running one)."""
-    found = await record(nc, run_id)
+    found = await record(nc, run_id, names.HUB_DOMAIN if site else None)
     if found.state.terminal:
         raise CliError(f"run {run_id} is already {found.state.value}", 2)
     req = CancelRequest(run_id=run_id, reason=reason)
     await nc.jetstream().publish(
-        names.cancel_subject(run_id), encode(req), headers={"Nats-Msg-Id": f"cancel.{run_id}"}
+        names.at_site(names.cancel_subject(run_id), site),
+        encode(req),
+        headers={"Nats-Msg-Id": f"cancel.{run_id}"},
     )
     return found
 

@@ -7,7 +7,7 @@ import json
 import ssl
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import msgspec
 import typer
@@ -33,6 +33,15 @@ Server = Annotated[
     typer.Option("--server", "-s", envvar="NATS_URL", help="NATS server URL(s), comma-separated."),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+Site = Annotated[
+    str,
+    typer.Option(
+        "--site",
+        envvar="BATON_SITE",
+        help="Publish as this site (--server is then its leaf node): stored at the site "
+        "while its link to the hub is down.",
+    ),
+]
 SERVICES = ("dispatcher", "trainer", "checkpointer", "reaper")
 
 
@@ -67,6 +76,12 @@ def run(coro: Callable[[], Awaitable[T]]) -> T:
     except BatonError as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print `message` as an error and exit with `code` (2: bad usage)."""
+    err.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(code)
 
 
 def print_json(obj: Any) -> None:

@@ -67,6 +67,29 @@ def streams(
 
 
 @app.command()
+def sites(server: Server = DEFAULT, as_json: Json = False) -> None:
+    """Sites the hub has heard from: link state, last greeting, and backlog (messages the
+    hub has yet to take from the site's outbox, as last measured)."""
+    from shared import sites as site_links
+
+    found = run(lambda: with_nats(server, site_links.views))
+    if as_json:
+        print_json(found)
+        return
+    if not found:
+        err.print("no site has greeted this hub yet (`baton up --site NAME --hub URL`)")
+        return
+    t = Table("site", "link", "last seen", "backlog", "links", "outbox last seq")
+    for v in found:
+        link = "[green]up[/green]" if v.link == "up" else "[red]down[/red]"
+        t.add_row(
+            v.site, link, f"{v.last_seen_s:.1f}s ago", str(v.backlog), str(v.links),
+            str(v.outbox_last_seq),
+        )  # fmt: skip
+    out.print(t)
+
+
+@app.command()
 def checkpoints(
     run_id: str,
     store: Store = None,

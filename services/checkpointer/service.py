@@ -7,6 +7,11 @@ are damaged) is not retried: the trainer learns of it from the `commit_refused` 
 Each commit is a `checkpoint.commit` span (verify, manifest, pointer CAS, outcome event),
 the child of the trainer's `commit` span whose context the request's headers carry.
 Retention runs after the span: it is housekeeping, not part of what a commit costs.
+
+At a site (`BATON_SITE`) the checkpointer serves that site's trainers from the site's own
+JetStream — commits go on while the WAN link is down, as long as the store is reachable —
+and its events reach the hub through the site's outbox. It also declares the site's streams
+and greets the hub every second (`shared.sites`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from opentelemetry import trace
 
-from shared import commit, names, retention, telemetry
+from shared import commit, names, retention, sites, telemetry
 from shared.config import Settings
 from shared.contracts import CommitRequest, decode
 from shared.contracts.events import CheckpointCommitted, CommitRefused
@@ -30,7 +35,7 @@ from shared.events import emit
 from shared.outcome import handle
 from shared.service import pull_loop
 from shared.store import Store, open_store
-from shared.streams import checkpointer_consumer, ensure, ensure_consumer
+from shared.streams import checkpointer_consumer, ensure, ensure_consumer, ensure_site
 
 log = logging.getLogger("baton.checkpointer")
 
@@ -42,6 +47,7 @@ class Checkpointer:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.store = store or open_store(settings.store_url)
+        self.site = settings.site
 
     async def on_reconnect(self) -> None:
         return None  # pull consumers resume by themselves once NATS is back
@@ -50,17 +56,24 @@ class Checkpointer:
         await self.store.close()
 
     async def start(self) -> None:
-        await ensure(self.js)
-        await ensure_consumer(self.js, names.CKPT_STREAM, checkpointer_consumer())
+        if self.site:
+            await ensure_site(self.js, self.site)
+        else:
+            await ensure(self.js)
+        await ensure_consumer(self.js, names.CKPT_STREAM, checkpointer_consumer(self.site))
 
     async def serve(self, stop: asyncio.Event) -> None:
-        await pull_loop(
+        commits = pull_loop(
             self.js,
             names.CKPT_STREAM,
             names.CHECKPOINTER_CONSUMER,
             stop,
-            lambda msg: handle(self.js, msg, "checkpointer", self.on_commit),
+            lambda msg: handle(self.js, msg, "checkpointer", self.on_commit, site=self.site),
         )
+        if not self.site:
+            await commits
+            return
+        await asyncio.gather(commits, sites.greet(self.nc, self.js, self.site, stop))
 
     async def on_commit(self, msg: Msg) -> None:
         with telemetry.tracer.start_as_current_span(
@@ -93,7 +106,12 @@ class Checkpointer:
             refused = CommitRefused(
                 run_id=req.run_id, step=req.step, token=req.token, reason=str(exc)
             )
-            await emit(self.js, refused, msg_id=f"refused.{req.run_id}.{req.token}.{req.step}")
+            await emit(
+                self.js,
+                refused,
+                msg_id=f"refused.{req.run_id}.{req.token}.{req.step}",
+                site=self.site,
+            )
             span.set_attribute(telemetry.OUTCOME, "refused")
             if isinstance(exc, Fenced):
                 span.set_status(trace.StatusCode.ERROR, str(exc))
@@ -110,6 +128,7 @@ class Checkpointer:
                 final=req.final,
             ),
             msg_id=f"committed.{req.run_id}.{req.token}.{req.step}",
+            site=self.site,
         )
         log.info("committed %s step %d token %d (%d bytes)", req.run_id, req.step, req.token, size)
         span.set_attributes({telemetry.OUTCOME: "committed", "baton.bytes": size})

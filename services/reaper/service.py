@@ -17,6 +17,9 @@ wall clock. No correctness depends on them, only when a run is given up.
     deliveries   a task or submission that used up its deliveries: dead letter, FAILED
     cancel       a run asked to cancel whose trainer is gone: CANCELLED (see lost run)
     garbage      checkpoint files never committed, older than `BATON_GC_AGE`: deleted
+
+Beside the sweeps, the reaper watches the sites' greetings and (re)attaches their outboxes
+to the hub's streams (`sites.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from services.reaper.deliveries import on_advisory
+from services.reaper.sites import SiteWatch
 from shared import names, retention
 from shared.config import Settings
 from shared.connect import publish
@@ -61,6 +65,7 @@ class Reaper:
         self._last_gc = float("-inf")
         self.store = open_store(settings.store_url)
         self.runs: Runs
+        self.sites = SiteWatch(nc, self.js)
 
     async def on_reconnect(self) -> None:
         return None  # pull consumers resume by themselves once NATS is back
@@ -72,6 +77,7 @@ class Reaper:
         await ensure(self.js)
         await ensure_consumer(self.js, names.ADVISORY_STREAM, reaper_consumer())
         self.runs = await Runs.open(self.js)
+        await self.sites.start()
 
     async def serve(self, stop: asyncio.Event) -> None:
         advisories = pull_loop(
@@ -83,7 +89,10 @@ class Reaper:
                 self.js, msg, "reaper", lambda m: on_advisory(self.js, self.runs, m)
             ),
         )
-        await asyncio.gather(advisories, self._sweeping(stop))
+        try:
+            await asyncio.gather(advisories, self._sweeping(stop))
+        finally:
+            await self.sites.stop()
 
     async def _sweeping(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -29,7 +29,10 @@ from pathlib import Path
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
+from nats.js.errors import Error as JetStreamError
 from opentelemetry import trace
 
 from services.trainer.child_proc import Child
@@ -43,6 +46,7 @@ from shared.contracts.events import (
     AttemptFailed,
     Cancelled,
     Completed,
+    Event,
     Failed,
     Fenced,
     Preempted,
@@ -104,9 +108,10 @@ class Attempt:
         self.worker = settings.worker_id
         self.keeper = Keeper(task.run_id, lease, runs, store, beat_now, child.send)
         self.orders = self.keeper.orders
+        self.site = settings.site
         self.commits = Commits(
             self.js, store, runs, task.run_id, self.worker, lambda: lease.token,
-            task.spec.checkpoint.keep_last, task.spec.pool,
+            task.spec.checkpoint.keep_last, task.spec.pool, self.site,
         )  # fmt: skip
         self.step = 0
         self.start_step = 0
@@ -159,11 +164,13 @@ class Attempt:
             run_id=self.run_id, worker=self.worker, token=token,
             attempt=record.attempts, start_step=self.step,
         )  # fmt: skip
-        await emit(self.js, started)
+        await self._emit(started)
         log.info(
             "%s: attempt %d from step %d, token %d", self.run_id, record.attempts, self.step, token
         )
-        sub = await self.nc.subscribe(names.events_of_run(self.run_id), cb=self.commits.on_event)
+        sub = await self.nc.subscribe(
+            names.at_site(names.events_of_run(self.run_id), self.site), cb=self.commits.on_event
+        )
         launch = Launch(task=self.task, token=token, worker=self.worker, store_url=self.store.url)
         self.child.send(launch)
         self._keeping = asyncio.create_task(self.keeper.keep(touch))
@@ -188,7 +195,8 @@ class Attempt:
         # The captured output goes to the run's log stream for `baton logs`; it is best
         # effort (the local log file keeps everything), so a down link skips chunks.
         with contextlib.suppress(Exception):
-            await self.js.publish(names.logs_subject(self.run_id), chunk, timeout=2)
+            subject = names.at_site(names.logs_subject(self.run_id), self.site)
+            await self.js.publish(subject, chunk, timeout=2)
 
     async def _release(self) -> None:
         """Stop keeping the lease, then give it up. In that order: a keeper beat after the
@@ -198,6 +206,9 @@ class Attempt:
         with contextlib.suppress(asyncio.CancelledError):
             await self._keeping
         await self.lease.release()
+
+    async def _emit(self, event: Event, *, msg_id: str | None = None, attempts: int = 0) -> None:
+        await emit(self.js, event, msg_id=msg_id, attempts=attempts, site=self.site)
 
     def orphaned(self, reason: str) -> None:
         """The reaper saw this worker run a run it does not hold: stop at once."""
@@ -252,7 +263,7 @@ class Attempt:
                 restored = RestoredEvent(
                     run_id=self.run_id, worker=self.worker, step=msg.step, damaged=msg.damaged
                 )
-                await emit(self.js, restored)
+                await self._emit(restored)
             elif isinstance(msg, StepDone):
                 self.step = msg.step
                 if self._recovering:
@@ -282,13 +293,13 @@ class Attempt:
             state=RunState.COMPLETED, step=final.step, digest=final.digest,
             metrics=final.metrics, worker=None, reason=None,
         )  # fmt: skip
-        if await self.runs.update(self.run_id, done) is None:
+        if await self._record_outcome(done) is None:
             self.orders.fence("the run record moved on")
             return await self._on_fenced()
         completed = Completed(
             run_id=self.run_id, step=final.step, digest=final.digest, metrics=final.metrics
         )
-        await emit(self.js, completed, msg_id=f"completed.{self.run_id}")
+        await self._emit(completed, msg_id=f"completed.{self.run_id}")
         elapsed = time.monotonic() - self._began
         if final.step > self.start_step:
             with contextlib.suppress(Exception):  # a speed sample is not worth failing over
@@ -311,11 +322,11 @@ class Attempt:
             if await self.runs.update(self.run_id, cancelled) is not None:
                 await self._release()
                 event = Cancelled(run_id=self.run_id, reason=reason)
-                await emit(self.js, event, msg_id=f"cancelled.{self.run_id}")
+                await self._emit(event, msg_id=f"cancelled.{self.run_id}")
                 return Outcome.CANCELLED
         await self.runs.update(self.run_id, self._spent(worker=None))
         await self._release()
-        await emit(self.js, Preempted(run_id=self.run_id, worker=self.worker, step=step))
+        await self._emit(Preempted(run_id=self.run_id, worker=self.worker, step=step))
         log.info("%s: preempted; lease released after step %d", self.run_id, step)
         return Outcome.PREEMPTED
 
@@ -327,7 +338,7 @@ class Attempt:
         fenced = Fenced(
             run_id=self.run_id, worker=self.worker, token=self.lease.token, reason=reason
         )
-        await emit(self.js, fenced)
+        await self._emit(fenced)
         return Outcome.FENCED
 
     async def _on_child_failed(self, code: int, why: str = "") -> Outcome:
@@ -358,18 +369,37 @@ class Attempt:
             return await self._on_fenced()
         if record.state is RunState.FAILED:
             failed = Failed(run_id=self.run_id, reason=reason, detail=tail)
-            await emit(self.js, failed, msg_id=f"failed.{self.run_id}")
+            await self._emit(failed, msg_id=f"failed.{self.run_id}")
             return Outcome.FAILED
         attempt_failed = AttemptFailed(
             run_id=self.run_id, worker=self.worker, attempt=record.attempts,
             reason=reason, detail=tail,
         )  # fmt: skip
-        await emit(self.js, attempt_failed)
+        await self._emit(attempt_failed)
         await self._release()
         self.retry_delay = min(2.0**record.retries, 60.0)
         return Outcome.RETRY
 
     # -- helpers -------------------------------------------------------------------------
+
+    async def _record_outcome(self, change: Change) -> RunRecord | None:
+        """Write the run's outcome, however long the hub stays out of reach: the final
+        checkpoint is committed (the store said so), and only the record is missing. At a
+        site whose link is down this waits for the link; the keeper keeps the lease (or
+        fences us, and then the record refuses the change)."""
+        delay = 0.5
+        while True:
+            try:
+                return await self.runs.update(self.run_id, change)
+            except (TimeoutError, NatsTimeoutError, NoRespondersError, JetStreamError) as exc:
+                if self.orders.fenced.is_set():
+                    return None
+                log.warning(
+                    "%s: recording the outcome failed (%s); retrying", self.run_id,
+                    type(exc).__name__,
+                )  # fmt: skip
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def _mark_running(self, r: RunRecord) -> RunRecord | None:
         if r.state.terminal or (r.token or 0) > self.lease.token:
@@ -414,7 +444,7 @@ class Attempt:
         )  # fmt: skip
         # Progress is best-effort: while a link is down the next one will do.
         with contextlib.suppress(Exception):
-            await emit(self.js, event, attempts=1)
+            await self._emit(event, attempts=1)
 
 
 def _tail(path: Path) -> str:

@@ -45,6 +45,7 @@ class Commits:
         token: Callable[[], int],
         keep_last: int,
         pool: str = "",
+        site: str = "",
     ) -> None:
         self.js = js
         self.store = store
@@ -55,6 +56,9 @@ class Commits:
         self._keep_last = keep_last
         self._outcomes: dict[tuple[int, int], asyncio.Future[bool]] = {}
         self._pool = pool
+        self._site = site
+        """At a site, requests go to the site's checkpointer, whose events come back on
+        the site's subjects."""
         self.trace_context: Context | None = None
         """The attempt's span, parent of every `commit` span."""
         self._spans: dict[tuple[int, int], tuple[trace.Span, float]] = {}
@@ -89,7 +93,7 @@ class Commits:
         self._spans[(ready.token, ready.step)] = (span, time.monotonic())
         await publish(
             self.js,
-            names.commit_subject(self.run_id),
+            names.at_site(names.commit_subject(self.run_id), self._site),
             encode(req),
             msg_id=f"commit.{self.run_id}.{ready.token}.{ready.step}",
             headers=telemetry.inject(context=trace.set_span_in_context(span)),

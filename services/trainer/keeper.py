@@ -26,6 +26,8 @@ from shared.store import Store
 
 log = logging.getLogger("baton.trainer")
 
+RETRY_S = 0.5
+
 
 class Orders:
     """What the keeper learned; the attempt waits on these events."""
@@ -62,9 +64,10 @@ class Keeper:
 
     async def keep(self, touch: Callable[[], Awaitable[None]]) -> None:
         interval = self.lease.ttl_s / 3
+        wait = interval
         while not self.orders.fenced.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.beat_now.wait(), interval)
+                await asyncio.wait_for(self.beat_now.wait(), wait)
             self.beat_now.clear()
             try:
                 await touch()
@@ -74,6 +77,7 @@ class Keeper:
                         self.orders.fence("the lease was taken over by another worker")
                         return
                 await self._read_orders()
+                wait = interval
             except Exception as exc:  # a link that is down: keep training, try again
                 telemetry.LEASE_RENEW_FAILURES.add(1, {"baton.reason": "error"})
                 log.warning(
@@ -81,6 +85,10 @@ class Keeper:
                     self.run_id,
                     type(exc).__name__,
                 )
+                # A trainer at a site keeps its connection to the leaf through a WAN cut,
+                # so no reconnect tells it the link is back: retry soon, to renew within
+                # the TTL a cut shorter than the TTL leaves.
+                wait = min(interval, RETRY_S)
 
     async def _read_orders(self) -> None:
         found = await self.runs.get(self.run_id)

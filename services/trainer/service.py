@@ -5,6 +5,12 @@ attempt (see `attempt.py`). It never cancels a run because NATS went away: the c
 training through a blip, and the lease — not the connection — decides who owns the run.
 Beside the loop: a heartbeat in the worker registry (what this trainer is and runs), and
 a subscription to `baton.control.<worker>` for commands (wake up, kill an orphan).
+
+At a site (`BATON_SITE`) the trainer is connected to the site's leaf node. It takes tasks
+from the hub's work queue and reads and writes the hub's KV across the domain boundary
+(`hub`: a JetStream context for the hub's domain, plus the API prefix for KV writes);
+everything it publishes for the hub — events, logs, heartbeats, dead letters — goes to the
+site's outbox, and its commit requests to the site's checkpointer.
 """
 
 from __future__ import annotations
@@ -17,12 +23,16 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
+from nats.js.errors import ServiceUnavailableError
 
 from services.trainer.attempt import Attempt, Outcome
 from services.trainer.child_proc import Child
@@ -49,23 +59,34 @@ class Trainer:
     def __init__(self, nc: Client, settings: Settings, signals: StopSignals) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
+        self.hub: JetStreamContext = (
+            nc.jetstream(domain=settings.hub_domain) if settings.site else self.js
+        )
         self.settings = settings
+        self.site = settings.site
         self.signals = signals
         self.store: Store = open_store(settings.store_url)
         self.runs: Runs
-        self.pools = Pools(self.js, load_table(settings.pools_file))
+        self.pools = Pools(self.hub, load_table(settings.pools_file), settings.hub_api)
         self.beat_now = asyncio.Event()
         self.attempt: Attempt | None = None
         self.device = _device()
         self._spare: Child | None = None
 
     async def start(self) -> None:
-        await ensure(self.js)
         consumer = trainer_consumer(
             self.settings.pool, self.settings.ack_wait_s, self.settings.max_deliver
         )
-        await ensure_consumer(self.js, names.TASKS_STREAM, consumer)
-        self.runs = await Runs.open(self.js)
+        if self.site:
+            # The hub's services declare its streams; a site may start while the link is
+            # down, so wait for the hub rather than fail.
+            await _until_reachable(
+                lambda: ensure_consumer(self.hub, names.TASKS_STREAM, consumer), "the hub"
+            )
+        else:
+            await ensure(self.js)
+            await ensure_consumer(self.js, names.TASKS_STREAM, consumer)
+        self.runs = await Runs.open(self.hub, self.settings.hub_api)
         self._spare = await Child.start(self._child_env())
         await self.nc.subscribe(names.control_subject(self.settings.worker_id), cb=self._on_command)
 
@@ -82,7 +103,7 @@ class Trainer:
         heartbeat = asyncio.create_task(self._heartbeat())
         try:
             await pull_loop(
-                self.js,
+                self.hub,
                 names.TASKS_STREAM,
                 names.trainer_consumer(self.settings.pool),
                 stop,
@@ -101,19 +122,23 @@ class Trainer:
         try:
             task = decode(msg.data, Task)
         except ContractError as exc:
-            await dead_letter(self.js, msg, "trainer", str(exc))
+            await dead_letter(self.js, msg, "trainer", str(exc), site=self.site)
             await msg.term()
             return
         found = await self.runs.get(task.run_id)
         if found is None:
-            await dead_letter(self.js, msg, "trainer", f"no run record for {task.run_id}")
+            reason = f"no run record for {task.run_id}"
+            await dead_letter(self.js, msg, "trainer", reason, site=self.site)
             await msg.term()
             return
         record = found[0]
         if record.state.terminal:
             await msg.ack()  # a duplicate of a run that is already over
             return
-        lease = Lease(self.js, task.run_id, self.settings.worker_id, self.settings.lease_ttl_s)
+        lease = Lease(
+            self.hub, task.run_id, self.settings.worker_id, self.settings.lease_ttl_s,
+            api_prefix=self.settings.hub_api,
+        )  # fmt: skip
         if not await lease.acquire():
             # Someone holds the run and renews it: this copy is a duplicate. Look again
             # after a third of the TTL, in case the holder has died by then.
@@ -175,8 +200,9 @@ class Trainer:
 
         if await self.runs.update(task.run_id, fail) is not None:
             await emit(
-                self.js, Failed(run_id=task.run_id, reason=reason), msg_id=f"failed.{task.run_id}"
-            )
+                self.js, Failed(run_id=task.run_id, reason=reason),
+                msg_id=f"failed.{task.run_id}", site=self.site,
+            )  # fmt: skip
         log.warning("%s: refused: %s", task.run_id, reason)
         await msg.ack()
 
@@ -193,7 +219,7 @@ class Trainer:
         if record is None:
             return False
         event = Cancelled(run_id=run_id, reason=record.reason or "cancelled")
-        await emit(self.js, event, msg_id=f"cancelled.{run_id}")
+        await emit(self.js, event, msg_id=f"cancelled.{run_id}", site=self.site)
         return True
 
     async def _on_command(self, msg: Msg) -> None:
@@ -211,7 +237,7 @@ class Trainer:
         """Publish what this trainer is and runs, with a server-side TTL, so that a dead
         trainer disappears from the registry by itself."""
         ttl = max(2, int(self.settings.heartbeat_s * 3))
-        subject = f"$KV.{names.WORKERS_BUCKET}.{self.settings.worker_id}"
+        subject = names.heartbeat_subject(self.settings.worker_id, self.site)
         while True:
             a = self.attempt
             info = WorkerInfo(
@@ -219,7 +245,7 @@ class Trainer:
                 host=socket.gethostname(), pid=os.getpid(), device=self.device[0],
                 gpu_name=self.device[1], gpu_memory_bytes=self.device[2],
                 run_id=a.run_id if a else None, token=a.lease.token if a else None,
-                step=a.step if a else None, at=time.time(),
+                step=a.step if a else None, site=self.site, at=time.time(),
             )  # fmt: skip
             with contextlib.suppress(Exception):  # the registry is advisory; try again
                 await publish(
@@ -235,6 +261,18 @@ class Trainer:
         # Required by cuBLAS for deterministic results; harmless without a GPU.
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         return env
+
+
+async def _until_reachable(call: Callable[[], Awaitable[None]], what: str) -> None:
+    delay = 0.5
+    while True:
+        try:
+            await call()
+            return
+        except (ServiceUnavailableError, NoRespondersError, TimeoutError, NatsTimeoutError) as exc:
+            log.warning("%s is not reachable (%s); retrying", what, type(exc).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def _device() -> tuple[str, str, int]:

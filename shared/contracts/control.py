@@ -39,4 +39,6 @@ class WorkerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     run_id: str | None = None
     token: int | None = None
     step: int | None = None
+    site: str = ""
+    """The site the trainer runs at; empty at the hub."""
     at: float

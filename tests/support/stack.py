@@ -17,7 +17,7 @@ from typing import TypeVar
 import msgspec
 from nats.aio.client import Client
 
-from baton.stack import StackOptions, service_specs, stop_order
+from baton.stack import StackOptions, nats_server, service_specs, stop_order
 from shared.connect import connect
 from shared.natsserver import NatsServer
 from shared.procs import ServiceSpec, Supervisor
@@ -48,14 +48,23 @@ class Stack:
                 **(env or {}),
             },
         )
-        self.nats = NatsServer(root / "nats", port=0)
+        self.opts = msgspec.structs.replace(self.opts, ws_port=0)
+        self.nats: NatsServer = nats_server(self.opts)
         self.sup = Supervisor(root / "logs", root / "run")
         self.specs: list[ServiceSpec] = []
         self.clients: list[Client] = []
+        self.after_services: list[Callable[[], Awaitable[None]]] = []
+        """Undone after the services stopped, before the hub's server: sites' leaf nodes
+        and proxies (see tests/support/sites.py)."""
 
     @property
     def store_url(self) -> str:
         return f"file://{self.root / 'store'}"
+
+    @property
+    def ws_port(self) -> int:
+        """The hub's WebSocket port, where sites' leaf nodes connect."""
+        return int(self.nats.ports["websocket"][0].rsplit(":", 1)[1])
 
     async def start(
         self, services: tuple[str, ...] = ("dispatcher", "checkpointer", "reaper", "trainer")
@@ -133,6 +142,8 @@ class Stack:
         hurry = asyncio.Event()
         hurry.set()  # tests do not wait out graceful shutdowns
         await self.sup.stop(stop_order(self.specs), hurry=hurry)
+        for undo in reversed(self.after_services):
+            await undo()
         await self.nats.stop()
 
         # Whatever the test did, no training process may outlive the stack.

@@ -1,0 +1,103 @@
+"""The reaper's watch over sites: attach each site's outbox to the hub's streams, and
+re-attach it the moment a link comes back (see `shared.sites` for why).
+
+Greetings arrive on core NATS; this keeps, per site, when the last one came. The first
+greeting from a site this reaper has not heard of, or after a silence longer than
+`SILENCE_S`, links the site with a nudge; every greeting updates the site's record in the
+`baton_sites` bucket, which is what `baton sites` reads. Two reapers may both nudge: a
+re-attached source resumes where the hub stopped, so that costs nothing but a stream
+update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+
+from shared import names, sites
+from shared.contracts import decode, encode
+from shared.contracts.sites import SiteHello, SiteRecord
+from shared.errors import ContractError
+
+log = logging.getLogger("baton.reaper")
+
+
+class SiteWatch:
+    def __init__(self, nc: Client, js: JetStreamContext) -> None:
+        self.nc = nc
+        self.js = js
+        self._heard: dict[str, float] = {}
+        """Site → monotonic time of its last greeting."""
+        self._linking: dict[str, asyncio.Task[None]] = {}
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(names.HELLO_ALL, cb=self._on_hello)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        for task in self._linking.values():
+            task.cancel()
+        await asyncio.gather(*self._linking.values(), return_exceptions=True)
+
+    async def _on_hello(self, msg: Msg) -> None:
+        try:
+            hello = decode(msg.data, SiteHello)
+        except ContractError as exc:
+            log.warning("ignored a malformed greeting on %s: %s", msg.subject, exc)
+            return
+        if msg.subject != names.hello_subject(hello.site):
+            log.warning("ignored a greeting from %s on %s", hello.site, msg.subject)
+            return
+        now = time.monotonic()
+        last = self._heard.get(hello.site)
+        self._heard[hello.site] = now
+        relink = last is None or now - last > sites.SILENCE_S
+        busy = self._linking.get(hello.site)
+        if relink and (busy is None or busy.done()):
+            self._linking[hello.site] = asyncio.create_task(self._link(hello, first=last is None))
+        elif busy is None or busy.done():
+            with contextlib.suppress(Exception):  # the record is informational; next time
+                await self._record(hello, linked=False)
+
+    async def _link(self, hello: SiteHello, *, first: bool) -> None:
+        try:
+            await sites.link(self.js, hello.site, nudge=True)
+        except Exception as exc:
+            # Forget the greeting, so that the next one tries again.
+            self._heard.pop(hello.site, None)
+            log.warning("linking site %s failed (%s); will retry", hello.site, exc)
+            return
+        log.info("site %s %s; its outbox is attached", hello.site, "joined" if first else "is back")
+        with contextlib.suppress(Exception):
+            await self._record(hello, linked=True)
+
+    async def _record(self, hello: SiteHello, *, linked: bool) -> None:
+        kv = await self.js.key_value(names.SITES_BUCKET)
+        now = time.time()
+        try:
+            entry = await kv.get(hello.site)
+            old = decode(entry.value or b"", SiteRecord)
+        except KeyNotFoundError:
+            old = SiteRecord(
+                site=hello.site, first_seen=now, last_hello=now, linked_at=now, links=0
+            )
+        record = msgspec.structs.replace(
+            old,
+            last_hello=now,
+            outbox_last_seq=hello.outbox_last_seq,
+            linked_at=now if linked else old.linked_at,
+            links=old.links + 1 if linked else old.links,
+        )
+        await kv.put(hello.site, encode(record))

@@ -1,0 +1,116 @@
+"""A site for chaos tests: a leaf nats-server in its own JetStream domain that reaches the
+hub's WebSocket through a `Proxy` the test can sever or blackhole, plus the site's
+checkpointer and trainers as real processes under the hub stack's supervisor.
+
+The hub `Stack` owns the cleanup: its `stop()` stops every process (sites' included), then
+the sites' leaf nodes and proxies, then the hub's server — also when the test failed.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from nats.aio.client import Client
+from nats.js.errors import NotFoundError
+
+from baton.stack import nats_server, service_specs
+from shared import names, sites
+from shared.connect import connect
+from shared.natsserver import NatsServer
+from tests.support.proxy import Proxy
+from tests.support.stack import Stack, eventually
+
+
+class Site:
+    def __init__(self, hub: Stack, name: str) -> None:
+        self.hub = hub
+        self.name = name
+        self.root = hub.root / "sites" / name
+        self.proxy = Proxy("127.0.0.1", hub.ws_port)
+        self.opts = msgspec.structs.replace(
+            hub.opts, data_dir=self.root, site=name, store=hub.store_url, trainers=0, port=0
+        )
+        self._nats: NatsServer | None = None
+        self.trainers: list[str] = []
+
+    @property
+    def nats(self) -> NatsServer:
+        assert self._nats is not None, "the site has not been started"
+        return self._nats
+
+    async def start(self, trainers: int = 1) -> None:
+        """Leaf node, checkpointer, and trainers named `<site>-trainer-<n>`."""
+        await self.proxy.start()
+        self.hub.after_services.append(self._undo)
+        self.opts = msgspec.structs.replace(self.opts, hub_url=f"ws://127.0.0.1:{self.proxy.port}")
+        self._nats = nats_server(self.opts)
+        await self.nats.start()
+        for spec in service_specs(self.opts, self.nats.url):
+            await self.hub.add(msgspec.structs.replace(spec, name=f"{self.name}-{spec.name}"))
+        for i in range(1, trainers + 1):
+            await self.add_trainer(f"{self.name}-trainer-{i}")
+        await self.linked()
+
+    async def add_trainer(self, name: str) -> int:
+        """A trainer at this site (keep `trainer-` in `name`: the stop order looks for it)."""
+        one = msgspec.structs.replace(self.opts, trainers=1)
+        base = next(s for s in service_specs(one, self.nats.url) if "trainer-" in s.name)
+        env = {
+            **base.env,
+            "BATON_WORKER_ID": name,
+            "BATON_WORK_DIR": str(self.root / "work" / name),
+        }
+        self.trainers.append(name)
+        return await self.hub.add(msgspec.structs.replace(base, name=name, env=env))
+
+    async def linked(self, timeout: float = 30) -> None:
+        """Until the hub sources this site's outbox and every site trainer is registered
+        at the hub (its heartbeat came through the outbox)."""
+        nc = await self.hub.client()
+
+        async def ready() -> bool:
+            lags = await sites._source_lags(nc, names.EVENTS_STREAM)
+            if sites.api_of(self.name) not in lags:
+                return False
+            kv = await nc.jetstream().key_value(names.WORKERS_BUCKET)
+            try:
+                keys = set(await kv.keys())
+            except Exception:  # nats-py's NoKeysError: nobody registered yet
+                return False
+            return set(self.trainers) <= keys
+
+        await eventually(ready, timeout, f"site {self.name} to link to the hub")
+
+    async def client(self) -> Client:
+        """A client of the site's leaf node, as a user at the site would have."""
+        nc = await connect(self.nats.url, f"test-{self.name}", first_attempt_timeout=10)
+        self.hub.clients.append(nc)
+        return nc
+
+    async def outbox(self, subject_filter: str) -> list[tuple[str, bytes]]:
+        """(subject, payload) of the site's outbox messages matching `subject_filter`."""
+        return await stored(await self.client(), names.OUTBOX_STREAM, subject_filter)
+
+    async def _undo(self) -> None:
+        await self.proxy.stop()
+        if self._nats is not None:
+            await self._nats.stop()
+
+
+async def stored(nc: Client, stream: str, subject_filter: str) -> list[tuple[str, bytes]]:
+    """(subject, payload) of every message of `stream` matching `subject_filter`, in order."""
+    try:
+        sub = await nc.jetstream().subscribe(subject_filter, stream=stream, ordered_consumer=True)
+    except NotFoundError:
+        return []
+    out = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1.0)
+            except TimeoutError:
+                return out
+            out.append((msg.subject, msg.data))
+            if msg.metadata.num_pending == 0:
+                return out
+    finally:
+        await sub.unsubscribe()
