@@ -131,18 +131,20 @@ def _is_trainer(name: str) -> bool:
     return "trainer-" in name
 
 
-def nats_server(opts: StackOptions, stop_timeout_s: float = 10.0) -> NatsServer:
-    """The hub's server, or a site's leaf node."""
+def nats_server(
+    opts: StackOptions, stop_timeout_s: float = 10.0, http_port: int | None = None
+) -> NatsServer:
+    """The hub's server, or a site's leaf node. `http_port` turns monitoring on."""
     data = opts.data_dir.absolute()
     if opts.site:
         return NatsServer(
             data / "nats", port=opts.port, server_name=opts.site, domain=opts.site,
             extra_config=leaf_fragment(opts.hub_url), stop_timeout_s=stop_timeout_s,
+            http_port=http_port,
         )  # fmt: skip
-    ws = f"127.0.0.1:{opts.ws_port or -1}"
     return NatsServer(
-        data / "nats", port=opts.port, domain=names.HUB_DOMAIN,
-        extra_config=hub_fragment(ws), stop_timeout_s=stop_timeout_s,
+        data / "nats", port=opts.port, domain=names.HUB_DOMAIN, ws_port=opts.ws_port,
+        extra_config=hub_fragment(), stop_timeout_s=stop_timeout_s, http_port=http_port,
     )  # fmt: skip
 
 

@@ -18,15 +18,15 @@ PING_MAX = 2
 LEAF_RECONNECT = '"1s"'
 
 
-def hub_fragment(ws_listen: str = "127.0.0.1:-1") -> str:
-    """A hub that leaf nodes join over WebSocket (plain ws:// on loopback; TLS in deployment).
-    The `leafnodes` block is required even though leaves dial the WebSocket port."""
+def hub_fragment() -> str:
+    """A hub that leaf nodes join over WebSocket (`NatsServer(ws_port=…)` adds the plain
+    ws:// listener on loopback; TLS in deployment). The `leafnodes` block is required even
+    though leaves dial the WebSocket port."""
     return "\n".join(
         [
             f"ping_interval: {PING_INTERVAL}",
             f"ping_max: {PING_MAX}",
             "leafnodes {\n  listen: 127.0.0.1:-1\n}",
-            f"websocket {{\n  listen: {ws_listen}\n  no_tls: true\n  compression: false\n}}",
         ]
     )
 

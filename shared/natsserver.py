@@ -60,9 +60,12 @@ class NatsServer:
     """One nats-server with JetStream, listening on loopback, its state under `data_dir`.
 
     `port=0` (or -1) lets the server choose a free port. `http_port` enables monitoring
-    (0 = any free port). `extra_config` is appended verbatim (leafnodes, websocket,
-    authorization blocks). `probe` holds extra `nats.connect` options (credentials) for the
-    readiness check, needed once `extra_config` requires authentication.
+    (0 = any free port). `ws_port` adds a plain WebSocket listener for leaf nodes (0 = any
+    free port); like the client port, it is pinned after the first start, so that leaves
+    (and proxies in front of it) find the server again after a restart. `extra_config` is
+    appended verbatim (leafnodes, authorization blocks). `probe` holds extra `nats.connect`
+    options (credentials) for the readiness check, needed once `extra_config` requires
+    authentication.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class NatsServer:
         server_name: str | None = None,
         domain: str | None = None,
         http_port: int | None = None,
+        ws_port: int | None = None,
         max_payload: int | None = None,
         extra_config: str = "",
         jetstream: bool = True,
@@ -85,6 +89,8 @@ class NatsServer:
         self._port = port if port > 0 else None
         self._http_port = http_port
         self._http_port_known: int | None = http_port if http_port else None
+        self._ws_port = ws_port
+        self._ws_port_known: int | None = ws_port if ws_port else None
         # Stable per data dir: a server restarted on the same store keeps its name, while
         # two servers on two dirs (hub and leaf) never share one.
         self.server_name = server_name or (
@@ -130,6 +136,11 @@ class NatsServer:
         return self._http_port_known
 
     @property
+    def ws_port(self) -> int | None:
+        """The WebSocket port leaf nodes dial, once known."""
+        return self._ws_port_known
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self.running and self._proc is not None else None
 
@@ -152,6 +163,9 @@ class NatsServer:
         if self._http_port is not None:
             http = self._http_port_known if self._http_port_known else -1
             lines.append(f"http: {HOST}:{http}")
+        if self._ws_port is not None:
+            ws = self._ws_port_known if self._ws_port_known else -1
+            lines.append(f"websocket {{\n  listen: {HOST}:{ws}\n  no_tls: true\n}}")
         if self.max_payload is not None:
             lines.append(f"max_payload: {self.max_payload}")
         if self.jetstream:
@@ -235,6 +249,8 @@ class NatsServer:
         self._port = _port_of(self.ports["nats"][0])
         if self._http_port is not None and self.ports.get("monitoring"):
             self._http_port_known = _port_of(self.ports["monitoring"][0])
+        if self._ws_port is not None and self.ports.get("websocket"):
+            self._ws_port_known = _port_of(self.ports["websocket"][0])
 
     async def _probe(self, budget_s: float) -> None:
         nc: Client = await nats.connect(

@@ -86,16 +86,6 @@ async def link(js: JetStreamContext, site: str, *, nudge: bool) -> None:
         await js.update_stream(replace(config, sources=[*others, source_of(site, kind)]))
 
 
-def linked_sites(sources: list[StreamSource] | None) -> list[str]:
-    """Names of the sites among a stream's sources."""
-    out = []
-    for s in sources or []:
-        api = s.external.api if s.external else ""
-        if api.startswith("$JS.") and api.endswith(".API"):
-            out.append(api[len("$JS.") : -len(".API")])
-    return out
-
-
 class SiteView(msgspec.Struct, frozen=True, kw_only=True):
     """What `baton sites` shows of one site."""
 
@@ -126,8 +116,8 @@ async def views(nc: Client) -> list[SiteView]:
                 records.append(decode(entry.value, SiteRecord))
     lag: dict[str, int] = {}
     for stream in SOURCED:
-        for api, n in (await _source_lags(nc, stream)).items():
-            lag[api] = lag.get(api, 0) + n
+        for api, state in (await source_states(nc, stream)).items():
+            lag[api] = lag.get(api, 0) + state.lag
     now = time.time()
     return [
         SiteView(
@@ -142,10 +132,16 @@ async def views(nc: Client) -> list[SiteView]:
     ]
 
 
-async def _source_lags(nc: Client, stream: str) -> dict[str, int]:
-    """Each external source's lag, by its API prefix. Asked of the server directly: nats-py's
-    stream info leaves out which domain a source is in, and every site's outbox has the
-    same name."""
+class SourceState(msgspec.Struct, frozen=True):
+    lag: int
+    active: bool
+    """The hub has a live consumer on the source (the server reports -1 when not)."""
+
+
+async def source_states(nc: Client, stream: str) -> dict[str, SourceState]:
+    """Each external source of a hub stream, by its API prefix. Asked of the server
+    directly: nats-py's stream info leaves out which domain a source is in, and every
+    site's outbox has the same name."""
     try:
         reply = await nc.request(f"$JS.API.STREAM.INFO.{stream}", b"", timeout=2)
         info = json.loads(reply.data)
@@ -155,8 +151,14 @@ async def _source_lags(nc: Client, stream: str) -> dict[str, int]:
     for src in info.get("sources") or []:
         api = (src.get("external") or {}).get("api")
         if api:
-            out[api] = int(src.get("lag") or 0)
+            active = src.get("active", -1) >= 0 and not src.get("error")
+            out[api] = SourceState(lag=int(src.get("lag") or 0), active=active)
     return out
+
+
+def site_of(api: str) -> str:
+    """The site whose API prefix `api` is (`$JS.lab1.API` → `lab1`)."""
+    return api.removeprefix("$JS.").removesuffix(".API")
 
 
 async def greet(nc: Client, js_site: JetStreamContext, site: str, stop: asyncio.Event) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.errors import ConnectionClosedError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
@@ -123,7 +124,7 @@ async def submit(
             return run_id, None
         try:
             sub = await _subscribe_events(nc, run_id, names.HUB_DOMAIN if site else None)
-        except ServiceUnavailableError:
+        except (ServiceUnavailableError, TimeoutError, NatsTimeoutError):
             return run_id, None  # a site cut off from the hub: the outbox has the job
         try:
             deadline = asyncio.get_running_loop().time() + wait_s

@@ -68,7 +68,9 @@ class Reaper:
         self.sites = SiteWatch(nc, self.js)
 
     async def on_reconnect(self) -> None:
-        return None  # pull consumers resume by themselves once NATS is back
+        # Pull consumers resume by themselves once NATS is back. The hub's sources may not:
+        # if it was the hub's server that restarted, they retry on a back-off.
+        self.sites.forget()
 
     async def close(self) -> None:
         await self.store.close()
@@ -98,6 +100,7 @@ class Reaper:
         while not stop.is_set():
             try:
                 await self.sweep()
+                await self.sites.check()
             except Exception:  # a link that is down, a server restarting: sweep again later
                 log.exception("sweep failed; trying again in %.1fs", self.settings.sweep_s)
             with contextlib.suppress(TimeoutError):

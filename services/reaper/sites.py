@@ -7,6 +7,12 @@ greeting from a site this reaper has not heard of, or after a silence longer tha
 `baton_sites` bucket, which is what `baton sites` reads. Two reapers may both nudge: a
 re-attached source resumes where the hub stopped, so that costs nothing but a stream
 update.
+
+A greeting after a silence is not the only way a source stalls: after the hub's own server
+restarts, its sources start before the leaf has relinked, fail, and back off (seen in the
+hub-restart chaos test: the heartbeats' source stayed idle long after the link was up). So
+every sweep also asks the hub's streams whether each greeting site's source is active, and
+nudges a site whose source is not — at most once per `RENUDGE_S`.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from shared.errors import ContractError
 
 log = logging.getLogger("baton.reaper")
 
+RENUDGE_S = 5.0
+
 
 class SiteWatch:
     def __init__(self, nc: Client, js: JetStreamContext) -> None:
@@ -38,6 +46,8 @@ class SiteWatch:
         self._heard: dict[str, float] = {}
         """Site → monotonic time of its last greeting."""
         self._linking: dict[str, asyncio.Task[None]] = {}
+        self._nudged: dict[str, float] = {}
+        """Site → monotonic time of its last nudge."""
         self._sub: Subscription | None = None
 
     async def start(self) -> None:
@@ -50,6 +60,29 @@ class SiteWatch:
         for task in self._linking.values():
             task.cancel()
         await asyncio.gather(*self._linking.values(), return_exceptions=True)
+
+    def forget(self) -> None:
+        """Take every site's next greeting as a return (our own link was down)."""
+        self._heard.clear()
+
+    async def check(self) -> None:
+        """Nudge every greeting site one of whose sources at the hub is idle or failing."""
+        now = time.monotonic()
+        live = {s for s, t in self._heard.items() if now - t < sites.SILENCE_S}
+        stalled: set[str] = set()
+        for stream in sites.SOURCED:
+            for api, state in (await sites.source_states(self.nc, stream)).items():
+                site = sites.site_of(api)
+                if site in live and not state.active:
+                    stalled.add(site)
+        for site in sorted(stalled):
+            busy = self._linking.get(site)
+            if (busy is None or busy.done()) and now - self._nudged.get(site, -RENUDGE_S) >= (
+                RENUDGE_S
+            ):
+                log.info("site %s: a source at the hub is idle; nudging it", site)
+                hello = SiteHello(site=site, at=time.time())
+                self._linking[site] = asyncio.create_task(self._link(hello, first=False))
 
     async def _on_hello(self, msg: Msg) -> None:
         try:
@@ -72,6 +105,7 @@ class SiteWatch:
                 await self._record(hello, linked=False)
 
     async def _link(self, hello: SiteHello, *, first: bool) -> None:
+        self._nudged[hello.site] = time.monotonic()
         try:
             await sites.link(self.js, hello.site, nudge=True)
         except Exception as exc:

@@ -68,8 +68,8 @@ class Site:
         nc = await self.hub.client()
 
         async def ready() -> bool:
-            lags = await sites._source_lags(nc, names.EVENTS_STREAM)
-            if sites.api_of(self.name) not in lags:
+            sources = await sites.source_states(nc, names.EVENTS_STREAM)
+            if sites.api_of(self.name) not in sources:
                 return False
             kv = await nc.jetstream().key_value(names.WORKERS_BUCKET)
             try:

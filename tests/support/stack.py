@@ -49,7 +49,7 @@ class Stack:
             },
         )
         self.opts = msgspec.structs.replace(self.opts, ws_port=0)
-        self.nats: NatsServer = nats_server(self.opts)
+        self.nats: NatsServer = nats_server(self.opts, http_port=0)
         self.sup = Supervisor(root / "logs", root / "run")
         self.specs: list[ServiceSpec] = []
         self.clients: list[Client] = []
@@ -64,7 +64,8 @@ class Stack:
     @property
     def ws_port(self) -> int:
         """The hub's WebSocket port, where sites' leaf nodes connect."""
-        return int(self.nats.ports["websocket"][0].rsplit(":", 1)[1])
+        assert self.nats.ws_port is not None, "the hub has not been started"
+        return self.nats.ws_port
 
     async def start(
         self, services: tuple[str, ...] = ("dispatcher", "checkpointer", "reaper", "trainer")
