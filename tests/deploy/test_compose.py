@@ -21,6 +21,7 @@ import yaml
 from typer.testing import CliRunner
 
 from baton.cli.app import SERVICES, app
+from shared import names
 from tests.deploy.natsconf import CERT_SCRIPT, NATS_DIR, REPO, listeners, strip_comments
 
 COMPOSE: dict[str, Any] = yaml.safe_load((REPO / "compose.yaml").read_text())
@@ -39,7 +40,7 @@ S3_ENV = {
     "AWS_ENDPOINT_URL",
 }
 # Set in compose ahead of the code that reads them; each must be explained in docs/deploy.md.
-PENDING_ENV = {"BATON_JS_DOMAIN"}
+PENDING_ENV: set[str] = set()
 
 
 def baton_image() -> str:
@@ -277,6 +278,30 @@ def test_dev_configs_pair_up() -> None:
     assert "no_tls: true" in nats_conf("dev/hub.conf")
 
 
+def test_the_servers_baton_starts_match_the_dev_configs() -> None:
+    """`baton up` and the tests run `shared.natsconf`; compose runs deploy/nats. They must
+    agree on what makes the hub/site protocol work."""
+    from shared import natsconf
+
+    def settings(text: str) -> dict[str, str]:
+        body = strip_comments(text)
+        return {
+            key: m.group(1)
+            for key in ("ping_interval", "ping_max", "reconnect", "domain")
+            if (m := re.search(rf"^\s*{key}\s*:\s*(\S+)\s*$", body, re.M))
+        }
+
+    hub, leaf = settings(nats_conf("dev/hub.conf")), settings(nats_conf("dev/leaf.conf"))
+    ours_hub, ours_leaf = (
+        settings(natsconf.hub_fragment()),
+        settings(natsconf.leaf_fragment("ws://h:1")),
+    )
+    for key in ("ping_interval", "ping_max"):
+        assert hub[key] == ours_hub[key] == leaf[key] == ours_leaf[key], key
+    assert leaf["reconnect"] == ours_leaf["reconnect"]
+    assert hub["domain"] == names.HUB_DOMAIN and leaf["domain"] == "$SITE"
+
+
 def test_every_baton_service_has_nats_url() -> None:
     ports = {
         "hub": port_of(listeners(nats_conf("hub.conf"))[0]),
@@ -289,8 +314,8 @@ def test_every_baton_service_has_nats_url() -> None:
         assert parts.scheme == "nats" and parts.hostname in ports, f"{name}: {url}"
         assert parts.port == ports[parts.hostname], f"{name}: {url}"
         at_site = parts.hostname == "leaf"
-        # Site services reach hub streams through the leaf (read once edge sites land).
-        assert (env(s).get("BATON_JS_DOMAIN") == "hub") == at_site, f"{name}: {env(s)}"
+        # Site services name their site, which is the leaf's JetStream domain.
+        assert (env(s).get("BATON_SITE") == "site1") == at_site, f"{name}: {env(s)}"
         if args_of(name)[1:2] == ["service"] and args_of(name)[2] == "trainer":
             assert env(s).get("BATON_POOL"), f"{name} has no BATON_POOL"
 

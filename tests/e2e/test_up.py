@@ -38,7 +38,11 @@ async def baton(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
     return proc.returncode, out.decode(), err.decode()
 
 
-async def start_up(data: Path, trainers: int = 1) -> tuple[asyncio.subprocess.Process, str]:
+async def start_up(
+    data: Path, trainers: int = 1, *more: str
+) -> tuple[asyncio.subprocess.Process, str]:
+    """`baton up` as a process; returns it and its NATS URL. A hub prints where sites join
+    (`hub_ws`), read back from its stack.json."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -52,6 +56,7 @@ async def start_up(data: Path, trainers: int = 1) -> tuple[asyncio.subprocess.Pr
         str(trainers),
         "--lease-ttl",
         "3",
+        *(more or ("--ws-port", "0")),
         cwd=REPO,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
@@ -129,3 +134,49 @@ async def test_a_second_sigterm_stops_a_trainer_hard_without_an_orphan(tmp_path:
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 90)
+
+
+async def test_up_site_trains_the_hubs_work_and_baton_sites_shows_it(tmp_path: Path) -> None:
+    hub, hub_url = await start_up(tmp_path / "hub", 0)
+    procs = [hub]
+    try:
+        ws = json.loads((tmp_path / "hub" / "run" / "stack.json").read_text())["sites_url"]
+        assert ws.startswith("ws://127.0.0.1:"), ws
+        store = f"file://{tmp_path / 'hub' / 'store'}"
+        code, _, err = await baton("up", "--site", "lab1", env={})
+        assert code == 2 and "--hub" in err, err
+        site, site_url = await start_up(
+            tmp_path / "lab1", 1, "--site", "lab1", "--hub", ws, "--store", store
+        )
+        procs.append(site)
+        job = tmp_path / "job.json"
+        job.write_text(json.dumps(JOB))
+        # Submitted at the site, through its leaf node and outbox; answered by the hub.
+        code, out, err = await baton(
+            "submit", str(job), "--site", "lab1", "--wait", "30", "--json",
+            env={"NATS_URL": site_url},
+        )  # fmt: skip
+        assert code == 0 and json.loads(out)["accepted"], (out, err)
+        run_id = json.loads(out)["run_id"]
+        code, out, err = await baton("watch", run_id, env={"NATS_URL": hub_url})
+        assert code == 0, (out, err)
+        code, out, _ = await baton("status", run_id, "--json", env={"NATS_URL": hub_url})
+        record = json.loads(out)
+        assert record["state"] == "COMPLETED" and record["worker"] is None, record
+        code, out, _ = await baton("workers", "--json", env={"NATS_URL": hub_url})
+        assert [w["site"] for w in json.loads(out)] == ["lab1"], out
+        code, out, err = await baton("sites", "--json", env={"NATS_URL": hub_url})
+        assert code == 0, err
+        [view] = json.loads(out)
+        assert view["site"] == "lab1" and view["link"] == "up", view
+        family = [p for proc in procs for p in children_of(proc.pid)]
+    finally:
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 90)
+    assert [p.returncode for p in procs] == [0, 0]
+
+    async def none_left() -> bool:
+        return not any(alive(p) for p in family)
+
+    await eventually(none_left, 10, "every process both stacks started to exit")

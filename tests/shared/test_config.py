@@ -27,8 +27,15 @@ def test_allow_list_matches_whole_module_prefixes() -> None:
 @pytest.mark.parametrize(
     ("name", "value"),
     [("BATON_LEASE_TTL", "soon"), ("BATON_LEASE_TTL", "1"), ("BATON_GRACE", "-3"),
-     ("BATON_MAX_DELIVER", "0")],
+     ("BATON_MAX_DELIVER", "0"), ("BATON_SITE", "Lab 1"), ("BATON_SITE", "hub"),
+     ("BATON_SITE", "a.b"), ("BATON_SITE", "x" * 33)],
 )  # fmt: skip
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=name):
         config.load({name: value})
+
+
+def test_a_site_writes_into_the_hubs_domain() -> None:
+    assert config.load({}).hub_api is None
+    s = config.load({"BATON_SITE": "lab-1", "BATON_HUB_DOMAIN": "core"})
+    assert s.site == "lab-1" and s.hub_api == "$JS.core.API"
