@@ -1,48 +1,33 @@
-"""Edge sites under chaos: a leaf node behind a proxy that the tests cut, blackhole and
-restore, with trainers at the site taking the hub's work.
+"""A site trains the hub's work: the plain path, and what `baton sites` shows of it.
 
-Each test runs the real hub (nats-server in domain `hub`, dispatcher, checkpointer, reaper
-as processes) and a real site (leaf nats-server in its own domain, the site's checkpointer
-and trainers). Every fault is undone by the harness, also when a test fails.
+The hub (nats-server in domain `hub`, dispatcher, checkpointer, reaper) and the site
+`lab1` (leaf nats-server in its own domain, the site's checkpointer and trainer) are real
+processes; the chaos tests (test_chaos.py) cut the link between them.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
-from shared import names
-from shared.contracts import JobSpec, RunState
-from shared.contracts.events import Completed, Progress, Started
+from baton.cli.app import app
+from shared.contracts import RunState
+from shared.contracts.events import Completed, Started
 from tests.e2e.jobs import EventLog, finished, job, submit
-from tests.support.sites import Site, stored
-from tests.support.stack import Stack
+from tests.support.sites import Site
+from tests.support.stack import Stack, eventually
 
-PACED = "tests.support.workloads:paced"
-TTL = 6
 HUB_ONLY = ("dispatcher", "checkpointer", "reaper")
-HUB_ORIGIN = ("accepted", "dispatched")
-"""Event kinds the hub's own services emit; everything else of a run at a site comes from
-the site's outbox."""
-
-
-def paced(total: int = 120, every: int = 10, pace: float = 0.05, **over: Any) -> JobSpec:
-    return job(
-        entry_point=PACED,
-        total_steps=total,
-        checkpoint={"every_steps": every},
-        config={"pace": pace},
-        seed=11,
-        **over,
-    )
 
 
 @pytest.fixture
 async def hub(tmp_path: Path) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path / "hub", trainers=0, lease_ttl=TTL)
+    s = Stack(tmp_path / "hub", trainers=0, lease_ttl=6)
     await s.start(HUB_ONLY)
     try:
         yield s
@@ -50,28 +35,45 @@ async def hub(tmp_path: Path) -> AsyncIterator[Stack]:
         await s.stop()
 
 
-@pytest.fixture
-async def site(hub: Stack) -> Site:
-    s = Site(hub, "lab1")
-    await s.start(trainers=1)
-    return s
-
-
-async def test_a_site_trains_the_hubs_work(hub: Stack, site: Site) -> None:
+async def test_a_site_trains_the_hubs_work(hub: Stack) -> None:
+    site = Site(hub, "lab1")
+    await site.start(trainers=1)
     nc = await hub.client()
-    run_id = await submit(nc, paced(total=30, pace=0.0))
+    run_id = await submit(nc, job(total_steps=30))
     record = await finished(nc, run_id, timeout=60)
-    assert record.state is RunState.COMPLETED, record
+    assert record.state is RunState.COMPLETED and record.step == 30, record
     log = EventLog(nc, run_id)
-    done = await log.wait_for(lambda e: isinstance(e, Completed), 10, "completed at the hub")
-    assert isinstance(done, Completed) and done.step == 30
-    started = log.of(Started)
-    assert [s.worker for s in started] == ["lab1-trainer-1"], started
+    await log.wait_for(lambda e: isinstance(e, Completed), 10, "completed at the hub")
+    assert [s.worker for s in log.of(Started)] == ["lab1-trainer-1"]
     log.close()
-    sent = await site.outbox(names.at_site(names.events_of_run(run_id), "lab1"))
-    got = await stored(nc, names.EVENTS_STREAM, names.events_of_run(run_id))
-    from_site = [(subj, data) for subj, data in got if subj.rsplit(".", 1)[1] not in HUB_ORIGIN]
-    want = [(names.event_subject(run_id, "x").rsplit(".", 1)[0] + "." + s.rsplit(".", 1)[1], d)
-            for s, d in sent]
-    assert from_site == want, "the hub must hold the site's events once each, in order"
-    assert any(isinstance(e, Progress) for e in log.events)
+    await site.assert_events_once_in_order(nc, run_id)
+
+
+async def test_baton_sites_shows_the_link_and_its_loss(hub: Stack) -> None:
+    runner = CliRunner()
+
+    def sites() -> list[dict[str, object]]:
+        result = runner.invoke(app, ["sites", "--json", "-s", hub.nats.url])
+        assert result.exit_code == 0, result.output
+        return list(json.loads(result.stdout))
+
+    assert await _in_thread(sites) == [], "no site has greeted the hub yet"
+    site = Site(hub, "lab1")
+    await site.start(trainers=0)
+
+    async def link(state: str) -> bool:
+        found = await _in_thread(sites)
+        return len(found) == 1 and found[0]["site"] == "lab1" and found[0]["link"] == state
+
+    await eventually(lambda: link("up"), 20, "lab1 to show as up")
+    site.proxy.sever()
+    await eventually(lambda: link("down"), 20, "lab1 to show as down")
+    site.proxy.restore()
+    await eventually(lambda: link("up"), 20, "lab1 to show as up again")
+    [view] = await _in_thread(sites)
+    assert view["links"] == 2, f"the link came up twice: {view}"
+
+
+async def _in_thread(fn: Callable[[], list[dict[str, object]]]) -> list[dict[str, object]]:
+    """The CLI runs its own event loop, so it cannot run on the test's."""
+    return await asyncio.to_thread(fn)

@@ -19,6 +19,10 @@ from shared.natsserver import NatsServer
 from tests.support.proxy import Proxy
 from tests.support.stack import Stack, eventually
 
+HUB_ORIGIN = {"accepted", "redispatched", "warning"}
+"""Event kinds the hub's own services emit; every other event of a run trained at a site
+comes from the site's outbox."""
+
 
 class Site:
     def __init__(self, hub: Stack, name: str) -> None:
@@ -71,6 +75,8 @@ class Site:
             sources = await sites.source_states(nc, names.EVENTS_STREAM)
             if sites.api_of(self.name) not in sources:
                 return False
+            if not self.trainers:
+                return True
             kv = await nc.jetstream().key_value(names.WORKERS_BUCKET)
             try:
                 keys = set(await kv.keys())
@@ -89,6 +95,19 @@ class Site:
     async def outbox(self, subject_filter: str) -> list[tuple[str, bytes]]:
         """(subject, payload) of the site's outbox messages matching `subject_filter`."""
         return await stored(await self.client(), names.OUTBOX_STREAM, subject_filter)
+
+    async def assert_events_once_in_order(self, nc: Client, run_id: str) -> None:
+        """The hub's events of `run_id` that came from this site are, message for message,
+        the site's outbox in the order the site stored it: each arrived once, in order."""
+        sent = await self.outbox(names.at_site(names.events_of_run(run_id), self.name))
+        got = await stored(nc, names.EVENTS_STREAM, names.events_of_run(run_id))
+        from_site = [(s, d) for s, d in got if s.rsplit(".", 1)[1] not in HUB_ORIGIN]
+        want = [(names.event_subject(run_id, s.rsplit(".", 1)[1]), d) for s, d in sent]
+        assert len(want) > 3, f"too few events to tell anything: {len(want)}"
+        assert from_site == want, (
+            f"hub holds {len(from_site)} site events, the site sent {len(want)}: "
+            "each must arrive once, in order"
+        )
 
     async def _undo(self) -> None:
         await self.proxy.stop()
