@@ -64,8 +64,12 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
 def run_id_for(idempotency_key: str) -> str:
     """Run ids are a pure function of the idempotency key, so a submitter knows the id
-    before the dispatcher has seen the job, and a repeated key can only name one run."""
-    return "r" + hashlib.sha256(idempotency_key.encode()).hexdigest()[:20]
+    before the dispatcher has seen the job, and a repeated key can only name one run.
+
+    Total over every `str`: a rejected submission's raw key may hold a lone surrogate (JSON
+    can escape one, argv can carry one), and filing its rejection must not fail on it."""
+    data = idempotency_key.encode("utf-8", "surrogatepass")
+    return "r" + hashlib.sha256(data).hexdigest()[:20]
 
 
 def spec_hash(spec: JobSpec) -> str:
