@@ -15,7 +15,6 @@ job is deterministic: weights, optimizer state, the data cursor and every RNG ar
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -27,16 +26,15 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from baton.snapshot import Snapshotter
-from shared import commit
+from shared import checkpoint_files, commit
 from shared.contracts import FileRef, Manifest, Task, spec_hash
 from shared.contracts.child import CheckpointReady, FromChild, Restored, StepDone
 from shared.digest import weights_digest
 from shared.errors import IntegrityError
 from shared.store import open_store
-from shared.tensors import flatten, unflatten
+from shared.tensors import declared, flatten, specs_of, unflatten
 
 REPORT_INTERVAL_S = 0.2
 
@@ -77,6 +75,7 @@ class RunContext:
         self._want_stop = False
         self._last_saved = -1
         self._last_ckpt_time = time.monotonic()
+        self._postponed = False
         self._last_report = 0.0
         self._write_error: BaseException | None = None
         self.finished_early = False
@@ -146,18 +145,22 @@ class RunContext:
         policy = self.spec.checkpoint
         with self._lock:
             asked, self._want_checkpoint = self._want_checkpoint, False
-        due = (
-            asked
+        periodic = (
+            self._postponed
             or (policy.every_steps is not None and self.step % policy.every_steps == 0)
             or (
                 policy.every_seconds is not None
                 and now - self._last_ckpt_time >= policy.every_seconds
             )
         )
-        if now - self._last_report >= REPORT_INTERVAL_S or due or self.step == self.total_steps:
+        # A periodic checkpoint never waits for the write before it (see baton.snapshot):
+        # it is postponed to the first step after that write is done. Asked-for ones wait.
+        save = self.step < self.total_steps and (asked or (periodic and not self._snap.busy))
+        self._postponed = periodic and not save and self.step < self.total_steps
+        if now - self._last_report >= REPORT_INTERVAL_S or save or self.step == self.total_steps:
             self._last_report = now
             self._send(StepDone(step=self.step, metrics=dict(self._metrics)))
-        if due and self.step < self.total_steps:
+        if save:
             self._save(final=False)
 
     def _save(self, final: bool) -> None:
@@ -207,27 +210,62 @@ class RunContext:
         self._snap.write_async(snap, self.run_id, token, done, failed)
         self._last_saved = self.step
         self._last_ckpt_time = time.monotonic()
+        self._postponed = False
 
     async def _find_checkpoint(self) -> tuple[Manifest | None, list[int]]:
         async with open_store(self._store_url) as store:
             return await commit.restorable(store, self.run_id)
 
     def _load(self, manifest: Manifest) -> None:
+        """Load a checkpoint that `commit.restorable` verified. Every file's tensors are
+        checked again here, against meta.json and against the objects they go into, before
+        any object is touched: a mismatch is refused naming the tensor and leaves the
+        objects as they were, where `load_state_dict` would fail half-way with torch's
+        message."""
+        step, suffix = manifest.step, checkpoint_files.SUFFIX
         with tempfile.TemporaryDirectory(prefix="baton-restore-") as tmp:
             local = asyncio.run(_download(self._store_url, manifest.files, Path(tmp)))
-            meta = json.loads(local["meta.json"].read_text())
+            if checkpoint_files.META not in local or f"rng{suffix}" not in local:
+                raise IntegrityError(f"checkpoint {step} lacks meta.json or rng{suffix}")
+            meta = checkpoint_files.read_meta(local[checkpoint_files.META])
             if meta.get("run_id") != self.run_id or meta.get("spec_hash") != spec_hash(self.spec):
-                raise IntegrityError(
-                    f"checkpoint {manifest.step} belongs to another run or job spec"
-                )
+                raise IntegrityError(f"checkpoint {step} belongs to another run or job spec")
+            state, cursor, saved = meta.get("state"), meta.get("cursor"), meta.get("step")
+            if not (isinstance(state, dict) and isinstance(cursor, dict) and type(saved) is int):
+                raise IntegrityError(f"checkpoint {step}: meta.json lacks state, cursor or step")
             for name, obj in self._state.items():
-                if f"{name}.safetensors" not in local or name not in meta["state"]:
-                    raise IntegrityError(f"checkpoint {manifest.step} has no state for {name!r}")
-                tensors = load_file(str(local[f"{name}.safetensors"]))
-                obj.load_state_dict(unflatten(meta["state"][name], tensors))
-            _set_rng_state(load_file(str(local["rng.safetensors"])), meta["rng"])
-        self.step = int(meta["step"])
-        self.cursor = dict(meta["cursor"])
+                if f"{name}{suffix}" not in local or name not in state:
+                    raise IntegrityError(f"checkpoint {step} has no state for {name!r}")
+                live: dict[str, torch.Tensor] = {}
+                flatten(obj.state_dict(), name, live)
+                checkpoint_files.check_tensors(
+                    local[f"{name}{suffix}"],
+                    f"{name}{suffix}",
+                    recorded=declared(state[name]),
+                    live=specs_of(live),
+                    live_name=f"the {name} being restored",
+                )
+            checkpoint_files.check_tensors(
+                local[f"rng{suffix}"],
+                f"rng{suffix}",
+                live=specs_of(_rng_state()[0]),
+                live_name="this process's RNG",
+                required=("torch", "numpy"),
+            )
+            for name, obj in self._state.items():
+                tensors = checkpoint_files.load_tensors(local[f"{name}{suffix}"], f"{name}{suffix}")
+                try:
+                    restored = unflatten(state[name], tensors)
+                except RecursionError:
+                    raise IntegrityError(f"checkpoint {step}: {name!r} nested too deeply") from None
+                obj.load_state_dict(restored)
+            rng = checkpoint_files.load_tensors(local[f"rng{suffix}"], f"rng{suffix}")
+            try:
+                _set_rng_state(rng, meta["rng"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise IntegrityError(f"checkpoint {step}: malformed RNG state: {exc!r}") from None
+        self.step = saved
+        self.cursor = dict(cursor)
         self._last_saved = self.step
         self._last_ckpt_time = time.monotonic()
 
@@ -236,8 +274,13 @@ async def _download(store_url: str, files: list[FileRef], into: Path) -> dict[st
     out = {}
     async with open_store(store_url) as store:
         for ref in files:
-            out[ref.name] = into / ref.name
-            await store.download(ref.key, out[ref.name])
+            # A name becomes a local path here: refuse one that would land outside `into`,
+            # whatever checks the manifest passed before.
+            path = into / checkpoint_files.check_name(ref.name)
+            if path.parent != into or ref.name in out:
+                raise IntegrityError(f"checkpoint file {ref.name!r} cannot be downloaded")
+            out[ref.name] = path
+            await store.download(ref.key, path)
     return out
 
 

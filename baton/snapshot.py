@@ -3,9 +3,25 @@
 The copy goes into buffers allocated once and reused (pinned when the source is on a GPU),
 because copying into fresh allocations is several times slower than into warm memory
 (NATS-NOTES.md measured 5.4 GB/s vs far less). Serialising, hashing and uploading happen on
-one background thread. At most one checkpoint is in flight: a new snapshot first waits for
-the previous write, which is the back-pressure that keeps memory bounded — the buffers are
-about to be overwritten, so there is nothing else it could safely do.
+one background thread, so at most one checkpoint is in flight and memory stays bounded.
+
+A capture overwrites the buffers, so it must wait for the previous write; what happens when
+a checkpoint comes due while a write is still in flight depends on who wants it:
+
+* A periodic checkpoint (the job's policy) does not wait: `RunContext` sees `busy` and
+  postpones it to the first step after the write has finished. Waiting would stall training
+  for as long as the store is slow or down, and the newer checkpoint could not be uploaded
+  any sooner anyway; postponing rather than skipping means none is silently dropped.
+  `every_seconds` counts again from the postponed checkpoint; `every_steps` stays on its
+  multiples.
+* A forced one (final, stop/preemption, `ctx.checkpoint()`, the trainer's request) waits:
+  its caller needs exactly that step saved, and the buffers must be free to hold it. During
+  an outage that wait lasts until the store is back (or the trainer's grace period ends).
+
+The writer outlasts a store outage: an upload that fails transiently is retried with capped
+exponential back-off for as long as it takes. That is safe because every file goes to a key
+of its own (run, token, step, name) that nothing else writes; if an attempt whose answer was
+lost did land, the write-once refusal is settled by reading the key back.
 """
 
 from __future__ import annotations
@@ -13,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,8 +39,19 @@ from safetensors.torch import save_file
 
 from shared.commit import data_key
 from shared.contracts import FileRef
+from shared.errors import AlreadyExists, TransientError
 from shared.store import Store, open_store
 from shared.store.base import sha256_file
+
+log = logging.getLogger("baton.snapshot")
+
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 5.0
+"""Back-off between upload attempts while the store is down. The cap bounds how long a
+checkpoint sits idle after the store is back; the store client retries within each attempt."""
+
+# Connection-level OSErrors only: a missing spool file or a full disk is not an outage.
+_OUTAGE = (TransientError, ConnectionError, TimeoutError)
 
 
 class Snapshot:
@@ -46,6 +74,12 @@ class Snapshotter:
         self._pending: concurrent.futures.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._store: Store | None = None
+        self._outage_since: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a write is still in flight (a capture now would wait for it)."""
+        return self._pending is not None and not self._pending.done()
 
     def capture(
         self, step: int, groups: dict[str, dict[str, torch.Tensor]], meta: dict[str, object]
@@ -119,6 +153,45 @@ class Snapshotter:
         for name, path in files:
             size, digest = sha256_file(path)
             key = data_key(run_id, token, snap.step, name)
-            self._loop.run_until_complete(self._store.put_file(key, path))
+            self._put(key, path, size, digest)
             refs.append(FileRef(name=name, key=key, size=size, sha256=digest))
         return refs
+
+    def _put(self, key: str, path: Path, size: int, digest: str) -> None:
+        assert self._loop is not None and self._store is not None
+        delay = RETRY_FIRST_S
+        failed_before = False
+        while True:
+            try:
+                self._loop.run_until_complete(
+                    _upload(self._store, key, path, (size, digest), failed_before)
+                )
+            except _OUTAGE as exc:
+                failed_before = True
+                if self._outage_since is None:
+                    self._outage_since = time.monotonic()
+                    log.warning("store unreachable (%s); retrying %s until it is back", exc, key)
+                time.sleep(delay)  # back-off on the writer thread; training goes on meanwhile
+                delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            if self._outage_since is not None:
+                log.warning(
+                    "store is back after %.1f s; uploaded %s",
+                    time.monotonic() - self._outage_since,
+                    key,
+                )
+                self._outage_since = None
+            return
+
+
+async def _upload(
+    store: Store, key: str, path: Path, expected: tuple[int, str], retried: bool
+) -> None:
+    try:
+        await store.put_file(key, path)
+    except (AlreadyExists, FileNotFoundError):
+        # Only an earlier attempt of ours can have written this key (a store may take the
+        # spool file with it), and if one did, the bytes are ours. With no earlier attempt
+        # the key is someone else's, or the file was never there: fail as before.
+        if not retried or await store.stat(key) != expected:
+            raise

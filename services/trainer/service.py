@@ -54,6 +54,8 @@ from shared.streams import ensure, ensure_consumer, trainer_consumer
 
 log = logging.getLogger("baton.trainer")
 
+ATTEMPT_ERROR_DELAY_S = 5.0
+
 
 class Trainer:
     def __init__(self, nc: Client, settings: Settings, signals: StopSignals) -> None:
@@ -151,7 +153,18 @@ class Trainer:
             await msg.ack()
             await lease.release()
             return
-        outcome, delay = await self._attempt(task, lease, msg)
+        try:
+            outcome, delay = await self._attempt(task, lease, msg)
+        except Exception:
+            # The store or the hub failed under the attempt where nothing expected it (the
+            # store down when the attempt looks up its checkpoint): the run is not at fault,
+            # and this trainer must live on. Give the run back for a later try.
+            log.exception("%s: the attempt failed outside the training process", task.run_id)
+            with contextlib.suppress(Exception):
+                await lease.release()
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=ATTEMPT_ERROR_DELAY_S)
+            return
         await self._answer(msg, outcome, delay, lease)
 
     async def _attempt(self, task: Task, lease: Lease, msg: Msg) -> tuple[Outcome, float]:

@@ -226,11 +226,13 @@ async def test_retention_under_a_fast_cadence_keeps_the_last_k(tmp_path: Path) -
     try:
         await s.start()
         nc = await s.client()
-        quick = {"total_steps": 60, "checkpoint": {"every_steps": 1, "keep_last": 2}}
+        # A periodic checkpoint due while the previous write is in flight is postponed
+        # (baton.snapshot), so the cadence leaves each tiny write many times what it needs.
+        quick = {"total_steps": 60, "checkpoint": {"every_steps": 2, "keep_last": 2}}
         reference = await finished(
-            nc, await submit(nc, spec("paced", **quick, config={"pace": 0.0}))
+            nc, await submit(nc, spec("paced", **quick, config={"pace": 0.02}))
         )
-        run_id = await submit(nc, spec("paced", **quick, config={"pace": 0.0}))
+        run_id = await submit(nc, spec("paced", **quick, config={"pace": 0.02}))
         async with open_store(s.store_url) as store:
             await retention.pin(store, run_id, 10)  # pinned while it runs
         record = await finished(nc, run_id)
@@ -241,8 +243,8 @@ async def test_retention_under_a_fast_cadence_keeps_the_last_k(tmp_path: Path) -
             manifests = await store.list(f"runs/{run_id}/manifests/")
             # Retention runs after each commit, so what is left is the last two, the pinned
             # one, and whatever a commit queued behind the final one had not yet removed.
-            assert [m.step for m in chain][:2] == [60, 59]
-            assert 10 in steps and set(steps) <= {10, 58, 59, 60}
+            assert [m.step for m in chain][:2] == [60, 58]
+            assert 10 in steps and set(steps) <= {10, 56, 58, 60}
             assert len(manifests) <= 4
             # A zombie's files that were never committed are garbage once old enough.
             zombie = commit.data_key(run_id, 1, 5, "model.safetensors")

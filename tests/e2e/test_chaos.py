@@ -1,0 +1,274 @@
+"""Chaos across the WAN link: cuts, a blackhole, a hub crash — with trainers at a site.
+
+The hub (nats-server in domain `hub`, dispatcher, checkpointer, reaper) and the site `lab1`
+(leaf nats-server in its own domain behind a `Proxy`, its checkpointer and trainer) are
+real processes. Each fault is bounded: the test waits on a condition with a deadline, then
+undoes it; the harness undoes it again on the way out if the test failed first.
+
+What "exactly once and in order" means here: the hub's events of a run that came from the
+site are, message for message, the site's outbox in the order the site stored it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+from nats.js.errors import NotFoundError
+
+from shared import names
+from shared.contracts import JobSpec, RunState, decode
+from shared.contracts.control import WorkerInfo
+from shared.contracts.events import Completed, Fenced, Progress, Redispatched, Restored, Started
+from shared.lease import holder
+from tests.e2e.jobs import EventLog, finished, job, submit
+from tests.support.sites import Site, stored
+from tests.support.stack import Stack, eventually
+
+PACED = "tests.support.workloads:paced"
+TTL = 6
+HUB_ONLY = ("dispatcher", "checkpointer", "reaper")
+EDGE = "lab1-trainer-1"
+_references: dict[tuple[int, int], str] = {}
+
+
+def paced(total: int, pace: float = 0.05, **over: Any) -> JobSpec:
+    return job(
+        entry_point=PACED,
+        total_steps=total,
+        checkpoint={"every_steps": 10},
+        config={"pace": pace},
+        seed=11,
+        **over,
+    )
+
+
+@pytest.fixture
+async def hub(tmp_path: Path) -> AsyncIterator[Stack]:
+    s = Stack(tmp_path / "hub", trainers=0, lease_ttl=TTL)
+    await s.start(HUB_ONLY)
+    try:
+        yield s
+    finally:
+        await s.stop()
+
+
+@pytest.fixture
+async def site(hub: Stack) -> Site:
+    s = Site(hub, "lab1")
+    await s.start(trainers=1)
+    return s
+
+
+async def reference(nc: Client, total: int) -> str:
+    """The digest of an uninterrupted run (pace only sleeps, so a fast one will do)."""
+    key = (total, 11)
+    if key not in _references:
+        rec = await finished(nc, await submit(nc, paced(total, pace=0.0)), timeout=60)
+        assert rec.state is RunState.COMPLETED and rec.digest, rec
+        _references[key] = rec.digest
+    return _references[key]
+
+
+async def progressed_at_site(site: Site, run_id: str, beyond: int) -> int | None:
+    """The newest step the site's outbox has for the run, once it is past `beyond`."""
+    sent = await site.outbox(names.at_site(names.event_subject(run_id, "progress"), site.name))
+    steps = [decode(d, Progress).step for _, d in sent]
+    return max(steps) if steps and max(steps) > beyond else None
+
+
+async def hub_leaves(hub: Stack) -> int:
+    """Leaf nodes the hub's server holds a link to, from its monitoring endpoint."""
+
+    def get() -> int:
+        url = f"http://127.0.0.1:{hub.nats.http_port}/leafz"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return len(json.load(resp).get("leafs") or [])
+
+    return await asyncio.to_thread(get)
+
+
+async def worker_info(nc: Client, worker: str) -> WorkerInfo | None:
+    kv = await nc.jetstream().key_value(names.WORKERS_BUCKET)
+    try:
+        entry = await kv.get(worker)
+    except Exception:
+        return None
+    return decode(entry.value or b"", WorkerInfo)
+
+
+async def test_cut_shorter_than_the_ttl_costs_nothing(hub: Stack, site: Site) -> None:
+    nc = await hub.client()
+    run_id = await submit(nc, paced(160))
+    log = EventLog(nc, run_id)
+    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 20, 30, "step 20")
+    cut_at = time.monotonic()
+    site.proxy.sever()
+    # Cut until the edge trainer has failed to renew its lease at least once, and has
+    # trained on meanwhile (its progress is in the outbox, not at the hub).
+    failures = hub.log(EDGE).count("lease renewal failed")
+    await eventually(
+        lambda: _async(hub.log(EDGE).count("lease renewal failed") > failures),
+        TTL, "a failed renewal during the cut",
+    )  # fmt: skip
+    seen = max(e.step for e in log.of(Progress))
+    await eventually(lambda: progressed_at_site(site, run_id, seen + 5), TTL, "training on")
+    site.proxy.restore()
+    assert time.monotonic() - cut_at < TTL, "the cut must stay shorter than the TTL"
+    record = await finished(nc, run_id, timeout=60)
+    assert record.state is RunState.COMPLETED, record
+    await log.wait_for(lambda e: isinstance(e, Completed), 20, "completed at the hub")
+    started = log.of(Started)
+    assert [s.worker for s in started] == [EDGE], f"no restart expected: {started}"
+    assert record.attempts == 1 and record.token == started[0].token, record
+    assert not log.of(Fenced) and not log.of(Redispatched)
+    log.close()
+    await site.assert_events_once_in_order(nc, run_id)
+
+
+async def test_long_cut_hands_the_run_to_the_hub_and_fences_the_edge(
+    hub: Stack, site: Site
+) -> None:
+    nc = await hub.client()
+    want = await reference(nc, 300)
+    run_id = await submit(nc, paced(300, pace=0.06))
+    log = EventLog(nc, run_id)
+    first = await log.wait_for(lambda e: isinstance(e, Started), 30, "start at the edge")
+    assert isinstance(first, Started) and first.worker == EDGE
+    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 20, 30, "step 20")
+    await hub.add_trainer("hub-trainer-1")
+    await eventually(lambda: worker_info(nc, "hub-trainer-1"), 30, "the hub trainer")
+    site.proxy.sever()
+    takeover = await log.wait_for(
+        lambda e: isinstance(e, Started) and e.worker == "hub-trainer-1", 4 * TTL, "takeover"
+    )
+    assert isinstance(takeover, Started) and takeover.token > first.token
+    site.proxy.restore()
+    fenced = await log.wait_for(
+        lambda e: isinstance(e, Fenced) and e.worker == EDGE, 6 * TTL, "the edge fenced"
+    )
+    assert isinstance(fenced, Fenced) and fenced.token < takeover.token
+    record = await finished(nc, run_id, timeout=90)
+    assert record.state is RunState.COMPLETED, record
+    assert record.digest == want, "weights differ from the uninterrupted reference"
+    # The edge trainer let go: its heartbeat names no run (its training process is dead).
+    await eventually(lambda: _idle(nc, EDGE), 6 * TTL, "the edge trainer to hold no run")
+    log.close()
+
+
+async def test_long_cut_without_another_trainer_loses_no_step(hub: Stack, site: Site) -> None:
+    nc = await hub.client()
+    run_id = await submit(nc, paced(300))
+    log = EventLog(nc, run_id)
+    first = await log.wait_for(lambda e: isinstance(e, Started), 30, "start at the edge")
+    assert isinstance(first, Started)
+    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 20, 30, "step 20")
+    site.proxy.sever()
+    js = nc.jetstream()
+    # Longer than the TTL: the hub sees the lease lapse, and the edge trains on.
+    await eventually(lambda: _lapsed(js, run_id), 3 * TTL, "the lease to lapse at the hub")
+    seen = max(e.step for e in log.of(Progress))
+    await eventually(lambda: progressed_at_site(site, run_id, seen + 20), 30, "training on")
+    site.proxy.restore()
+    record = await finished(nc, run_id, timeout=90)
+    assert record.state is RunState.COMPLETED and record.step == 300, record
+    await log.wait_for(lambda e: isinstance(e, Completed), 20, "completed at the hub")
+    assert len(log.of(Completed)) == 1
+    assert [s.worker for s in log.of(Started)] == [EDGE], "one attempt, never restarted"
+    restored = log.of(Restored)
+    assert [r.step for r in restored] == [0], f"it never resumed from a checkpoint: {restored}"
+    assert record.attempts == 1 and (record.token or 0) > first.token, "lease re-taken"
+    assert not log.of(Fenced)
+    with pytest.raises(NotFoundError):  # acked: nothing left to deliver again
+        await js.get_last_msg(names.TASKS_STREAM, names.task_subject("default", run_id))
+    log.close()
+    await site.assert_events_once_in_order(nc, run_id)
+
+
+async def test_jobs_submitted_at_the_edge_while_cut_are_dispatched_once(
+    hub: Stack, site: Site
+) -> None:
+    from baton.cli import client
+
+    nc, at_site = await hub.client(), await site.client()
+    site.proxy.sever()
+    run_ids = []
+    for _ in range(3):
+        run_id, answer = await client.submit(at_site, paced(20, pace=0.0), 0.5, "lab1")
+        assert answer is None, "no dispatcher is reachable during the cut"
+        run_ids.append(run_id)
+    kept = await site.outbox(names.at_site(names.SUBMIT_ALL, "lab1"))
+    assert len(kept) == 3, "the site's outbox holds the submissions"
+    site.proxy.restore()
+    for run_id in run_ids:
+        record = await finished(nc, run_id, timeout=60)
+        assert record.state is RunState.COMPLETED, record
+        assert record.dispatch == 1 and record.attempts == 1, record
+    got = await stored(nc, names.EVENTS_STREAM, names.EVENTS_ALL)
+    for run_id in run_ids:
+        kinds = [s.rsplit(".", 1)[1] for s, _ in got if s.split(".")[2] == run_id]
+        assert kinds.count("accepted") == 1 and kinds.count("started") == 1, kinds
+        assert kinds.count("completed") == 1, kinds
+
+
+async def test_a_blackholed_link_is_noticed_then_healed_like_a_cut(hub: Stack, site: Site) -> None:
+    nc = await hub.client()
+    run_id = await submit(nc, paced(200))
+    log = EventLog(nc, run_id)
+    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 20, 30, "step 20")
+    assert await hub_leaves(hub) == 1
+    site.proxy.blackhole()
+    # Pings every 2 s, two missed: NATS measured ~5 s; a generous bound for a slow CI box.
+    await eventually(lambda: _none(hub_leaves(hub)), 20, "the hub to drop the silent leaf")
+    seen = max(e.step for e in log.of(Progress))
+    await eventually(lambda: progressed_at_site(site, run_id, seen + 5), 20, "training on")
+    site.proxy.restore()
+    record = await finished(nc, run_id, timeout=90)
+    assert record.state is RunState.COMPLETED, record
+    await log.wait_for(lambda e: isinstance(e, Completed), 20, "completed at the hub")
+    assert [s.worker for s in log.of(Started)] == [EDGE]
+    log.close()
+    await site.assert_events_once_in_order(nc, run_id)
+
+
+async def test_hub_server_killed_and_restarted_mid_run(hub: Stack, site: Site) -> None:
+    nc = await hub.client()
+    want = await reference(nc, 200)
+    run_id = await submit(nc, paced(200))
+    log = EventLog(nc, run_id)
+    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 30, 30, "step 30")
+    await hub.nats.restart(kill=True)
+    record = await finished(nc, run_id, timeout=120)
+    assert record.state is RunState.COMPLETED, record
+    assert record.digest == want, "weights differ from the uninterrupted reference"
+    # Every service came back by itself: a second job goes end to end, through the site.
+    again = await submit(nc, paced(20, pace=0.0))
+    assert (await finished(nc, again, timeout=60)).state is RunState.COMPLETED
+    # The heartbeats' source too: the edge trainer is back in the hub's worker registry.
+    await eventually(lambda: worker_info(nc, EDGE), 30, "the edge trainer's heartbeat")
+    await site.assert_events_once_in_order(nc, run_id)
+    log.close()
+
+
+async def _async(value: Any) -> Any:
+    return value
+
+
+async def _none(count: Any) -> bool:
+    return await count == 0
+
+
+async def _lapsed(js: Any, run_id: str) -> bool:
+    return await holder(js, run_id) is None
+
+
+async def _idle(nc: Client, worker: str) -> bool:
+    info = await worker_info(nc, worker)
+    return info is not None and info.run_id is None
