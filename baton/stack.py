@@ -15,6 +15,7 @@ Everything lives under one data directory:
     <data>/logs   one log per service
     <data>/run    pid files, `stack.json` (present while the stack runs), `stack.lock`
     <data>/work   per-trainer scratch
+    <data>/auth   generated NATS credentials, one owner-only file per user
 """
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ from typing import IO, Any
 import msgspec
 
 from shared import names
+from shared.auth import (
+    HUB_ROLES,
+    SITE_ROLES,
+    Vault,
+    authorization,
+    hub_permissions,
+    options_for,
+    read_env_file,
+    site_link,
+    site_permissions,
+)
 from shared.config import Settings
 from shared.natsconf import hub_fragment, leaf_fragment
 from shared.natsserver import NatsServer, NatsServerError
@@ -76,6 +88,14 @@ class StackOptions(msgspec.Struct, kw_only=True):
     """A site's way to the hub: its WebSocket URL (`ws://…` or `wss://…`)."""
     store: str = ""
     """The store URL; default `file://<data_dir>/store`. A site must name the hub's."""
+    auth: bool = True
+    """Users per role with least privilege (`shared.auth`); passwords generated into
+    `<data_dir>/auth`, owner-only."""
+    sites: tuple[str, ...] = ()
+    """At the hub, with auth: the sites allowed to join (each gets a link user)."""
+    hub_auth: str = ""
+    """At a site, with auth: the file holding the site's link credentials, which the hub
+    generated (`<hub data>/auth/site-<name>.env`)."""
 
 
 SpecBuilder = Callable[[StackOptions, str], list[ServiceSpec]]
@@ -105,6 +125,11 @@ def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
             env["BATON_LEASE_TTL"] = str(opts.lease_ttl)
         if opts.site:
             env["BATON_SITE"] = opts.site
+        if (v := vault(opts)) is not None:
+            # A path, not the password: the environment is copied to more places.
+            user = user_of(opts, "trainer" if _is_trainer(name) else name)
+            v.get(user)
+            env["NATS_AUTH_FILE"] = str(v.root / f"{user}.env")
         env.update(opts.extra_env)
         # The user's cwd, so that entry points `module:function` next to them import.
         specs.append(
@@ -131,20 +156,54 @@ def _is_trainer(name: str) -> bool:
     return "trainer-" in name
 
 
+def vault(opts: StackOptions) -> Vault | None:
+    return Vault(opts.data_dir.absolute() / "auth") if opts.auth else None
+
+
+def user_of(opts: StackOptions, role: str) -> str:
+    """The NATS user a role connects as: the role at the hub, `<site>-<role>` at a site."""
+    return f"{opts.site}-{role}" if opts.site else role
+
+
+def operator_options(opts: StackOptions) -> dict[str, Any]:
+    """Client options for the stack's operator (none without auth)."""
+    v = vault(opts)
+    return options_for(v.get(user_of(opts, "operator"))) if v else {}
+
+
+def _authorization(opts: StackOptions, v: Vault) -> str:
+    if opts.site:
+        return authorization(
+            [(v.get(user_of(opts, r)), site_permissions(r, opts.site)) for r in SITE_ROLES]
+        )
+    users = [(v.get(r), hub_permissions(r)) for r in HUB_ROLES]
+    users += [(v.get(f"site-{s}"), site_link(s)) for s in opts.sites]
+    return authorization(users)
+
+
 def nats_server(
     opts: StackOptions, stop_timeout_s: float = 10.0, http_port: int | None = None
 ) -> NatsServer:
     """The hub's server, or a site's leaf node. `http_port` turns monitoring on."""
     data = opts.data_dir.absolute()
+    v = vault(opts)
+    auth = _authorization(opts, v) if v else ""
+    probe = operator_options(opts)
     if opts.site:
+        hub_url = opts.hub_url
+        if v is not None:
+            link = read_env_file(Path(opts.hub_auth))
+            scheme, _, rest = hub_url.partition("://")
+            hub_url = f"{scheme}://{link.user}:{link.password}@{rest}"
         return NatsServer(
             data / "nats", port=opts.port, server_name=opts.site, domain=opts.site,
-            extra_config=leaf_fragment(opts.hub_url), stop_timeout_s=stop_timeout_s,
-            http_port=http_port,
+            extra_config=leaf_fragment(hub_url) + "\n" + auth, stop_timeout_s=stop_timeout_s,
+            http_port=http_port, probe=probe,
         )  # fmt: skip
     return NatsServer(
         data / "nats", port=opts.port, domain=names.HUB_DOMAIN, ws_port=opts.ws_port,
-        extra_config=hub_fragment(), stop_timeout_s=stop_timeout_s, http_port=http_port,
+        extra_config=hub_fragment() + "\n" + auth, stop_timeout_s=stop_timeout_s,
+        http_port=http_port, probe=probe,
     )  # fmt: skip
 
 
@@ -228,6 +287,8 @@ async def run_stack(
         else:
             print(f"sites join at: {sites_url}", file=out)
         print(f"store: {store_url(opts)}", file=out)
+        if (v := vault(opts)) is not None:
+            print(f"auth: on; credentials in {v.root} (the CLI's: operator.env)", file=out)
         print(f"logs: {data / 'logs'}", file=out, flush=True)
         try:
             await _serve(server, stop)

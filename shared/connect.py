@@ -8,6 +8,7 @@ must instead reconnect forever and notice a silent partition within seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -18,6 +19,9 @@ from nats.errors import NoServersError
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from nats.js.errors import NoStreamResponseError
+
+from shared import auth
+from shared.errors import ConfigError
 
 log = logging.getLogger("baton.nats")
 
@@ -37,7 +41,8 @@ async def connect(
     """Connect, retrying the first connection too (a service may start before its server).
 
     `first_attempt_timeout` bounds that first wait (CLI commands want a prompt error); None
-    retries forever, as services do.
+    retries forever, as services do. Credentials come from `options`, else from the
+    environment (`shared.auth.client_options`): never from the URL, which gets logged.
     """
 
     async def disconnected() -> None:
@@ -52,15 +57,21 @@ async def connect(
             await on_reconnect()
 
     async def errored(exc: Exception) -> None:
+        if "authorization" in str(exc).lower():
+            denied.set()
         log.debug("%s: NATS error: %r", name, exc)
 
+    # nats-py retries a refused login forever when reconnects are unlimited: watch for it,
+    # and fail loudly instead of hanging.
+    denied = asyncio.Event()
     nc = Client()
     loop = asyncio.get_running_loop()
     deadline = None if first_attempt_timeout is None else loop.time() + first_attempt_timeout
     delay = 0.2
     while True:
-        try:
-            await nc.connect(
+        creds = {**auth.client_options(), **(options or {})}
+        attempt = asyncio.ensure_future(
+            nc.connect(
                 servers=url.split(","),
                 name=name,
                 max_reconnect_attempts=-1,
@@ -71,8 +82,25 @@ async def connect(
                 disconnected_cb=disconnected,
                 reconnected_cb=reconnected,
                 error_cb=errored,
-                **(options or {}),
+                **creds,
             )
+        )
+        refused = asyncio.ensure_future(denied.wait())
+        try:
+            await asyncio.wait({attempt, refused}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            refused.cancel()
+        if denied.is_set():
+            attempt.cancel()
+            with contextlib.suppress(BaseException):
+                await nc.close()
+            who = creds.get("user") or "no user"
+            raise ConfigError(
+                f"NATS at {url} refused the credentials ({who}): set NATS_USER and "
+                "NATS_PASSWORD, or NATS_AUTH_FILE (`baton up` writes them to DATA_DIR/auth)"
+            )
+        try:
+            await attempt
             return nc
         except (TimeoutError, NoServersError, OSError) as exc:
             if deadline is not None and loop.time() + delay > deadline:

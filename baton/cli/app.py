@@ -67,6 +67,21 @@ def up(
         str | None,
         typer.Option(help="Store URL (file:///… or s3://…); a site must name the hub's."),
     ] = None,
+    auth: Annotated[
+        bool,
+        typer.Option(help="Users per role with least privilege; credentials in DATA_DIR/auth."),
+    ] = True,
+    sites: Annotated[
+        str,
+        typer.Option(help="At the hub, with auth: comma-separated sites allowed to join."),
+    ] = "",
+    hub_auth: Annotated[
+        Path | None,
+        typer.Option(
+            help="At a site, with auth: its link credentials, from the hub's "
+            "DATA_DIR/auth/site-NAME.env."
+        ),
+    ] = None,
 ) -> None:
     """Run the whole stack on this machine: NATS with JetStream, a file:// store, and every
     service as its own process — or, with --site NAME --hub URL, a site: a leaf NATS server
@@ -84,8 +99,21 @@ def up(
             fail("a site needs --hub ws://HOST:PORT (the URL `baton up` printed)", code=2)
         if not store:
             fail("a site needs --store, the hub's store (it resumes the hub's runs)", code=2)
-    elif hub:
-        fail("--hub is for a site: add --site NAME", code=2)
+        if auth and (hub_auth is None or not hub_auth.is_file()):
+            fail(
+                f"a site needs --hub-auth FILE: the link credentials the hub generated for it "
+                f"(`baton up --sites {site}` writes them to <hub data>/auth/site-{site}.env), "
+                "or --no-auth on both",
+                code=2,
+            )
+    elif hub or hub_auth:
+        fail("--hub and --hub-auth are for a site: add --site NAME", code=2)
+    joining = tuple(s.strip() for s in sites.split(",") if s.strip())
+    for name in joining:
+        try:
+            load({"BATON_SITE": name})
+        except Exception as exc:
+            fail(f"--sites: {exc}", code=2)
     opts = StackOptions(
         data_dir=data_dir,
         port=port if port is not None else (4223 if site else 4222),
@@ -96,6 +124,9 @@ def up(
         site=site or "",
         hub_url=hub or "",
         store=store or "",
+        auth=auth,
+        sites=joining,
+        hub_auth=str(hub_auth or ""),
     )
     raise typer.Exit(asyncio.run(run_stack(opts)))
 
@@ -129,7 +160,7 @@ def submit(
     spec = run(lambda: call(client.load_spec, file))
 
     async def go() -> tuple[str, Any]:
-        nc = await client.open_nats(server)
+        nc = await client.open_nats(server, **Connection.options())
         try:
             return await client.submit(nc, spec, wait, site)
         finally:
@@ -343,7 +374,15 @@ Opt = str | None
 @app.callback()
 def connection(
     creds: Annotated[
-        str | None, typer.Option(envvar="NATS_CREDS", help="NATS credentials file.")
+        str | None, typer.Option(envvar="NATS_CREDS", help="NATS credentials file (JWT).")
+    ] = None,
+    auth_file: Annotated[
+        str | None,
+        typer.Option(
+            envvar="NATS_AUTH_FILE",
+            help="NATS user and password file, as `baton up` writes them "
+            "[default: ./.baton/auth/operator.env if present].",
+        ),
     ] = None,
     tlsca: Annotated[
         str | None, typer.Option(envvar="NATS_CA", help="CA to verify the server.")
@@ -356,7 +395,7 @@ def connection(
     ] = None,
 ) -> None:
     """Resumable PyTorch training on spare, unreliable GPUs."""
-    Connection.creds, Connection.tls_ca = creds, tlsca
+    Connection.creds, Connection.auth_file, Connection.tls_ca = creds, auth_file, tlsca
     Connection.tls_cert, Connection.tls_key = tlscert, tlskey
 
 

@@ -7,6 +7,7 @@ import json
 import ssl
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
 import msgspec
@@ -15,6 +16,7 @@ from rich.console import Console
 
 from baton.cli import client
 from baton.cli.client import CliError
+from shared import auth
 from shared.errors import BatonError
 
 T = TypeVar("T")
@@ -43,6 +45,7 @@ Site = Annotated[
     ),
 ]
 SERVICES = ("dispatcher", "trainer", "checkpointer", "reaper")
+DEFAULT_AUTH_FILE = Path(".baton") / "auth" / "operator.env"
 
 
 class Connection:
@@ -50,15 +53,23 @@ class Connection:
     and read from the same environment variables; set by the app's callback."""
 
     creds: str | None = None
+    auth_file: str | None = None
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
 
     @classmethod
     def options(cls) -> dict[str, Any]:
+        """Credentials: `--creds` (a JWT creds file), else `--auth-file`, else NATS_USER and
+        NATS_PASSWORD, else the operator's file that `baton up` wrote in ./.baton — so the
+        CLI next to a stack it started just works."""
         opts: dict[str, Any] = {}
         if cls.creds:
             opts["user_credentials"] = cls.creds
+        elif cls.auth_file:
+            opts.update(auth.options_for(auth.read_env_file(Path(cls.auth_file))))
+        elif not auth.client_options() and DEFAULT_AUTH_FILE.is_file():
+            opts.update(auth.options_for(auth.read_env_file(DEFAULT_AUTH_FILE)))
         if cls.tls_ca or cls.tls_cert:
             ctx = ssl.create_default_context(cafile=cls.tls_ca)
             if cls.tls_cert:

@@ -28,6 +28,7 @@ from rich.table import Table
 from baton.cli import client
 from baton.cli.client import CliError
 from baton.cli.watch import describe
+from shared import auth
 from shared.contracts import JobSpec
 from shared.contracts.events import Completed, Event, Failed, Started
 from shared.contracts.events import Progress as ProgressEvent
@@ -58,6 +59,8 @@ async def run_demo(console: Console, keep: bool) -> int:
         "2",
         "--lease-ttl",
         str(LEASE_TTL_S),
+        "--ws-port",
+        "0",
         stdout=asyncio.subprocess.PIPE,
         stderr=stack_log,
     )
@@ -65,7 +68,8 @@ async def run_demo(console: Console, keep: bool) -> int:
     try:
         url = await _nats_url(proc)
         console.print(f"nats: {url}")
-        nc = await client.open_nats(url)
+        operator = auth.read_env_file(data / "auth" / "operator.env")
+        nc = await client.open_nats(url, **auth.options_for(operator))
         try:
             return await _demo(console, nc, data, started)
         finally:

@@ -32,7 +32,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.errors import ServiceUnavailableError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from services.trainer.attempt import Attempt, Outcome
 from services.trainer.child_proc import Child
@@ -50,11 +50,12 @@ from shared.pools import Pools, load_table
 from shared.runs import Runs
 from shared.service import StopSignals, pull_loop
 from shared.store import Store, open_store
-from shared.streams import ensure, ensure_consumer, trainer_consumer
+from shared.streams import ensure_consumer, trainer_consumer
 
 log = logging.getLogger("baton.trainer")
 
 ATTEMPT_ERROR_DELAY_S = 5.0
+NATS_SECRETS = ("NATS_PASSWORD", "NATS_PASSWORD_FILE", "NATS_AUTH_FILE", "NATS_CREDS", "NATS_NKEY")
 
 
 class Trainer:
@@ -79,15 +80,11 @@ class Trainer:
         consumer = trainer_consumer(
             self.settings.pool, self.settings.ack_wait_s, self.settings.max_deliver
         )
-        if self.site:
-            # The hub's services declare its streams; a site may start while the link is
-            # down, so wait for the hub rather than fail.
-            await _until_reachable(
-                lambda: ensure_consumer(self.hub, names.TASKS_STREAM, consumer), "the hub"
-            )
-        else:
-            await ensure(self.js)
-            await ensure_consumer(self.js, names.TASKS_STREAM, consumer)
+        # The hub's services declare the streams (a trainer may not: least privilege); a
+        # trainer that starts first, or at a site whose link is down, waits for them.
+        await _until_reachable(
+            lambda: ensure_consumer(self.hub, names.TASKS_STREAM, consumer), "the hub's streams"
+        )
         self.runs = await Runs.open(self.hub, self.settings.hub_api)
         self._spare = await Child.start(self._child_env())
         await self.nc.subscribe(names.control_subject(self.settings.worker_id), cb=self._on_command)
@@ -268,7 +265,9 @@ class Trainer:
             await asyncio.sleep(self.settings.heartbeat_s)
 
     def _child_env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # The training process talks to its trainer over a pipe, never to NATS: it gets no
+        # NATS credentials, so user code cannot leak or use them.
+        env = {k: v for k, v in os.environ.items() if k not in NATS_SECRETS}
         env["BATON_SPOOL"] = str(Path(self.settings.work_dir, "spool").resolve())
         env["PYTHONUNBUFFERED"] = "1"
         # Required by cuBLAS for deterministic results; harmless without a GPU.
@@ -282,7 +281,10 @@ async def _until_reachable(call: Callable[[], Awaitable[None]], what: str) -> No
         try:
             await call()
             return
-        except (ServiceUnavailableError, NoRespondersError, TimeoutError, NatsTimeoutError) as exc:
+        except (
+            ServiceUnavailableError, NoRespondersError, TimeoutError, NatsTimeoutError,
+            NotFoundError,
+        ) as exc:  # fmt: skip
             log.warning("%s is not reachable (%s); retrying", what, type(exc).__name__)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)

@@ -186,8 +186,15 @@ async def test_long_cut_without_another_trainer_loses_no_step(hub: Stack, site: 
     assert [r.step for r in restored] == [0], f"it never resumed from a checkpoint: {restored}"
     assert record.attempts == 1 and (record.token or 0) > first.token, "lease re-taken"
     assert not log.of(Fenced)
-    with pytest.raises(NotFoundError):  # acked: nothing left to deliver again
-        await js.get_last_msg(names.TASKS_STREAM, names.task_subject("default", run_id))
+
+    async def acked() -> bool:  # the ack follows the record's update: wait for it
+        try:
+            await js.get_last_msg(names.TASKS_STREAM, names.task_subject("default", run_id))
+        except NotFoundError:
+            return True
+        return False
+
+    await eventually(acked, 20, "the task to be acked: nothing left to deliver again")
     log.close()
     await site.assert_events_once_in_order(nc, run_id)
 

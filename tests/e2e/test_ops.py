@@ -31,7 +31,10 @@ async def ops(tmp_path: Path) -> AsyncIterator[Stack]:
 
 
 async def baton(stack: Stack, *args: str) -> tuple[int, str, str]:
-    env = {**os.environ, "NATS_URL": stack.nats.url, "BATON_STORE": stack.store_url}
+    env = {
+        **os.environ, "NATS_URL": stack.nats.url, "BATON_STORE": stack.store_url,
+        "NATS_AUTH_FILE": str(stack.root / "auth" / "operator.env"),
+    }  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "baton", *args, cwd=REPO, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -82,7 +85,10 @@ async def test_logs_follow_prints_output_as_it_comes(ops: Stack) -> None:
     nc = await ops.client()
     spec = job(entry_point="tests.support.workloads:chatty", total_steps=400, config={"pace": 0.02})
     run_id = await submit(nc, spec)
-    env = {**os.environ, "NATS_URL": ops.nats.url}
+    env = {
+        **os.environ, "NATS_URL": ops.nats.url,
+        "NATS_AUTH_FILE": str(ops.root / "auth" / "operator.env"),
+    }  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "baton", "logs", run_id, "--follow", cwd=REPO, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,

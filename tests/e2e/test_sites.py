@@ -53,7 +53,10 @@ async def test_baton_sites_shows_the_link_and_its_loss(hub: Stack) -> None:
     runner = CliRunner()
 
     def sites() -> list[dict[str, object]]:
-        result = runner.invoke(app, ["sites", "--json", "-s", hub.nats.url])
+        operator = str(hub.root / "auth" / "operator.env")
+        result = runner.invoke(
+            app, ["--auth-file", operator, "sites", "--json", "-s", hub.nats.url]
+        )
         assert result.exit_code == 0, result.output
         return list(json.loads(result.stdout))
 

@@ -178,7 +178,10 @@ async def test_a_run_is_one_trace_with_linked_spans(stack: Services) -> None:
     assert parent_of(dispatch) == submit.context.span_id
     assert parent_of(attempt) == dispatch.context.span_id
     steps = sorted(attr(s, "baton.step") for s in commits)
-    assert steps == [10, 20, 30], steps
+    # Every 10 steps, but a periodic checkpoint due while the previous one is still being
+    # written is postponed (baton/snapshot.py), so on a busy machine 20 may move or merge
+    # into the final one.
+    assert steps[0] == 10 and steps[-1] == 30 and len(set(steps)) == len(steps), steps
     assert all(parent_of(c) == attempt.context.span_id for c in commits)
     by_id = {c.context.span_id: c for c in commits}
     assert len(verified) == len(commits), [s.attributes for s in verified]
@@ -200,7 +203,8 @@ async def test_a_run_is_one_trace_with_linked_spans(stack: Services) -> None:
     sizes = [
         p for p in points.get("baton.checkpoint.size", []) if isinstance(p, HistogramDataPoint)
     ]
-    assert sizes and sum(p.count for p in sizes) >= 3 and all(p.sum > 0 for p in sizes), sizes
+    assert sizes and sum(p.count for p in sizes) >= len(steps), sizes
+    assert all(p.sum > 0 for p in sizes), sizes
     assert "baton.commit.duration" in points and "baton.checkpoint.stall" in points, list(points)
 
 

@@ -70,7 +70,7 @@ async def start_up(
 
 async def test_up_runs_a_job_through_the_cli_and_sigterm_leaves_nothing(tmp_path: Path) -> None:
     proc, url = await start_up(tmp_path / "data")
-    env = {"NATS_URL": url}
+    env = {"NATS_URL": url, "NATS_AUTH_FILE": str(tmp_path / "data" / "auth" / "operator.env")}
     try:
         family = children_of(proc.pid)
         assert len(family) >= 5, family  # nats-server, 4 services (+ a warm training child)
@@ -115,7 +115,10 @@ async def test_a_second_sigterm_stops_a_trainer_hard_without_an_orphan(tmp_path:
     try:
         job = tmp_path / "slow.json"
         job.write_text(json.dumps({**JOB, "total_steps": 10_000, "config": {"pace": 0.05}}))
-        code, _out, err = await baton("submit", str(job), "--json", env={"NATS_URL": url})
+        operator = str(tmp_path / "data" / "auth" / "operator.env")
+        code, _out, err = await baton(
+            "submit", str(job), "--json", env={"NATS_URL": url, "NATS_AUTH_FILE": operator}
+        )
         assert code == 0, err
         pid = int((tmp_path / "data" / "run" / "trainer-1.pid").read_text())
 
@@ -137,7 +140,9 @@ async def test_a_second_sigterm_stops_a_trainer_hard_without_an_orphan(tmp_path:
 
 
 async def test_up_site_trains_the_hubs_work_and_baton_sites_shows_it(tmp_path: Path) -> None:
-    hub, hub_url = await start_up(tmp_path / "hub", 0)
+    hub, hub_url = await start_up(tmp_path / "hub", 0, "--ws-port", "0", "--sites", "lab1")
+    auth = tmp_path / "hub" / "auth"
+    at_hub = {"NATS_URL": hub_url, "NATS_AUTH_FILE": str(auth / "operator.env")}
     procs = [hub]
     try:
         ws = json.loads((tmp_path / "hub" / "run" / "stack.json").read_text())["sites_url"]
@@ -145,27 +150,36 @@ async def test_up_site_trains_the_hubs_work_and_baton_sites_shows_it(tmp_path: P
         store = f"file://{tmp_path / 'hub' / 'store'}"
         code, _, err = await baton("up", "--site", "lab1", env={})
         assert code == 2 and "--hub" in err, err
+        code, _, err = await baton(
+            "up", "--site", "lab1", "--hub", ws, "--store", store, "--data-dir",
+            str(tmp_path / "x"), env={},
+        )  # fmt: skip
+        assert code == 2 and "--hub-auth" in err, err
         site, site_url = await start_up(
-            tmp_path / "lab1", 1, "--site", "lab1", "--hub", ws, "--store", store
-        )
+            tmp_path / "lab1", 1, "--site", "lab1", "--hub", ws, "--store", store,
+            "--hub-auth", str(auth / "site-lab1.env"),
+        )  # fmt: skip
         procs.append(site)
         job = tmp_path / "job.json"
         job.write_text(json.dumps(JOB))
         # Submitted at the site, through its leaf node and outbox; answered by the hub.
         code, out, err = await baton(
             "submit", str(job), "--site", "lab1", "--wait", "30", "--json",
-            env={"NATS_URL": site_url},
+            env={
+                "NATS_URL": site_url,
+                "NATS_AUTH_FILE": str(tmp_path / "lab1" / "auth" / "lab1-operator.env"),
+            },
         )  # fmt: skip
         assert code == 0 and json.loads(out)["accepted"], (out, err)
         run_id = json.loads(out)["run_id"]
-        code, out, err = await baton("watch", run_id, env={"NATS_URL": hub_url})
+        code, out, err = await baton("watch", run_id, env=at_hub)
         assert code == 0, (out, err)
-        code, out, _ = await baton("status", run_id, "--json", env={"NATS_URL": hub_url})
+        code, out, _ = await baton("status", run_id, "--json", env=at_hub)
         record = json.loads(out)
         assert record["state"] == "COMPLETED" and record["worker"] is None, record
-        code, out, _ = await baton("workers", "--json", env={"NATS_URL": hub_url})
+        code, out, _ = await baton("workers", "--json", env=at_hub)
         assert [w["site"] for w in json.loads(out)] == ["lab1"], out
-        code, out, err = await baton("sites", "--json", env={"NATS_URL": hub_url})
+        code, out, err = await baton("sites", "--json", env=at_hub)
         assert code == 0, err
         [view] = json.loads(out)
         assert view["site"] == "lab1" and view["link"] == "up", view

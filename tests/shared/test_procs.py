@@ -327,7 +327,7 @@ async def test_stack_starts_prints_and_stops_in_order(tmp_path: Path, child: Pat
     stop = asyncio.Event()
     task = asyncio.create_task(
         run_stack(
-            StackOptions(data_dir=data, port=0),
+            StackOptions(data_dir=data, port=0, ws_port=0, auth=False),
             stop=stop,
             build_specs=stand_ins(tmp_path, child),
             out=out,
@@ -341,7 +341,7 @@ async def test_stack_starts_prints_and_stops_in_order(tmp_path: Path, child: Pat
     await wait_ready(tmp_path, "dispatcher", "checkpointer", "trainer-1")
 
     second = await run_stack(
-        StackOptions(data_dir=data, port=0),
+        StackOptions(data_dir=data, port=0, ws_port=0, auth=False),
         stop=asyncio.Event(),
         build_specs=stand_ins(tmp_path, child),
         out=io.StringIO(),
@@ -363,7 +363,7 @@ async def test_stack_starts_prints_and_stops_in_order(tmp_path: Path, child: Pat
 async def test_stack_start_failure_stops_what_started(tmp_path: Path, child: Path) -> None:
     data = tmp_path / "data"
     rc = await run_stack(
-        StackOptions(data_dir=data, port=0),
+        StackOptions(data_dir=data, port=0, ws_port=0, auth=False),
         stop=asyncio.Event(),
         build_specs=stand_ins(tmp_path, child, bad=True),
         out=io.StringIO(),
@@ -380,7 +380,7 @@ async def test_stack_port_taken_fails_cleanly(tmp_path: Path, child: Path) -> No
         sock.listen()
         port = sock.getsockname()[1]
         rc = await run_stack(
-            StackOptions(data_dir=tmp_path / "data", port=port),
+            StackOptions(data_dir=tmp_path / "data", port=port, ws_port=0, auth=False),
             stop=asyncio.Event(),
             build_specs=stand_ins(tmp_path, child),
             out=io.StringIO(),
@@ -401,7 +401,7 @@ UP = textwrap.dedent(
     def build(opts, nats_url):
         return [ServiceSpec(name=n, argv=[sys.executable, child, n, "wait"], env=env)
                 for n in ("dispatcher", "checkpointer", "trainer-1")]
-    opts = StackOptions(data_dir=base / "data", port=0)
+    opts = StackOptions(data_dir=base / "data", port=0, ws_port=0, auth=False)
     sys.exit(asyncio.run(run_stack(opts, build_specs=build)))
     """
 )

@@ -35,14 +35,15 @@ class Pair:
 
 @pytest.fixture
 async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
-    hub = nats_server(StackOptions(data_dir=tmp_path / "hub", port=0, ws_port=0))
+    # Without auth: this is about domains and sourcing (tests/shared/test_auth.py: permissions).
+    hub = nats_server(StackOptions(data_dir=tmp_path / "hub", port=0, ws_port=0, auth=False))
     await hub.start()
     servers: list[NatsServer] = [hub]
     clients: list[Client] = []
     try:
         leaf = nats_server(
             StackOptions(
-                data_dir=tmp_path / "leaf", port=0, site=SITE,
+                data_dir=tmp_path / "leaf", port=0, site=SITE, auth=False,
                 hub_url=f"ws://127.0.0.1:{hub.ws_port}",
             )
         )  # fmt: skip

@@ -12,7 +12,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from baton.stack import nats_server, service_specs
+from baton.stack import nats_server, operator_options, service_specs
 from shared import names, sites
 from shared.connect import connect
 from shared.natsserver import NatsServer
@@ -31,8 +31,9 @@ class Site:
         self.root = hub.root / "sites" / name
         self.proxy = Proxy("127.0.0.1", hub.ws_port)
         self.opts = msgspec.structs.replace(
-            hub.opts, data_dir=self.root, site=name, store=hub.store_url, trainers=0, port=0
-        )
+            hub.opts, data_dir=self.root, site=name, store=hub.store_url, trainers=0, port=0,
+            hub_auth=str(hub.root / "auth" / f"site-{name}.env"),
+        )  # fmt: skip
         self._nats: NatsServer | None = None
         self.trainers: list[str] = []
 
@@ -88,7 +89,10 @@ class Site:
 
     async def client(self) -> Client:
         """A client of the site's leaf node, as a user at the site would have."""
-        nc = await connect(self.nats.url, f"test-{self.name}", first_attempt_timeout=10)
+        nc = await connect(
+            self.nats.url, f"test-{self.name}", first_attempt_timeout=10,
+            options=operator_options(self.opts),
+        )  # fmt: skip
         self.hub.clients.append(nc)
         return nc
 

@@ -17,7 +17,7 @@ from typing import TypeVar
 import msgspec
 from nats.aio.client import Client
 
-from baton.stack import StackOptions, nats_server, service_specs, stop_order
+from baton.stack import StackOptions, nats_server, operator_options, service_specs, stop_order
 from shared.connect import connect
 from shared.natsserver import NatsServer
 from shared.procs import ServiceSpec, Supervisor
@@ -48,7 +48,9 @@ class Stack:
                 **(env or {}),
             },
         )
-        self.opts = msgspec.structs.replace(self.opts, ws_port=0)
+        # Auth on, as `baton up` runs: every end-to-end test also checks that each service's
+        # permissions give it what it needs. Two sites may join (tests/support/sites.py).
+        self.opts = msgspec.structs.replace(self.opts, ws_port=0, sites=("lab1", "lab2"))
         self.nats: NatsServer = nats_server(self.opts, http_port=0)
         self.sup = Supervisor(root / "logs", root / "run")
         self.specs: list[ServiceSpec] = []
@@ -128,7 +130,9 @@ class Stack:
         os.kill(self.pid(name), sig)
 
     async def client(self) -> Client:
-        nc = await connect(self.nats.url, "test", first_attempt_timeout=10)
+        nc = await connect(
+            self.nats.url, "test", first_attempt_timeout=10, options=operator_options(self.opts)
+        )
         self.clients.append(nc)
         return nc
 

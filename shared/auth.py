@@ -1,0 +1,346 @@
+"""Who may do what on NATS: one user per role, each with allow-lists of exactly what it needs.
+
+Whoever can publish a job can run code on a GPU, so the roles are enforced by the servers,
+not by Baton's code. Every list below is an *allow* list: what is not named is denied. At the
+hub:
+
+    operator      everything (the CLI's admin commands, `baton up`'s own checks)
+    submitter     submit and cancel jobs; read run records, events and logs
+    dispatcher    take submissions and cancels; write run records; publish tasks
+    checkpointer  take commit requests; publish commit outcomes
+    reaper        read everything it sweeps; write run records; re-publish tasks; link sites
+    trainer       take tasks (its consumer only); write leases, run records and heartbeats;
+                  publish events, logs, commit requests
+
+None but the operator may delete or purge a stream; a trainer can publish neither a task nor
+a submission. At a site, the leaf node has its own users (trainer, checkpointer, submitter,
+operator), allowed only their site's subjects and the few hub APIs they use; and the leaf's
+own link to the hub is a user (`site-<name>`) allowed to carry only that traffic, so a site
+can touch neither another site's subjects nor the hub's streams beyond its work.
+
+Replies come back on a per-user inbox prefix (`_INBOX_<user>`), so no user can subscribe to
+another's replies. Passwords are generated, kept in files readable by their owner only,
+and handed to services in their environment — never in a spec, an event or a log.
+
+What subject permissions cannot say: *which* run a trainer was handed. A trainer may write
+any run's lease and record, because any trainer of a pool may be handed any of its runs;
+there, the lease's compare-and-swap and the store's fencing token decide, so a rogue
+trainer can waste a run's compute but not corrupt its checkpoints (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from shared import names
+
+API = "$JS.API"
+HUB_API = f"$JS.{names.HUB_DOMAIN}.API"
+
+HUB_ROLES = ("operator", "submitter", "dispatcher", "checkpointer", "reaper", "trainer")
+SITE_ROLES = ("operator", "submitter", "checkpointer", "trainer")
+SERVICE_ROLE = {"dispatcher": "dispatcher", "checkpointer": "checkpointer", "reaper": "reaper"}
+
+
+class Permissions(msgspec.Struct, frozen=True):
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+
+def inbox_prefix(user: str) -> str:
+    return f"_INBOX_{user}"
+
+
+def _consume(api: str, stream: str) -> list[str]:
+    """Bind, create and fetch from durable consumers of `stream`, and ack its messages."""
+    return [
+        f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>",
+        f"{api}.CONSUMER.CREATE.{stream}.>",
+        f"{api}.CONSUMER.INFO.{stream}.>",
+        f"{api}.CONSUMER.MSG.NEXT.{stream}.>",
+        f"$JS.ACK.{stream}.>",
+    ]
+
+
+def _read_kv(api: str, *buckets: str) -> list[str]:
+    out = []
+    for b in buckets:
+        stream = f"KV_{b}"
+        out += [
+            f"{api}.STREAM.INFO.{stream}",
+            f"{api}.STREAM.MSG.GET.{stream}",
+            f"{api}.DIRECT.GET.{stream}.>",
+            # `keys()` reads through an ordered consumer of its own.
+            f"{api}.CONSUMER.CREATE.{stream}",
+            f"{api}.CONSUMER.CREATE.{stream}.>",
+            f"{api}.CONSUMER.INFO.{stream}.>",
+            f"{api}.CONSUMER.DELETE.{stream}.>",
+        ]
+    return out
+
+
+def _read_stream(api: str, *streams: str) -> list[str]:
+    out = []
+    for s in streams:
+        out += [
+            f"{api}.STREAM.INFO.{s}",
+            f"{api}.STREAM.MSG.GET.{s}",
+            f"{api}.CONSUMER.CREATE.{s}",
+            f"{api}.CONSUMER.CREATE.{s}.>",
+            f"{api}.CONSUMER.INFO.{s}.>",
+            f"{api}.CONSUMER.DELETE.{s}.>",
+        ]
+    return out
+
+
+def _write_kv(prefix: str, *buckets: str) -> list[str]:
+    return [f"{prefix}$KV.{b}.>" for b in buckets]
+
+
+_DECLARE = [f"{API}.INFO", f"{API}.STREAM.INFO.*", f"{API}.STREAM.CREATE.*"]
+"""Declaring streams and buckets at start (`shared.streams.ensure`): create, never delete."""
+_FLOW = ["$JS.FC.>"]
+"""Flow-control replies of push consumers (ordered consumers, `keys()`)."""
+_ALL_KV = (
+    names.RUNS_BUCKET, names.LEASES_BUCKET, names.WORKERS_BUCKET, names.POOLS_BUCKET,
+    names.SITES_BUCKET,
+)  # fmt: skip
+
+
+def hub_permissions(role: str) -> Permissions | None:
+    """A hub user's permissions; None for the operator (everything)."""
+    inbox = f"{inbox_prefix(role)}.>"
+    p = names.PREFIX
+    if role == "operator":
+        return None
+    if role == "submitter":
+        return Permissions(
+            publish=(
+                f"{p}.submit.>", f"{p}.cancel.>", f"{API}.INFO", *_FLOW,
+                *_read_kv(API, names.RUNS_BUCKET),
+                *_read_stream(API, names.EVENTS_STREAM, names.LOGS_STREAM),
+            ),
+            subscribe=(inbox,),
+        )  # fmt: skip
+    if role == "dispatcher":
+        return Permissions(
+            publish=(
+                *_DECLARE, f"{API}.STREAM.UPDATE.*", *_FLOW,
+                *_consume(API, names.SUBMIT_STREAM), *_consume(API, names.CANCEL_STREAM),
+                *_read_kv(API, *_ALL_KV), *_write_kv("", names.RUNS_BUCKET),
+                f"{API}.STREAM.MSG.GET.{names.TASKS_STREAM}",
+                f"{API}.STREAM.MSG.DELETE.{names.TASKS_STREAM}",
+                f"{p}.tasks.>", f"{p}.events.>", f"{p}.dlq.>", f"{p}.control.>",
+            ),
+            subscribe=(inbox,),
+        )  # fmt: skip
+    if role == "checkpointer":
+        return Permissions(
+            publish=(
+                *_DECLARE, f"{API}.STREAM.UPDATE.*", *_FLOW, *_consume(API, names.CKPT_STREAM),
+                f"{p}.events.>", f"{p}.dlq.>",
+            ),
+            subscribe=(inbox,),
+        )  # fmt: skip
+    if role == "reaper":
+        work_queues = (
+            names.TASKS_STREAM, names.SUBMIT_STREAM, names.CKPT_STREAM, names.CANCEL_STREAM,
+        )  # fmt: skip
+        return Permissions(
+            publish=(
+                *_DECLARE, f"{API}.STREAM.UPDATE.*", *_FLOW,
+                *_consume(API, names.ADVISORY_STREAM),
+                *_read_kv(API, *_ALL_KV),
+                *_write_kv("", names.RUNS_BUCKET, names.SITES_BUCKET),
+                *(f"{API}.STREAM.MSG.GET.{s}" for s in work_queues),
+                *(f"{API}.STREAM.MSG.DELETE.{s}" for s in work_queues),
+                f"{p}.tasks.>", f"{p}.events.>", f"{p}.dlq.>", f"{p}.control.>",
+            ),
+            subscribe=(inbox, names.HELLO_ALL),
+        )  # fmt: skip
+    if role == "trainer":
+        return Permissions(
+            publish=_trainer_publish(API, "", ""),
+            subscribe=(inbox, f"{p}.control.>", f"{p}.events.>"),
+        )
+    raise ValueError(f"no such role at the hub: {role!r}")
+
+
+def _trainer_publish(api: str, kv_prefix: str, site: str) -> tuple[str, ...]:
+    """A trainer's: its work queue, the KV it reads and writes, and what it sends home."""
+    return (
+        f"{api}.INFO", *_FLOW, *_consume(api, names.TASKS_STREAM),
+        *_read_kv(api, names.RUNS_BUCKET, names.LEASES_BUCKET, names.POOLS_BUCKET),
+        *_write_kv(kv_prefix, names.RUNS_BUCKET, names.LEASES_BUCKET, names.POOLS_BUCKET),
+        *(
+            [names.site_root(site, k) for k in ("events", "logs", "ckpt", "dlq", "workers")]
+            if site
+            else [f"{names.PREFIX}.{k}.>" for k in ("events", "logs", "ckpt", "dlq")]
+            + _write_kv("", names.WORKERS_BUCKET)
+        ),
+    )  # fmt: skip
+
+
+def site_permissions(role: str, site: str) -> Permissions | None:
+    """A user of `site`'s leaf node; None for the site's operator."""
+    inbox = f"{inbox_prefix(f'{site}_{role}')}.>"
+    hub_kv = f"{HUB_API}."
+    if role == "operator":
+        return None
+    if role == "submitter":
+        return Permissions(
+            publish=(
+                names.site_root(site, "submit"), names.site_root(site, "cancel"), *_FLOW,
+                f"{API}.INFO", f"{API}.STREAM.INFO.{names.OUTBOX_STREAM}",
+                *_read_kv(HUB_API, names.RUNS_BUCKET),
+                *_read_stream(HUB_API, names.EVENTS_STREAM, names.LOGS_STREAM),
+            ),
+            subscribe=(inbox,),
+        )  # fmt: skip
+    if role == "checkpointer":
+        local = [n for n in (names.OUTBOX_STREAM, names.CKPT_STREAM)]
+        return Permissions(
+            publish=(
+                f"{API}.INFO", *(f"{API}.STREAM.INFO.{s}" for s in local),
+                *(f"{API}.STREAM.CREATE.{s}" for s in local),
+                *(f"{API}.STREAM.UPDATE.{s}" for s in local),
+                *_consume(API, names.CKPT_STREAM), *_FLOW,
+                names.site_root(site, "events"), names.site_root(site, "dlq"),
+                names.hello_subject(site),
+            ),
+            subscribe=(inbox,),
+        )  # fmt: skip
+    if role == "trainer":
+        return Permissions(
+            publish=_trainer_publish(HUB_API, hub_kv, site),
+            subscribe=(inbox, f"{names.PREFIX}.control.>", names.site_root(site, "events")),
+        )
+    raise ValueError(f"no such role at a site: {role!r}")
+
+
+def site_link(site: str) -> Permissions:
+    """The leaf node's own user at the hub: what may cross the link. Out of the site: its
+    own subjects, its users' calls into the hub's JetStream and their acks, and what the
+    hub's sourcing needs back (API replies on `$JSC.R.`, deliveries on `$JS.S.`). Into the
+    site: commands to its trainers, replies to its users, and the hub's calls into the
+    site's JetStream to source its outbox."""
+    site_users = [f"{inbox_prefix(f'{site}_{r}')}.>" for r in SITE_ROLES]
+    hub_calls = sorted(
+        {
+            s
+            for r in ("trainer", "submitter")
+            for s in (site_permissions(r, site) or Permissions((), ())).publish
+            if s.startswith(f"{HUB_API}.") or s.startswith("$JS.ACK.")
+        }
+    )
+    out = (f"{names.PREFIX}.site.{site}.>", *hub_calls, *_FLOW, "$JSC.R.>", "$JS.S.>")
+    into = (*site_users, f"{names.PREFIX}.control.>", f"$JS.{site}.API.>", *_FLOW)
+    return Permissions(publish=out, subscribe=into)
+
+
+# -- credentials --------------------------------------------------------------------
+
+
+class Credentials(msgspec.Struct, frozen=True):
+    user: str
+    password: str
+
+
+class Vault:
+    """Generated passwords, one owner-only file per user under `root` (mode 0700)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def get(self, user: str) -> Credentials:
+        """The user's credentials, generated on first use and kept from then on."""
+        path = self.root / f"{user}.env"
+        if not path.exists():
+            self.root.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.root, 0o700)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"NATS_USER={user}\nNATS_PASSWORD={secrets.token_urlsafe(24)}\n")
+        return read_env_file(path)
+
+
+def read_env_file(path: Path) -> Credentials:
+    """`NATS_USER=…` / `NATS_PASSWORD=…` lines, as `Vault` writes them."""
+    values = {}
+    for line in path.read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            values[key.strip()] = value.strip()
+    try:
+        return Credentials(user=values["NATS_USER"], password=values["NATS_PASSWORD"])
+    except KeyError as exc:
+        raise ValueError(f"{path}: no {exc.args[0]}") from None
+
+
+def client_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """nats-py options for the credentials in the environment: `NATS_USER` with
+    `NATS_PASSWORD` (or `NATS_PASSWORD_FILE`), or `NATS_AUTH_FILE` (a file as `Vault`
+    writes). The inbox prefix follows the user, as the servers' permissions expect."""
+    env = os.environ if env is None else env
+    creds: Credentials | None = None
+    if env.get("NATS_AUTH_FILE"):
+        creds = read_env_file(Path(env["NATS_AUTH_FILE"]))
+    elif env.get("NATS_USER"):
+        password = env.get("NATS_PASSWORD", "")
+        if not password and env.get("NATS_PASSWORD_FILE"):
+            password = Path(env["NATS_PASSWORD_FILE"]).read_text().strip()
+        creds = Credentials(user=env["NATS_USER"], password=password)
+    return options_for(creds) if creds else {}
+
+
+def options_for(creds: Credentials) -> dict[str, Any]:
+    return {
+        "user": creds.user,
+        "password": creds.password,
+        "inbox_prefix": inbox_prefix(creds.user.replace("-", "_")),
+    }
+
+
+# -- server configuration -----------------------------------------------------------
+
+
+def authorization(users: list[tuple[Credentials, Permissions | None]]) -> str:
+    """An `authorization { users = [...] }` block. JSON is valid NATS configuration, and
+    quoting every subject keeps `$` and `>` from being read as variables or syntax."""
+    entries = []
+    for creds, perms in users:
+        entry: dict[str, Any] = {"user": creds.user, "password": creds.password}
+        if perms is not None:
+            entry["permissions"] = {
+                "publish": {"allow": list(perms.publish)},
+                "subscribe": {"allow": list(perms.subscribe)},
+            }
+        entries.append(entry)
+    return "authorization " + json.dumps({"users": entries}, indent=2)
+
+
+def env_name(user: str) -> str:
+    """The environment variable a deployment's config reads `user`'s password from."""
+    return "BATON_PW_" + user.upper().replace("-", "_")
+
+
+def deployment_config(site: str | None, sites: tuple[str, ...] = ()) -> str:
+    """The `authorization` block of the hub (`site` None, admitting `sites`) or of a site's
+    leaf node, with every password an environment variable (`env_name`): the committed
+    files in deploy/nats hold no secret, and the servers read the passwords at start."""
+    if site:
+        users = [(f"{site}-{r}", site_permissions(r, site)) for r in SITE_ROLES]
+    else:
+        users = [(r, hub_permissions(r)) for r in HUB_ROLES]
+        users += [(f"site-{s}", site_link(s)) for s in sites]
+    block = authorization([(Credentials(u, f"${env_name(u)}"), p) for u, p in users])
+    for user, _ in users:  # a NATS variable is a bare `$NAME`, never inside quotes
+        block = block.replace(f'"${env_name(user)}"', f"${env_name(user)}")
+    return block

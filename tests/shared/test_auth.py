@@ -1,0 +1,209 @@
+"""Least privilege, enforced by real nats-servers with auth on: each denial the roles rely
+on, tried and refused. (That the roles are *given* what they need is what every end-to-end
+test checks: the test stacks run with auth on, as `baton up` does.)"""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from baton.stack import StackOptions, nats_server, operator_options, user_of, vault
+from shared import auth, names
+from shared.contracts import encode
+from shared.natsserver import NatsServer
+from shared.streams import ensure, ensure_site
+from tests.support.stack import eventually
+
+
+class Servers:
+    def __init__(self, hub: StackOptions, site: StackOptions) -> None:
+        self.hub_opts, self.site_opts = hub, site
+        self.hub: NatsServer
+        self.site: NatsServer
+        self.clients: list[Client] = []
+        self.errors: dict[str, list[str]] = {}
+
+    async def as_user(self, user: str, *, at_site: bool = False) -> Client:
+        """A client of the hub (or the site's leaf) as `user`; its async errors (the
+        server's permission violations) are collected under the user's name."""
+        opts = self.site_opts if at_site else self.hub_opts
+        v = vault(opts)
+        assert v is not None
+        errors = self.errors.setdefault(user, [])
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        server = self.site if at_site else self.hub
+        nc = await nats.connect(
+            server.url, error_cb=on_error, allow_reconnect=False,
+            **auth.options_for(v.get(user)),
+        )  # fmt: skip
+        self.clients.append(nc)
+        return nc
+
+    async def refused(self, user: str, subject: str) -> None:
+        async def seen() -> bool:
+            return any("permissions violation" in e.lower() and subject.lower() in e.lower()
+                       for e in self.errors.get(user, []))  # fmt: skip
+
+        await eventually(seen, 5, f"the server to refuse {user} on {subject}")
+
+
+@pytest.fixture
+async def servers(tmp_path: Path) -> AsyncIterator[Servers]:
+    hub_opts = StackOptions(data_dir=tmp_path / "hub", port=0, ws_port=0, sites=("lab1", "lab2"))
+    s = Servers(hub_opts, hub_opts)
+    s.hub = nats_server(hub_opts)
+    await s.hub.start()
+    try:
+        s.site_opts = StackOptions(
+            data_dir=tmp_path / "lab1", port=0, site="lab1",
+            hub_url=f"ws://127.0.0.1:{s.hub.ws_port}",
+            hub_auth=str(tmp_path / "hub" / "auth" / "site-lab1.env"),
+        )  # fmt: skip
+        s.site = nats_server(s.site_opts)
+        await s.site.start()
+        await ensure((await s.as_user("dispatcher")).jetstream())
+        await ensure_site((await s.as_user("lab1-checkpointer", at_site=True)).jetstream(), "lab1")
+        yield s
+    finally:
+        for nc in s.clients:
+            await nc.close()
+        if hasattr(s, "site"):
+            await s.site.stop()
+        await s.hub.stop()
+
+
+async def messages(js_client: Client, stream: str) -> int:
+    return (await js_client.jetstream().stream_info(stream)).state.messages or 0
+
+
+async def test_a_trainer_cannot_publish_tasks_or_submissions(servers: Servers) -> None:
+    trainer = await servers.as_user("trainer")
+    operator = await servers.as_user("operator")
+    for subject in (names.task_subject("default", "r1"), names.submit_subject("default")):
+        await trainer.publish(subject, b"{}")
+        await trainer.flush()
+        await servers.refused("trainer", subject)
+    assert await messages(operator, names.TASKS_STREAM) == 0
+    assert await messages(operator, names.SUBMIT_STREAM) == 0
+    # What it may do goes through: its own events.
+    ack = await trainer.jetstream().publish(names.event_subject("r1", "progress"), b"{}")
+    assert ack.stream == names.EVENTS_STREAM
+
+
+async def test_no_service_may_delete_or_purge_a_stream(servers: Servers) -> None:
+    operator = await servers.as_user("operator")
+    await operator.jetstream().publish(names.task_subject("default", "r1"), b"{}")
+    for role in ("trainer", "dispatcher", "checkpointer", "reaper", "submitter"):
+        nc = await servers.as_user(role)
+        for op in ("DELETE", "PURGE"):
+            subject = f"$JS.API.STREAM.{op}.{names.TASKS_STREAM}"
+            with pytest.raises((TimeoutError, nats.errors.Error)):  # the request is dropped
+                await nc.request(subject, b"", timeout=0.5)
+            await servers.refused(role, subject)
+    assert await messages(operator, names.TASKS_STREAM) == 1, "the task is still there"
+
+
+async def test_a_trainer_cannot_write_what_is_not_its_to_write(servers: Servers) -> None:
+    trainer = await servers.as_user("trainer")
+    for subject in (f"$KV.{names.SITES_BUCKET}.lab1", "baton.cancel.r1", "baton.site.lab1.x"):
+        await trainer.publish(subject, b"{}")
+        await trainer.flush()
+        await servers.refused("trainer", subject)
+
+
+async def test_a_submitter_can_only_submit_and_read(servers: Servers) -> None:
+    submitter = await servers.as_user("submitter")
+    operator = await servers.as_user("operator")
+    js = submitter.jetstream()
+    ack = await js.publish(names.submit_subject("default"), b"{}")
+    assert ack.stream == names.SUBMIT_STREAM, "submitting is what it is for"
+    await operator.jetstream().publish(names.event_subject("r1", "accepted"), b"{}")
+    sub = await js.subscribe(
+        names.events_of_run("r1"), stream=names.EVENTS_STREAM, ordered_consumer=True
+    )
+    assert (await sub.next_msg(timeout=5)).subject == names.event_subject("r1", "accepted")
+    for subject in (
+        names.task_subject("default", "r1"), names.event_subject("r1", "completed"),
+        f"$KV.{names.RUNS_BUCKET}.r1", f"$KV.{names.LEASES_BUCKET}.r1", "baton.control.t1",
+    ):  # fmt: skip
+        await submitter.publish(subject, b"{}")
+        await submitter.flush()
+        await servers.refused("submitter", subject)
+
+
+async def test_a_site_cannot_touch_another_sites_subjects_or_the_hubs_streams(
+    servers: Servers,
+) -> None:
+    hub = await servers.as_user("operator")
+    seen: list[str] = []
+
+    async def record(msg: nats.aio.msg.Msg) -> None:
+        seen.append(msg.subject)
+
+    await hub.subscribe("baton.site.>", cb=record)
+    await hub.flush()
+    # Even the site's own operator, free at its leaf, is held to its site across the link.
+    local = await servers.as_user("lab1-operator", at_site=True)
+
+    async def linked() -> bool:
+        await local.publish("baton.site.lab1.probe", b"")
+        await local.flush()
+        await asyncio.sleep(0.1)
+        return "baton.site.lab1.probe" in seen
+
+    await eventually(linked, 20, "the site's link to the hub")
+    await local.publish("baton.site.lab2.events.r1.k", b"forged")
+    await local.publish(names.task_subject("default", "r9"), b"forged")
+    await local.flush()
+    with pytest.raises((TimeoutError, nats.errors.Error)):
+        await local.request(f"$JS.{names.HUB_DOMAIN}.API.STREAM.DELETE.BATON_TASKS", b"", timeout=2)
+    await local.publish("baton.site.lab1.after", b"")  # ordered after the forgeries
+    await local.flush()
+    await eventually(_has(seen, "baton.site.lab1.after"), 10, "the site's later message")
+    assert "baton.site.lab2.events.r1.k" not in seen, "lab1 must not speak for lab2"
+    assert await messages(hub, names.TASKS_STREAM) == 0, "no task from a site"
+    assert (await hub.jetstream().stream_info(names.TASKS_STREAM)).config.name
+    # The site's trainer is held at its own leaf already.
+    trainer = await servers.as_user("lab1-trainer", at_site=True)
+    await trainer.publish("baton.site.lab2.events.r1.k", encode({}))
+    await trainer.flush()
+    await servers.refused("lab1-trainer", "baton.site.lab2.events.r1.k")
+
+
+async def test_generated_credentials_are_owner_only(servers: Servers) -> None:
+    v = vault(servers.hub_opts)
+    assert v is not None
+    assert stat.S_IMODE(v.root.stat().st_mode) == 0o700
+    files = sorted(v.root.iterdir())
+    assert {p.name for p in files} >= {f"{r}.env" for r in auth.HUB_ROLES}
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert operator_options(servers.hub_opts)["user"] == "operator"
+    assert user_of(servers.site_opts, "trainer") == "lab1-trainer"
+
+
+async def test_wrong_credentials_fail_fast_with_a_clear_error(servers: Servers) -> None:
+    from shared.connect import connect
+    from shared.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="refused the credentials"):
+        await connect(
+            servers.hub.url, "t", first_attempt_timeout=5,
+            options={"user": "trainer", "password": "wrong"},
+        )  # fmt: skip
+
+
+def _has(seen: list[str], subject: str):  # type: ignore[no-untyped-def]
+    async def check() -> bool:
+        return subject in seen
+
+    return check
