@@ -64,12 +64,20 @@ async def _main(name: str, make: Callable[[Client, Settings, StopSignals], Servi
         telemetry.shutdown()
 
 
+# Their DEBUG output prints signed request headers, which carry the S3 access key: never
+# below INFO, whatever BATON_LOG_LEVEL says (tests/e2e/test_secrets.py found it).
+CHATTY_WITH_SECRETS = ("botocore", "aiobotocore", "boto3", "aioboto3", "urllib3", "s3transfer")
+
+
 def setup_logging(name: str) -> None:
     logging.basicConfig(
         level=os.environ.get("BATON_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for noisy in CHATTY_WITH_SECRETS:
+        logger = logging.getLogger(noisy)
+        logger.setLevel(max(logging.INFO, logger.getEffectiveLevel()))
 
 
 class StopSignals:
