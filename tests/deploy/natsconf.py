@@ -35,6 +35,14 @@ _LISTENER = re.compile(r"^(?P<lead>\s*(?:listen|http)\s*:\s*)(?P<addr>\S+)\s*$",
 _STORE = re.compile(r'^(?P<lead>\s*store_dir\s*:\s*)"[^"]*"\s*$', re.M)
 _REMOTE_URL = re.compile(r'"(?:wss?|nats-leaf|nats)://[^"]+"')
 _PORT_KEY = re.compile(r"^\s*(?:port|http_port|https_port)\s*:", re.M)
+_INCLUDE = re.compile(r'^\s*include\s+"(?P<file>[^"]+)"\s*$', re.M)
+_PASSWORD_VAR = re.compile(r"\$(BATON_PW_[A-Z0-9_]+)")
+HUB_URL_VAR = "$BATON_HUB_URL"
+
+
+def passwords_for(text: str) -> dict[str, str]:
+    """A password for every `$BATON_PW_*` a localized config reads from the environment."""
+    return {name: f"pw-{name.lower()}" for name in _PASSWORD_VAR.findall(text)}
 
 
 def strip_comments(text: str) -> str:
@@ -68,8 +76,12 @@ def localize(
     if certs_dir is not None:
         assert "/etc/nats/certs/" in out, "no certificate paths to move"
         out = out.replace("/etc/nats/certs/", f"{certs_dir}/")
+    out = _INCLUDE.sub(lambda m: strip_comments((NATS_DIR / m["file"]).read_text()), out)
     urls = _REMOTE_URL.findall(out)
-    if remote_url is not None:
+    if remote_url is not None and HUB_URL_VAR in out:
+        assert not urls, f"the hub URL comes from {HUB_URL_VAR}, yet {urls} is written"
+        out = out.replace(HUB_URL_VAR, json.dumps(remote_url))
+    elif remote_url is not None:
         assert len(urls) == 1, f"expected one leafnode remote url, found {urls}"
         out = out.replace(urls[0], json.dumps(remote_url))
     else:

@@ -251,8 +251,10 @@ def test_nats_ports_agree_with_configs() -> None:
 
 def test_leaf_dials_the_hub_websocket_by_its_certificate_name(tmp_path: Path) -> None:
     leaf = strip_comments(nats_conf("leaf.conf"))
-    (url,) = re.findall(r'urls\s*:\s*\[\s*"([^"]+)"\s*\]', leaf)
+    assert re.search(r"urls\s*:\s*\[\s*\$BATON_HUB_URL\s*\]", leaf), "the URL is the env's"
+    url = SVC["leaf"]["environment"]["BATON_HUB_URL"]
     parts = urlsplit(url)
+    assert parts.username == "site-site1" and parts.password, "the site's link user"
     assert parts.scheme == "wss", url
     assert parts.hostname in nats_services() and nats_services()[parts.hostname] == "hub.conf"
     assert parts.port == hub_ports()["websocket"], url
@@ -360,7 +362,9 @@ def test_store_and_telemetry_endpoints_point_at_their_services() -> None:
 
 
 def test_env_var_names_are_ones_baton_reads() -> None:
+    # Settings, and the credentials shared/auth.py reads (never a field of the settings).
     config = (REPO / "shared" / "config.py").read_text()
+    config += (REPO / "shared" / "auth.py").read_text()
     documented = set(re.findall(r"`([A-Z][A-Z0-9_]{2,})`", config)) | set(
         re.findall(r'"([A-Z][A-Z0-9_]{2,})"', config)
     )
@@ -416,3 +420,32 @@ def test_dockerfile() -> None:
     ignored = (REPO / ".dockerignore").read_text().split()
     for path in (".venv", ".git", "out", "**/__pycache__", ".pytest_cache", "deploy/certs/out"):
         assert path in ignored, f".dockerignore misses {path}"
+
+
+def test_committed_authorization_is_what_the_code_generates() -> None:
+    """deploy/nats/auth-*.conf are `baton auth-config` output: the roles' allow-lists live in
+    one place (shared/auth.py), and the files cannot drift from it."""
+    from shared import auth
+
+    body = "\n".join(ln for ln in nats_conf("auth-hub.conf").splitlines() if not ln.startswith("#"))
+    assert body.strip() == auth.deployment_config(None, ("site1",)).strip()
+    body = "\n".join(
+        ln for ln in nats_conf("auth-site.conf").splitlines() if not ln.startswith("#")
+    )
+    assert body.strip() == auth.deployment_config("site1").strip()
+
+
+def test_every_service_logs_in_as_its_role_with_the_servers_password() -> None:
+    """Each Baton container's NATS_USER is a user of the server it connects to, and its
+    NATS_PASSWORD is the same variable (and default) that server reads."""
+    from shared import auth
+
+    for name, s in baton_services().items():
+        e = env(s)
+        host = urlsplit(e["NATS_URL"]).hostname
+        users = auth.HUB_ROLES if host == "hub" else tuple(f"site1-{r}" for r in auth.SITE_ROLES)
+        assert e.get("NATS_USER") in users, f"{name}: {e.get('NATS_USER')}"
+        server = env(SVC["hub" if host == "hub" else "leaf"])
+        var = auth.env_name(e["NATS_USER"])
+        assert var in server, f"{name}: the {host} server does not read {var}"
+        assert e["NATS_PASSWORD"] == server[var], f"{name}: password differs from the server's"

@@ -25,6 +25,7 @@ from tests.deploy.natsconf import (
     check_config,
     gen_certs,
     localize,
+    passwords_for,
     strip_comments,
 )
 
@@ -52,12 +53,10 @@ async def launch(tmp_path: Path) -> AsyncIterator[Launch]:
         workdir = tmp_path / name
         if text is None:
             text = (NATS_DIR / conf).read_text()
-        server = ConfiguredServer(
-            name,
-            localize(text, workdir, certs_dir=certs_dir, remote_url=remote_url),
-            workdir,
-            env=env,
-        )
+        config = localize(text, workdir, certs_dir=certs_dir, remote_url=remote_url)
+        # The committed configs read their users' passwords from the environment.
+        env = {**passwords_for(config), **(env or {})}
+        server = ConfiguredServer(name, config, workdir, env=env)
         started.append(server)
         return await server.start()
 
@@ -88,9 +87,9 @@ async def linked(hub: ConfiguredServer, site: str) -> None:
         raise AssertionError(f"{exc}\nhub log:\n{hub.log()[-3000:]}") from None
 
 
-async def assert_domains(leaf: ConfiguredServer, site: str) -> None:
+async def assert_domains(leaf: ConfiguredServer, site: str, **creds: str) -> None:
     """From a client of the leaf, both JetStream domains answer (the hub's across the link)."""
-    nc = await nats.connect(leaf.client_url, allow_reconnect=False)
+    nc = await nats.connect(leaf.client_url, allow_reconnect=False, **creds)
     try:
         hub_info = await nc.jetstream(domain="hub", timeout=5).account_info()
         assert hub_info.domain == "hub", hub_info
@@ -272,14 +271,21 @@ async def test_tls_leaf_joins_hub_over_wss(launch: Launch, tmp_path: Path) -> No
     await gen_certs(certs)
     hub = await launch("hub", "hub.conf", certs_dir=certs)
     assert hub.ports["websocket"][0].startswith("wss://"), hub.ports
+    link_pw = passwords_for("$BATON_PW_SITE_SITE1")["BATON_PW_SITE_SITE1"]
     leaf = await launch(
         "leaf", "leaf.conf", env={"SITE": "site1"}, certs_dir=certs,
-        remote_url=f"wss://localhost:{hub.ws_port}",
+        remote_url=f"wss://site-site1:{link_pw}@localhost:{hub.ws_port}",
     )  # fmt: skip
     await linked(hub, "site1")
     (link,) = (await hub.monitor("/leafz"))["leafs"]
     assert link["websocket"] is True, link
-    await assert_domains(leaf, "site1")
+    operator = passwords_for("$BATON_PW_SITE1_OPERATOR")["BATON_PW_SITE1_OPERATOR"]
+    # Replies cross the link only to a site user's own inbox prefix (shared/auth.py).
+    await assert_domains(
+        leaf, "site1", user="site1-operator", password=operator,
+        inbox_prefix="_INBOX_site1_operator",
+    )  # fmt: skip
+    assert link_pw not in hub.log() + leaf.log(), "the link's password must not be logged"
     assert "TLS handshake error" not in hub.log()
 
 
@@ -287,9 +293,10 @@ async def test_leaf_trusting_another_ca_is_refused(launch: Launch, tmp_path: Pat
     await gen_certs(tmp_path / "hub-ca")
     await gen_certs(tmp_path / "other-ca")
     hub = await launch("hub", "hub.conf", certs_dir=tmp_path / "hub-ca")
+    link_pw = passwords_for("$BATON_PW_SITE_SITE1")["BATON_PW_SITE_SITE1"]
     leaf = await launch(
         "leaf", "leaf.conf", env={"SITE": "site1"}, certs_dir=tmp_path / "other-ca",
-        remote_url=f"wss://localhost:{hub.ws_port}",
+        remote_url=f"wss://site-site1:{link_pw}@localhost:{hub.ws_port}",
     )  # fmt: skip
 
     async def refused_twice() -> bool:
