@@ -45,6 +45,7 @@ from shared.auth import (
     read_env_file,
     site_link,
     site_permissions,
+    submitter_permissions,
 )
 from shared.config import Settings
 from shared.natsconf import hub_fragment, leaf_fragment
@@ -93,6 +94,8 @@ class StackOptions(msgspec.Struct, kw_only=True):
     `<data_dir>/auth`, owner-only."""
     sites: tuple[str, ...] = ()
     """At the hub, with auth: the sites allowed to join (each gets a link user)."""
+    submitters: tuple[str, ...] = ()
+    """At the hub, with auth: submitter users besides `submitter`, each owning its runs."""
     hub_auth: str = ""
     """At a site, with auth: the file holding the site's link credentials, which the hub
     generated (`<hub data>/auth/site-<name>.env`)."""
@@ -177,6 +180,7 @@ def _authorization(opts: StackOptions, v: Vault) -> str:
             [(v.get(user_of(opts, r)), site_permissions(r, opts.site)) for r in SITE_ROLES]
         )
     users = [(v.get(r), hub_permissions(r)) for r in HUB_ROLES]
+    users += [(v.get(u), submitter_permissions(u)) for u in opts.submitters]
     users += [(v.get(f"site-{s}"), site_link(s)) for s in opts.sites]
     return authorization(users)
 

@@ -5,7 +5,8 @@ not by Baton's code. Every list below is an *allow* list: what is not named is d
 hub:
 
     operator      everything (the CLI's admin commands, `baton up`'s own checks)
-    submitter     submit and cancel jobs; read run records, events and logs
+    submitter     submit jobs and cancel runs as itself; read its own runs' records,
+                  events and logs (each submitter user owns the runs it submits)
     dispatcher    take submissions and cancels; write run records; publish tasks
     checkpointer  take commit requests; publish commit outcomes
     reaper        read everything it sweeps; write run records; re-publish tasks; link sites
@@ -54,6 +55,12 @@ class Permissions(msgspec.Struct, frozen=True):
     subscribe: tuple[str, ...]
 
 
+def owner_of(user: str) -> str:
+    """The owner token of the runs `user` submits: none for operators (they may do
+    anything anyway), else the user's name (`shared.contracts.run_id_for`)."""
+    return "" if not user or user == "operator" or user.endswith("-operator") else user
+
+
 def inbox_prefix(user: str) -> str:
     return f"_INBOX_{user}"
 
@@ -86,20 +93,6 @@ def _read_kv(api: str, *buckets: str) -> list[str]:
     return out
 
 
-def _read_stream(api: str, *streams: str) -> list[str]:
-    out = []
-    for s in streams:
-        out += [
-            f"{api}.STREAM.INFO.{s}",
-            f"{api}.STREAM.MSG.GET.{s}",
-            f"{api}.CONSUMER.CREATE.{s}",
-            f"{api}.CONSUMER.CREATE.{s}.>",
-            f"{api}.CONSUMER.INFO.{s}.>",
-            f"{api}.CONSUMER.DELETE.{s}.>",
-        ]
-    return out
-
-
 def _write_kv(prefix: str, *buckets: str) -> list[str]:
     return [f"{prefix}$KV.{b}.>" for b in buckets]
 
@@ -121,14 +114,7 @@ def hub_permissions(role: str) -> Permissions | None:
     if role == "operator":
         return None
     if role == "submitter":
-        return Permissions(
-            publish=(
-                f"{p}.submit.>", f"{p}.cancel.>", f"{API}.INFO", *_FLOW,
-                *_read_kv(API, names.RUNS_BUCKET),
-                *_read_stream(API, names.EVENTS_STREAM, names.LOGS_STREAM),
-            ),
-            subscribe=(inbox,),
-        )  # fmt: skip
+        return submitter_permissions(role)
     if role == "dispatcher":
         return Permissions(
             publish=(
@@ -173,6 +159,30 @@ def hub_permissions(role: str) -> Permissions | None:
     raise ValueError(f"no such role at the hub: {role!r}")
 
 
+def submitter_permissions(user: str, site: str = "") -> Permissions:
+    """A submitter may submit jobs and cancel runs as itself (its name ends the submit
+    subject and starts its run ids), and read its own runs' records, events and logs —
+    through reads whose API subjects name them — and nothing else."""
+    p, api = names.PREFIX, HUB_API if site else API
+    own_events = f"{p}.events.{user}.>"
+    own_logs = f"{p}.logs.{user}.>"
+    submit, cancel = f"{p}.submit.*.{user}", f"{p}.cancel.{user}.>"
+    if site:
+        submit, cancel = names.at_site(submit, site), names.at_site(cancel, site)
+    return Permissions(
+        publish=(
+            submit, cancel, f"{api}.INFO", *_FLOW,
+            f"{api}.STREAM.INFO.KV_{names.RUNS_BUCKET}",
+            f"{api}.DIRECT.GET.KV_{names.RUNS_BUCKET}.$KV.{names.RUNS_BUCKET}.{user}.>",
+            f"{api}.CONSUMER.CREATE.{names.EVENTS_STREAM}.*.{own_events}",
+            f"{api}.CONSUMER.DELETE.{names.EVENTS_STREAM}.*",
+            f"{api}.CONSUMER.CREATE.{names.LOGS_STREAM}.*.{own_logs}",
+            f"{api}.CONSUMER.DELETE.{names.LOGS_STREAM}.*",
+        ),
+        subscribe=(f"{inbox_prefix(user.replace('-', '_'))}.>",),
+    )  # fmt: skip
+
+
 def _trainer_publish(api: str, kv_prefix: str, site: str) -> tuple[str, ...]:
     """A trainer's: its work queue, the KV it reads and writes, and what it sends home."""
     return (
@@ -195,15 +205,7 @@ def site_permissions(role: str, site: str) -> Permissions | None:
     if role == "operator":
         return None
     if role == "submitter":
-        return Permissions(
-            publish=(
-                names.site_root(site, "submit"), names.site_root(site, "cancel"), *_FLOW,
-                f"{API}.INFO", f"{API}.STREAM.INFO.{names.OUTBOX_STREAM}",
-                *_read_kv(HUB_API, names.RUNS_BUCKET),
-                *_read_stream(HUB_API, names.EVENTS_STREAM, names.LOGS_STREAM),
-            ),
-            subscribe=(inbox,),
-        )  # fmt: skip
+        return submitter_permissions(f"{site}-{role}", site)
     if role == "checkpointer":
         local = [n for n in (names.OUTBOX_STREAM, names.CKPT_STREAM)]
         return Permissions(

@@ -45,8 +45,8 @@ TASKS_ALL = f"{PREFIX}.tasks.>"
 EVENTS_ALL = f"{PREFIX}.events.>"
 CKPT_ALL = f"{PREFIX}.ckpt.>"
 DLQ_ALL = f"{PREFIX}.dlq.>"
-CANCEL_ALL = f"{PREFIX}.cancel.*"
-LOGS_ALL = f"{PREFIX}.logs.*"
+CANCEL_ALL = f"{PREFIX}.cancel.>"
+LOGS_ALL = f"{PREFIX}.logs.>"
 # JetStream's own advisory when a message has used up its deliveries, for our work queues
 # (wildcards match whole tokens only, so each stream is named).
 MAX_DELIVERIES_ADVISORIES = [
@@ -58,8 +58,10 @@ MAX_DELIVERIES_ADVISORIES = [
 CONTROL_ALL = f"{PREFIX}.control.>"
 
 
-def submit_subject(pool: str) -> str:
-    return f"{PREFIX}.submit.{pool}"
+def submit_subject(pool: str, owner: str = "") -> str:
+    """Where jobs for `pool` are submitted; a submitter's subject ends in its own name,
+    which the servers enforce, so the dispatcher can trust it as the runs' owner."""
+    return f"{PREFIX}.submit.{pool}.{owner}" if owner else f"{PREFIX}.submit.{pool}"
 
 
 def task_subject(pool: str, run_id: str) -> str:
@@ -67,7 +69,7 @@ def task_subject(pool: str, run_id: str) -> str:
 
 
 def tasks_of_pool(pool: str) -> str:
-    return f"{PREFIX}.tasks.{pool}.*"
+    return f"{PREFIX}.tasks.{pool}.>"  # run ids may have two tokens (`owner.r…`)
 
 
 def trainer_consumer(pool: str) -> str:
@@ -160,4 +162,9 @@ def heartbeat_subject(worker_id: str, site: str) -> str:
 
 
 def pool_from_submit_subject(subject: str) -> str:
-    return subject.split(".", 2)[2]
+    return subject.split(".")[2]
+
+
+def owner_from_submit_subject(subject: str) -> str:
+    parts = subject.split(".")
+    return parts[3] if len(parts) > 3 else ""

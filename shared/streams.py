@@ -34,45 +34,54 @@ DUPLICATE_WINDOW_S = 120.0
 MAX_MSG_BYTES = 1024 * 1024
 
 
+def _work_queue(name: str, subject: str | list[str], description: str) -> StreamConfig:
+    return StreamConfig(
+        name=name,
+        description=description,
+        subjects=[subject] if isinstance(subject, str) else subject,
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.NEW,
+        max_age=7 * DAY_S,
+        max_msg_size=MAX_MSG_BYTES,
+        duplicate_window=DUPLICATE_WINDOW_S,
+    )
+
+
+def _history(
+    name: str,
+    subject: str | list[str],
+    description: str,
+    max_bytes: int = 2 * 1024**3,
+    allow_msg_ttl: bool | None = None,
+) -> StreamConfig:
+    return StreamConfig(
+        name=name,
+        description=description,
+        subjects=[subject] if isinstance(subject, str) else subject,
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=30 * DAY_S,
+        max_bytes=max_bytes,
+        max_msg_size=MAX_MSG_BYTES,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        allow_msg_ttl=allow_msg_ttl,
+    )
+
+
 def stream_configs() -> list[StreamConfig]:
-    def work_queue(name: str, subject: str | list[str], description: str) -> StreamConfig:
-        return StreamConfig(
-            name=name,
-            description=description,
-            subjects=[subject] if isinstance(subject, str) else subject,
-            retention=RetentionPolicy.WORK_QUEUE,
-            storage=StorageType.FILE,
-            discard=DiscardPolicy.NEW,
-            max_age=7 * DAY_S,
-            max_msg_size=MAX_MSG_BYTES,
-            duplicate_window=DUPLICATE_WINDOW_S,
-        )
-
-    def history(name: str, subject: str, description: str) -> StreamConfig:
-        return StreamConfig(
-            name=name,
-            description=description,
-            subjects=[subject],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            discard=DiscardPolicy.OLD,
-            max_age=30 * DAY_S,
-            max_bytes=2 * 1024**3,
-            max_msg_size=MAX_MSG_BYTES,
-            duplicate_window=DUPLICATE_WINDOW_S,
-        )
-
     return [
-        work_queue(names.SUBMIT_STREAM, names.SUBMIT_ALL, "Job submissions, per pool"),
-        work_queue(names.TASKS_STREAM, names.TASKS_ALL, "Dispatched runs, per pool and run"),
-        work_queue(names.CKPT_STREAM, names.CKPT_ALL, "Checkpoint commit requests"),
-        work_queue(names.CANCEL_STREAM, names.CANCEL_ALL, "Cancel requests, per run"),
-        history(names.EVENTS_STREAM, names.EVENTS_ALL, "Run lifecycle events"),
-        history(names.DLQ_STREAM, names.DLQ_ALL, "Dead letters, each with its reason"),
-        history(names.LOGS_STREAM, names.LOGS_ALL, "Entry points' stdout and stderr, per run"),
+        _work_queue(names.SUBMIT_STREAM, names.SUBMIT_ALL, "Job submissions, per pool"),
+        _work_queue(names.TASKS_STREAM, names.TASKS_ALL, "Dispatched runs, per pool and run"),
+        _work_queue(names.CKPT_STREAM, names.CKPT_ALL, "Checkpoint commit requests"),
+        _work_queue(names.CANCEL_STREAM, names.CANCEL_ALL, "Cancel requests, per run"),
+        _history(names.EVENTS_STREAM, names.EVENTS_ALL, "Run lifecycle events"),
+        _history(names.DLQ_STREAM, names.DLQ_ALL, "Dead letters, each with its reason"),
+        _history(names.LOGS_STREAM, names.LOGS_ALL, "Entry points' stdout and stderr, per run"),
         # Advisories are published on core NATS only; capturing them makes "this message
         # used up its deliveries" durable until the reaper has dealt with it.
-        work_queue(
+        _work_queue(
             names.ADVISORY_STREAM,
             names.MAX_DELIVERIES_ADVISORIES,
             "JetStream max-deliveries advisories for Baton's consumers",
@@ -86,36 +95,26 @@ def site_stream_configs(site: str) -> list[StreamConfig]:
     it), big and long-lived enough to ride out a long WAN outage. Per-message TTLs are on
     for heartbeats, which must not reach the hub long after they stopped being true."""
     return [
-        StreamConfig(
-            name=names.OUTBOX_STREAM,
-            description=f"What site {site} sends to the hub; sourced by the hub's streams",
-            subjects=[names.site_root(site, kind) for kind in names.SITE_OUTBOX_KINDS],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            discard=DiscardPolicy.OLD,
-            max_age=30 * DAY_S,
+        _history(
+            names.OUTBOX_STREAM,
+            [names.site_root(site, kind) for kind in names.SITE_OUTBOX_KINDS],
+            f"What site {site} sends to the hub; sourced by the hub's streams",
             max_bytes=4 * 1024**3,
-            max_msg_size=MAX_MSG_BYTES,
-            duplicate_window=DUPLICATE_WINDOW_S,
             allow_msg_ttl=True,
         ),
-        StreamConfig(
-            name=names.CKPT_STREAM,
-            description=f"Checkpoint commit requests of site {site}'s trainers",
-            subjects=[names.site_root(site, "ckpt")],
-            retention=RetentionPolicy.WORK_QUEUE,
-            storage=StorageType.FILE,
-            discard=DiscardPolicy.NEW,
-            max_age=7 * DAY_S,
-            max_msg_size=MAX_MSG_BYTES,
-            duplicate_window=DUPLICATE_WINDOW_S,
+        _work_queue(
+            names.CKPT_STREAM,
+            names.site_root(site, "ckpt"),
+            f"Checkpoint commit requests of site {site}'s trainers",
         ),
     ]
 
 
 def kv_configs() -> list[KeyValueConfig]:
     return [
-        KeyValueConfig(bucket=names.RUNS_BUCKET, history=5, description="Run records"),
+        # Direct gets name the key in the API subject, which lets a submitter's permissions
+        # allow reading its own runs' records and no other's (`shared.auth`).
+        KeyValueConfig(bucket=names.RUNS_BUCKET, history=5, description="Run records", direct=True),
         # No bucket TTL: each lease carries its own per-message TTL, enforced by the
         # server's clock, so lease expiry never depends on clocks agreeing across hosts.
         KeyValueConfig(bucket=names.LEASES_BUCKET, history=1, description="Run leases"),

@@ -15,10 +15,10 @@ from typing import Any
 from nats.aio.client import Client
 from nats.errors import ConnectionClosedError
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from shared import commit, names
+from baton.cli import reader
+from shared import auth, commit, names
 from shared.connect import connect
 from shared.contracts import JobSpec, RunRecord, convert, decode, encode, run_id_for
 from shared.contracts.control import CancelRequest, WorkerInfo
@@ -107,7 +107,8 @@ async def submit(
 
     key = spec.idempotency_key or uuid.uuid4().hex
     spec = convert({**json.loads(encode(spec)), "idempotency_key": key}, JobSpec)
-    run_id = run_id_for(key)
+    owner = auth.owner_of(nc.options.get("user") or "")
+    run_id = run_id_for(key, owner)
     js = nc.jetstream()
     with telemetry.tracer.start_as_current_span(
         "submit",
@@ -116,7 +117,7 @@ async def submit(
         attributes={telemetry.RUN_ID: run_id, telemetry.POOL: spec.pool, "baton.name": spec.name},
     ) as span:
         await js.publish(
-            names.at_site(names.submit_subject(spec.pool), site),
+            names.at_site(names.submit_subject(spec.pool, owner), site),
             encode(spec),
             headers=telemetry.inject({"Nats-Msg-Id": key}),
         )
@@ -162,12 +163,7 @@ async def events(nc: Client, run_id: str) -> AsyncIterator[Event]:
 
 async def _subscribe_events(nc: Client, run_id: str, domain: str | None = None) -> Any:
     try:
-        return await nc.jetstream(domain=domain).subscribe(
-            names.events_of_run(run_id),
-            stream=names.EVENTS_STREAM,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL,
-        )
+        return await reader.read(nc, names.EVENTS_STREAM, names.events_of_run(run_id), domain)
     except NotFoundError:
         raise CliError(
             f"stream {names.EVENTS_STREAM} does not exist on this server: no Baton service has"
@@ -178,19 +174,10 @@ async def _subscribe_events(nc: Client, run_id: str, domain: str | None = None) 
 async def history(nc: Client, run_id: str) -> list[Event]:
     """Every event of a run so far (stops at the newest; does not wait for more)."""
     sub = await _subscribe_events(nc, run_id)
-    out: list[Event] = []
     try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=1.0)
-            except TimeoutError:
-                return out
-            out.append(decode(msg.data, Event))  # type: ignore[arg-type]
-            if msg.metadata.num_pending == 0:
-                return out
+        return [decode(m.data, Event) for m in await reader.drain(sub)]  # type: ignore[arg-type]
     finally:
-        with contextlib.suppress(ConnectionClosedError):
-            await sub.unsubscribe()
+        await sub.unsubscribe()
 
 
 async def record(nc: Client, run_id: str, domain: str | None = None) -> RunRecord:

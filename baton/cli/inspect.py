@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client
 from nats.errors import ConnectionClosedError
-from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from baton.cli import reader
 from baton.cli.client import CliError
 from shared import names, retention
 from shared.contracts import decode
@@ -170,12 +170,7 @@ def payload_text(payload: bytes) -> str:
 async def log_chunks(nc: Client, run_id: str, follow: bool) -> AsyncIterator[bytes]:
     """The run's captured stdout/stderr, from the start; with `follow`, then live."""
     try:
-        sub = await nc.jetstream().subscribe(
-            names.logs_subject(run_id),
-            stream=names.LOGS_STREAM,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL,
-        )
+        sub = await reader.read(nc, names.LOGS_STREAM, names.logs_subject(run_id))
     except NotFoundError:
         raise CliError(f"stream {names.LOGS_STREAM} does not exist on this server", 3) from None
     idle_deadline = time.monotonic() + 1.0

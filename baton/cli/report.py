@@ -24,9 +24,9 @@ from matplotlib.patches import Patch
 from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 from nats.aio.client import Client
-from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from baton.cli import reader
 from baton.cli.client import CliError
 from shared import names
 from shared.contracts import RunRecord, decode
@@ -48,9 +48,7 @@ async def collect(nc: Client, run_id: str, idle_s: float = 1.0) -> list[Event]:
     or as soon as the consumer has caught up with what was stored: a live run emits
     progress faster than any idle timeout, so idleness alone might never come."""
     try:
-        sub = await nc.jetstream().subscribe(
-            names.events_of_run(run_id), stream=names.EVENTS_STREAM, ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL)  # fmt: skip
+        sub = await reader.read(nc, names.EVENTS_STREAM, names.events_of_run(run_id))
     except NotFoundError:
         raise CliError(f"stream {names.EVENTS_STREAM} does not exist on this server") from None
     found: list[Event] = []

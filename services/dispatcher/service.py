@@ -104,6 +104,7 @@ class Dispatcher:
 
     async def _on_submission(self, msg: Msg) -> None:
         pool = names.pool_from_submit_subject(msg.subject)
+        owner = names.owner_from_submit_subject(msg.subject)
         key = _fallback_key(msg)
         try:
             spec = decode(msg.data, JobSpec, max_bytes=MAX_SPEC_BYTES)
@@ -112,14 +113,14 @@ class Dispatcher:
                     f"pool {spec.pool!r} differs from the subject's pool {pool!r}", "$.pool"
                 )
         except ContractError as exc:
-            run_id = run_id_for(_key_from_raw(msg.data) or key)
+            run_id = run_id_for(_key_from_raw(msg.data) or key, owner)
             await emit(self.js, Rejected(run_id=run_id, reason=exc.reason, path=exc.path))
             log.info("rejected submission on %s: %s", msg.subject, exc)
             raise
-        await self.dispatch(spec, spec.idempotency_key or key)
+        await self.dispatch(spec, spec.idempotency_key or key, owner)
 
-    async def dispatch(self, spec: JobSpec, key: str) -> None:
-        run_id = run_id_for(key)
+    async def dispatch(self, spec: JobSpec, key: str, owner: str = "") -> None:
+        run_id = run_id_for(key, owner)
         trace.get_current_span().set_attributes(
             {telemetry.RUN_ID: run_id, telemetry.POOL: spec.pool}
         )
@@ -195,6 +196,10 @@ class Dispatcher:
         """QUEUED runs are cancelled here and now; a RUNNING one is asked to stop, and its
         trainer checkpoints, stops the child, acks the task and marks it CANCELLED."""
         req = decode(msg.data, CancelRequest)
+        if msg.subject != names.cancel_subject(req.run_id):
+            # The subject is what the servers let a submitter publish on (its own runs');
+            # a body naming another run would cancel what it may not touch.
+            raise ContractError(f"run {req.run_id!r} differs from the subject's", "$.run_id")
 
         def cancel(r: RunRecord) -> RunRecord | None:
             if r.state is RunState.QUEUED:

@@ -7,7 +7,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from shared.contracts.jobs import TOKEN
+from shared.contracts.jobs import RUN_ID
 
 Sha256 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
 FileName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")]
@@ -23,7 +23,7 @@ class FileRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
 
 class CommitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    run_id: Annotated[str, Meta(pattern=TOKEN)]
+    run_id: Annotated[str, Meta(pattern=RUN_ID)]
     token: Annotated[int, Meta(ge=1)]
     step: Annotated[int, Meta(ge=0)]
     worker: str

@@ -7,11 +7,11 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from shared.contracts.jobs import TOKEN
+from shared.contracts.jobs import RUN_ID
 
 
 class CancelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    run_id: Annotated[str, Meta(pattern=TOKEN)]
+    run_id: Annotated[str, Meta(pattern=RUN_ID)]
     reason: Annotated[str, Meta(max_length=512)] = "cancelled by user"
 
 

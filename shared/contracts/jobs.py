@@ -9,6 +9,8 @@ from msgspec import Meta
 
 ENTRY_POINT = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 TOKEN = r"^[A-Za-z0-9_-]{1,64}$"
+RUN_ID = r"^(?:[A-Za-z0-9_-]{1,64}\.)?[A-Za-z0-9_-]{1,64}$"
+"""A run id: `r<hash>`, or `<owner>.r<hash>` for a submitter's run (see `run_id_for`)."""
 MAX_SPEC_BYTES = 64 * 1024
 
 Name = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]

@@ -62,14 +62,21 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     """Seconds of training attempts so far, each measured on its trainer's own clock."""
 
 
-def run_id_for(idempotency_key: str) -> str:
-    """Run ids are a pure function of the idempotency key, so a submitter knows the id
-    before the dispatcher has seen the job, and a repeated key can only name one run.
+def run_id_for(idempotency_key: str, owner: str = "") -> str:
+    """Run ids are a pure function of the idempotency key (and its submitter), so a
+    submitter knows the id before the dispatcher has seen the job, and a repeated key can
+    only name one run.
+
+    A submitter's runs are `<owner>.r<hash>`: the owner is a subject token of every subject
+    about the run, which is how the servers let a submitter read its own runs' events and
+    no one else's (`shared.auth`); the owner comes from the subject the servers let it
+    submit on. Operators' (and hand-published) submissions carry no owner.
 
     Total over every `str`: a rejected submission's raw key may hold a lone surrogate (JSON
     can escape one, argv can carry one), and filing its rejection must not fail on it."""
     data = idempotency_key.encode("utf-8", "surrogatepass")
-    return "r" + hashlib.sha256(data).hexdigest()[:20]
+    run = "r" + hashlib.sha256(data).hexdigest()[:20]
+    return f"{owner}.{run}" if owner else run
 
 
 def spec_hash(spec: JobSpec) -> str:

@@ -7,13 +7,13 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from shared.contracts.jobs import TOKEN, JobSpec
+from shared.contracts.jobs import RUN_ID, JobSpec
 
 
 class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`dispatch` counts how often the run was put on the queue; with the run id it forms
     the task's `Nats-Msg-Id`, so a dispatch repeated by a retry is stored only once."""
 
-    run_id: Annotated[str, Meta(pattern=TOKEN)]
+    run_id: Annotated[str, Meta(pattern=RUN_ID)]
     spec: JobSpec
     dispatch: Annotated[int, Meta(ge=1)] = 1

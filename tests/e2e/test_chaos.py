@@ -204,7 +204,8 @@ async def test_jobs_submitted_at_the_edge_while_cut_are_dispatched_once(
 ) -> None:
     from baton.cli import client
 
-    nc, at_site = await hub.client(), await site.client()
+    # A submitter of the site, which owns the runs it submits (shared/auth.py).
+    nc, at_site = await hub.client(), await site.client("submitter")
     site.proxy.sever()
     run_ids = []
     for _ in range(3):
@@ -220,7 +221,10 @@ async def test_jobs_submitted_at_the_edge_while_cut_are_dispatched_once(
         assert record.dispatch == 1 and record.attempts == 1, record
     got = await stored(nc, names.EVENTS_STREAM, names.EVENTS_ALL)
     for run_id in run_ids:
-        kinds = [s.rsplit(".", 1)[1] for s, _ in got if s.split(".")[2] == run_id]
+        assert run_id.startswith("lab1-submitter."), run_id
+        kinds = [
+            s.rsplit(".", 1)[1] for s, _ in got if s.rsplit(".", 1)[0] == f"baton.events.{run_id}"
+        ]
         assert kinds.count("accepted") == 1 and kinds.count("started") == 1, kinds
         assert kinds.count("completed") == 1, kinds
 

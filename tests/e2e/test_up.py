@@ -162,16 +162,18 @@ async def test_up_site_trains_the_hubs_work_and_baton_sites_shows_it(tmp_path: P
         procs.append(site)
         job = tmp_path / "job.json"
         job.write_text(json.dumps(JOB))
-        # Submitted at the site, through its leaf node and outbox; answered by the hub.
+        # Submitted at the site by its submitter, through its leaf node and outbox; answered
+        # by the hub, across the link, to the submitter's own inbox.
         code, out, err = await baton(
             "submit", str(job), "--site", "lab1", "--wait", "30", "--json",
             env={
                 "NATS_URL": site_url,
-                "NATS_AUTH_FILE": str(tmp_path / "lab1" / "auth" / "lab1-operator.env"),
+                "NATS_AUTH_FILE": str(tmp_path / "lab1" / "auth" / "lab1-submitter.env"),
             },
         )  # fmt: skip
         assert code == 0 and json.loads(out)["accepted"], (out, err)
         run_id = json.loads(out)["run_id"]
+        assert run_id.startswith("lab1-submitter."), f"the submitter owns its run: {run_id}"
         code, out, err = await baton("watch", run_id, env=at_hub)
         assert code == 0, (out, err)
         code, out, _ = await baton("status", run_id, "--json", env=at_hub)

@@ -58,7 +58,10 @@ class Servers:
 
 @pytest.fixture
 async def servers(tmp_path: Path) -> AsyncIterator[Servers]:
-    hub_opts = StackOptions(data_dir=tmp_path / "hub", port=0, ws_port=0, sites=("lab1", "lab2"))
+    hub_opts = StackOptions(
+        data_dir=tmp_path / "hub", port=0, ws_port=0, sites=("lab1", "lab2"),
+        submitters=("alice", "bob"),
+    )  # fmt: skip
     s = Servers(hub_opts, hub_opts)
     s.hub = nats_server(hub_opts)
     await s.hub.start()
@@ -120,24 +123,38 @@ async def test_a_trainer_cannot_write_what_is_not_its_to_write(servers: Servers)
         await servers.refused("trainer", subject)
 
 
-async def test_a_submitter_can_only_submit_and_read(servers: Servers) -> None:
-    submitter = await servers.as_user("submitter")
+async def test_a_submitter_can_only_submit_and_read_its_own_runs(servers: Servers) -> None:
+    from baton.cli import reader
+
+    alice, bob = await servers.as_user("alice"), await servers.as_user("bob")
     operator = await servers.as_user("operator")
-    js = submitter.jetstream()
-    ack = await js.publish(names.submit_subject("default"), b"{}")
-    assert ack.stream == names.SUBMIT_STREAM, "submitting is what it is for"
-    await operator.jetstream().publish(names.event_subject("r1", "accepted"), b"{}")
-    sub = await js.subscribe(
-        names.events_of_run("r1"), stream=names.EVENTS_STREAM, ordered_consumer=True
-    )
-    assert (await sub.next_msg(timeout=5)).subject == names.event_subject("r1", "accepted")
+    ack = await alice.jetstream().publish(names.submit_subject("default", "alice"), b"{}")
+    assert ack.stream == names.SUBMIT_STREAM, "submitting as itself is what it is for"
+    mine, theirs = "alice.r1", "bob.r2"
+    for run in (mine, theirs):
+        await operator.jetstream().publish(names.event_subject(run, "accepted"), b"{}")
+    sub = await reader.read(alice, names.EVENTS_STREAM, names.events_of_run(mine))
+    assert (await sub.next_msg(timeout=5)).subject == names.event_subject(mine, "accepted")
+    await sub.unsubscribe()
+    for run in (theirs, "r3"):  # another submitter's run, an operator's run
+        with pytest.raises((TimeoutError, nats.errors.Error)):
+            await reader.read(alice, names.EVENTS_STREAM, names.events_of_run(run))
+    await servers.refused("alice", f"{names.EVENTS_STREAM}.")  # a consumer on bob's events
+    assert any(names.events_of_run(theirs).lower() in e.lower() for e in servers.errors["alice"])
+    # nats-py's ordered consumer names no subject in its API call: refused too.
+    with pytest.raises((TimeoutError, nats.errors.Error)):
+        await alice.request(f"$JS.API.CONSUMER.CREATE.{names.EVENTS_STREAM}", b"{}", timeout=0.5)
     for subject in (
-        names.task_subject("default", "r1"), names.event_subject("r1", "completed"),
-        f"$KV.{names.RUNS_BUCKET}.r1", f"$KV.{names.LEASES_BUCKET}.r1", "baton.control.t1",
+        names.submit_subject("default", "bob"), names.submit_subject("default"),
+        names.cancel_subject(theirs), names.task_subject("default", mine),
+        names.event_subject(mine, "completed"), f"$KV.{names.RUNS_BUCKET}.{mine}",
+        f"$KV.{names.LEASES_BUCKET}.{mine}", "baton.control.t1",
     ):  # fmt: skip
-        await submitter.publish(subject, b"{}")
-        await submitter.flush()
-        await servers.refused("submitter", subject)
+        await alice.publish(subject, b"{}")
+        await alice.flush()
+        await servers.refused("alice", subject)
+    assert await messages(operator, names.SUBMIT_STREAM) == 1, "only alice's own submission"
+    del bob
 
 
 async def test_a_site_cannot_touch_another_sites_subjects_or_the_hubs_streams(

@@ -12,8 +12,10 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from baton.stack import nats_server, operator_options, service_specs
+from baton.cli import reader
+from baton.stack import nats_server, service_specs, user_of, vault
 from shared import names, sites
+from shared.auth import options_for
 from shared.connect import connect
 from shared.natsserver import NatsServer
 from tests.support.proxy import Proxy
@@ -87,12 +89,14 @@ class Site:
 
         await eventually(ready, timeout, f"site {self.name} to link to the hub")
 
-    async def client(self) -> Client:
-        """A client of the site's leaf node, as a user at the site would have."""
+    async def client(self, role: str = "operator") -> Client:
+        """A client of the site's leaf node, as a user of the site (its operator, or
+        `submitter`, `trainer`…) would have."""
+        v = vault(self.opts)
+        options = options_for(v.get(user_of(self.opts, role))) if v else {}
         nc = await connect(
-            self.nats.url, f"test-{self.name}", first_attempt_timeout=10,
-            options=operator_options(self.opts),
-        )  # fmt: skip
+            self.nats.url, f"test-{self.name}", first_attempt_timeout=10, options=options
+        )
         self.hub.clients.append(nc)
         return nc
 
@@ -122,18 +126,10 @@ class Site:
 async def stored(nc: Client, stream: str, subject_filter: str) -> list[tuple[str, bytes]]:
     """(subject, payload) of every message of `stream` matching `subject_filter`, in order."""
     try:
-        sub = await nc.jetstream().subscribe(subject_filter, stream=stream, ordered_consumer=True)
+        sub = await reader.read(nc, stream, subject_filter)
     except NotFoundError:
         return []
-    out = []
     try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=1.0)
-            except TimeoutError:
-                return out
-            out.append((msg.subject, msg.data))
-            if msg.metadata.num_pending == 0:
-                return out
+        return [(m.subject, m.data) for m in await reader.drain(sub)]
     finally:
         await sub.unsubscribe()
