@@ -133,6 +133,9 @@ def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
             user = user_of(opts, "trainer" if _is_trainer(name) else name)
             v.get(user)
             env["NATS_AUTH_FILE"] = str(v.root / f"{user}.env")
+            if name in ("dispatcher", "reaper"):
+                # They key the runs' leases (shared/lease.py); no one else may know how.
+                env["BATON_LEASE_SECRET_FILE"] = str(v.secret("lease"))
         env.update(opts.extra_env)
         # The user's cwd, so that entry points `module:function` next to them import.
         specs.append(

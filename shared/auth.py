@@ -10,8 +10,8 @@ hub:
     dispatcher    take submissions and cancels; write run records; publish tasks
     checkpointer  take commit requests; publish commit outcomes
     reaper        read everything it sweeps; write run records; re-publish tasks; link sites
-    trainer       take tasks (its consumer only); write leases, run records and heartbeats;
-                  publish events, logs, commit requests
+    trainer       take tasks (its consumer only); write the leases of the runs it was
+                  handed, run records and heartbeats; publish events, logs, commit requests
 
 None but the operator may delete or purge a stream; a trainer can publish neither a task nor
 a submission. At a site, the leaf node has its own users (trainer, checkpointer, submitter,
@@ -23,10 +23,13 @@ Replies come back on a per-user inbox prefix (`_INBOX_<user>`), so no user can s
 another's replies. Passwords are generated, kept in files readable by their owner only,
 and handed to services in their environment — never in a spec, an event or a log.
 
-What subject permissions cannot say: *which* run a trainer was handed. A trainer may write
-any run's lease and record, because any trainer of a pool may be handed any of its runs;
-there, the lease's compare-and-swap and the store's fencing token decide, so a rogue
-trainer can waste a run's compute but not corrupt its checkpoints (docs/architecture.md).
+A trainer writes leases by key, and a run's lease key is a capability: a MAC of the run id
+under a secret only the hub's dispatcher and reaper hold, handed out in the run's task
+(`shared.lease.lease_key`). Trainers may read leases only by naming a key — never list the
+bucket nor read it by sequence — so a trainer can write the lease of a run it was handed and
+of no other. (Run records stay writable by every trainer: any trainer of a pool may be
+handed any of its runs, and every change is a compare-and-swap checked against the lease's
+token, so a rogue trainer can waste a run's compute but not corrupt its checkpoints.)
 """
 
 from __future__ import annotations
@@ -91,6 +94,13 @@ def _read_kv(api: str, *buckets: str) -> list[str]:
             f"{api}.CONSUMER.DELETE.{stream}.>",
         ]
     return out
+
+
+def _get_by_key(api: str, bucket: str) -> list[str]:
+    """Read a bucket only by naming a key: no listing, no reading by sequence. The leases
+    bucket is read so by trainers, whose lease keys are capabilities (`shared.lease`)."""
+    stream = f"KV_{bucket}"
+    return [f"{api}.STREAM.INFO.{stream}", f"{api}.DIRECT.GET.{stream}.$KV.{bucket}.>"]
 
 
 def _write_kv(prefix: str, *buckets: str) -> list[str]:
@@ -187,7 +197,8 @@ def _trainer_publish(api: str, kv_prefix: str, site: str) -> tuple[str, ...]:
     """A trainer's: its work queue, the KV it reads and writes, and what it sends home."""
     return (
         f"{api}.INFO", *_FLOW, *_consume(api, names.TASKS_STREAM),
-        *_read_kv(api, names.RUNS_BUCKET, names.LEASES_BUCKET, names.POOLS_BUCKET),
+        *_read_kv(api, names.RUNS_BUCKET, names.POOLS_BUCKET),
+        *_get_by_key(api, names.LEASES_BUCKET),
         *_write_kv(kv_prefix, names.RUNS_BUCKET, names.LEASES_BUCKET, names.POOLS_BUCKET),
         *(
             [names.site_root(site, k) for k in ("events", "logs", "ckpt", "dlq", "workers")]
@@ -261,6 +272,17 @@ class Vault:
     def __init__(self, root: Path) -> None:
         self.root = root
 
+    def secret(self, name: str) -> Path:
+        """A generated secret's file (`<name>.secret`), created on first use."""
+        path = self.root / f"{name}.secret"
+        if not path.exists():
+            self.root.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.root, 0o700)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32) + "\n")
+        return path
+
     def get(self, user: str) -> Credentials:
         """The user's credentials, generated on first use and kept from then on."""
         path = self.root / f"{user}.env"
@@ -284,6 +306,17 @@ def read_env_file(path: Path) -> Credentials:
         return Credentials(user=values["NATS_USER"], password=values["NATS_PASSWORD"])
     except KeyError as exc:
         raise ValueError(f"{path}: no {exc.args[0]}") from None
+
+
+def lease_secret(env: Mapping[str, str] | None = None) -> bytes | None:
+    """The hub's lease secret (`BATON_LEASE_SECRET`, or a file named by
+    `BATON_LEASE_SECRET_FILE`); None keys leases by run id."""
+    env = os.environ if env is None else env
+    if env.get("BATON_LEASE_SECRET"):
+        return env["BATON_LEASE_SECRET"].encode()
+    if env.get("BATON_LEASE_SECRET_FILE"):
+        return Path(env["BATON_LEASE_SECRET_FILE"]).read_bytes().strip()
+    return None
 
 
 def client_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -9,10 +9,17 @@ JetStream domain.
 
 Revisions of one stream only grow, so a lease taken over after expiry always carries a
 higher token than the one it replaces — which is what the store's pointer CAS orders by.
+
+With a lease secret (`BATON_LEASE_SECRET`, hub services only), a run's lease lives under a
+key derived from it (`lease_key`), which the dispatcher hands out in the run's tasks. A
+trainer may only read and write leases by exact key (`shared.auth`): it cannot list them,
+so it can name — and write — only the leases of the runs it was handed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 
@@ -26,6 +33,14 @@ from shared.kvwrite import KvWriter
 log = logging.getLogger("baton.lease")
 
 
+def lease_key(run_id: str, secret: bytes | None) -> str:
+    """Where a run's lease lives: the run id, suffixed with a MAC of it under the hub's
+    lease secret when there is one."""
+    if not secret:
+        return run_id
+    return f"{run_id}.{hmac.new(secret, run_id.encode(), hashlib.sha256).hexdigest()[:32]}"
+
+
 class Lease:
     def __init__(
         self,
@@ -34,9 +49,12 @@ class Lease:
         worker: str,
         ttl_s: int,
         api_prefix: str | None = None,
+        key: str | None = None,
     ) -> None:
         self._js = js
         self.run_id = run_id
+        self.key = key or run_id
+        """The lease's key in the bucket (`lease_key`)."""
         self.worker = worker
         self.ttl_s = ttl_s
         self._writer = KvWriter(js, names.LEASES_BUCKET, api_prefix)
@@ -73,10 +91,10 @@ class Lease:
         (it names this worker) and is released at its real revision."""
         kv = await self._js.key_value(names.LEASES_BUCKET)
         for _ in range(2):
-            if await self._writer.delete(self.run_id, expected=self.revision):
+            if await self._writer.delete(self.key, expected=self.revision):
                 return
             try:
-                entry = await kv.get(self.run_id)
+                entry = await kv.get(self.key)
             except (KeyNotFoundError, KeyDeletedError):
                 return  # lapsed or released already
             holder = json.loads(entry.value or b"{}").get("worker")
@@ -87,14 +105,14 @@ class Lease:
 
     async def _write(self, expected: int) -> int | None:
         value = encode({"worker": self.worker, "token": self.token})
-        return await self._writer.put(self.run_id, value, expected=expected, ttl_s=self.ttl_s)
+        return await self._writer.put(self.key, value, expected=expected, ttl_s=self.ttl_s)
 
     async def _free_revision(self) -> int | None:
         """The revision a create must name: 0 if the key never existed or expired, the
         marker's revision if it was released, None if someone holds it."""
         kv = await self._js.key_value(names.LEASES_BUCKET)
         try:
-            await kv.get(self.run_id)
+            await kv.get(self.key)
         except (KeyDeletedError, KeyNotFoundError) as exc:
             # nats-py reports a released key (a delete marker) as KeyNotFoundError carrying
             # the marker's entry; a create must name that revision to pass the CAS.
@@ -103,11 +121,11 @@ class Lease:
         return None
 
 
-async def holder(js: JetStreamContext, run_id: str) -> str | None:
-    """The worker holding a run's lease, or None when nobody does."""
+async def holder(js: JetStreamContext, key: str) -> str | None:
+    """The worker holding the lease under `key` (`lease_key`), or None when nobody does."""
     kv = await js.key_value(names.LEASES_BUCKET)
     try:
-        entry = await kv.get(run_id)
+        entry = await kv.get(key)
     except (KeyNotFoundError, KeyDeletedError):
         return None
     try:
@@ -116,5 +134,5 @@ async def holder(js: JetStreamContext, run_id: str) -> str | None:
         return "?"
 
 
-async def is_held(js: JetStreamContext, run_id: str) -> bool:
-    return await holder(js, run_id) is not None
+async def is_held(js: JetStreamContext, key: str) -> bool:
+    return await holder(js, key) is not None

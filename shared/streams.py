@@ -117,7 +117,10 @@ def kv_configs() -> list[KeyValueConfig]:
         KeyValueConfig(bucket=names.RUNS_BUCKET, history=5, description="Run records", direct=True),
         # No bucket TTL: each lease carries its own per-message TTL, enforced by the
         # server's clock, so lease expiry never depends on clocks agreeing across hosts.
-        KeyValueConfig(bucket=names.LEASES_BUCKET, history=1, description="Run leases"),
+        # Direct gets too: trainers may read a lease only by naming its key (`shared.auth`).
+        KeyValueConfig(
+            bucket=names.LEASES_BUCKET, history=1, description="Run leases", direct=True
+        ),
         KeyValueConfig(bucket=names.WORKERS_BUCKET, history=1, description="Trainer heartbeats"),
         KeyValueConfig(bucket=names.POOLS_BUCKET, history=1, description="Measured pool speeds"),
         KeyValueConfig(bucket=names.SITES_BUCKET, history=1, description="Sites and their links"),

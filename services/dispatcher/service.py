@@ -27,6 +27,7 @@ from nats.js.errors import NotFoundError
 from opentelemetry import trace
 
 from shared import names, telemetry
+from shared.auth import lease_secret
 from shared.config import Settings
 from shared.connect import publish
 from shared.contracts import (
@@ -44,6 +45,7 @@ from shared.contracts.events import Accepted, Cancelled, Rejected
 from shared.contracts.jobs import MAX_SPEC_BYTES
 from shared.errors import ContractError
 from shared.events import emit
+from shared.lease import lease_key
 from shared.outcome import handle
 from shared.pools import Pools, load_table
 from shared.runs import Runs
@@ -59,6 +61,8 @@ class Dispatcher:
         self.js: JetStreamContext = nc.jetstream()
         self.settings = settings
         self.runs: Runs
+        self.lease_secret = lease_secret()
+        """Keys each run's lease (`shared.lease.lease_key`), handed out in its tasks."""
 
     async def on_reconnect(self) -> None:
         return None  # pull consumers resume by themselves once NATS is back
@@ -149,7 +153,10 @@ class Dispatcher:
                 raise ContractError(reason, "$.idempotency_key")
         if record.state is RunState.QUEUED:
             # Also on a duplicate: the first submission may have died before this publish.
-            task = Task(run_id=run_id, spec=spec, dispatch=record.dispatch)
+            task = Task(
+                run_id=run_id, spec=spec, dispatch=record.dispatch,
+                lease_key=lease_key(run_id, self.lease_secret),
+            )  # fmt: skip
             await publish(
                 self.js,
                 names.task_subject(spec.pool, run_id),

@@ -37,6 +37,7 @@ from nats.js.errors import NotFoundError
 from services.reaper.deliveries import on_advisory
 from services.reaper.sites import SiteWatch
 from shared import names, retention
+from shared.auth import lease_secret
 from shared.config import Settings
 from shared.connect import publish
 from shared.contracts import RunRecord, RunState, Task, encode
@@ -44,6 +45,7 @@ from shared.contracts.control import Command, WorkerInfo
 from shared.contracts.events import Cancelled, Failed, Redispatched, RunWarning
 from shared.events import emit
 from shared.lease import holder as lease_holder
+from shared.lease import lease_key
 from shared.outcome import handle
 from shared.runs import Runs
 from shared.service import pull_loop
@@ -66,6 +68,7 @@ class Reaper:
         self.store = open_store(settings.store_url)
         self.runs: Runs
         self.sites = SiteWatch(nc, self.js)
+        self.lease_secret = lease_secret()
 
     async def on_reconnect(self) -> None:
         # Pull consumers resume by themselves once NATS is back. The hub's sources may not:
@@ -145,7 +148,8 @@ class Reaper:
         return False
 
     async def _lost(self, r: RunRecord) -> bool:
-        if await lease_holder(self.js, r.run_id) is not None or await self._task_queued(r):
+        key = lease_key(r.run_id, self.lease_secret)
+        if await lease_holder(self.js, key) is not None or await self._task_queued(r):
             self._unowned_since.pop(r.run_id, None)
             return False
         now = time.monotonic()
@@ -195,7 +199,7 @@ class Reaper:
         for w in workers.values():
             if w.run_id is None:
                 continue
-            holder = await lease_holder(self.js, w.run_id)
+            holder = await lease_holder(self.js, lease_key(w.run_id, self.lease_secret))
             found = await self.runs.get(w.run_id)
             over = found is not None and found[0].state.terminal
             if (holder is not None and holder != w.worker) or over:
@@ -271,7 +275,10 @@ class Reaper:
         record = await self.runs.update(seen.run_id, bump)
         if record is None:
             return False
-        task = Task(run_id=record.run_id, spec=record.spec, dispatch=record.dispatch)
+        task = Task(
+            run_id=record.run_id, spec=record.spec, dispatch=record.dispatch,
+            lease_key=lease_key(record.run_id, self.lease_secret),
+        )  # fmt: skip
         await publish(
             self.js,
             names.task_subject(record.spec.pool, record.run_id),

@@ -136,7 +136,7 @@ class Trainer:
             return
         lease = Lease(
             self.hub, task.run_id, self.settings.worker_id, self.settings.lease_ttl_s,
-            api_prefix=self.settings.hub_api,
+            api_prefix=self.settings.hub_api, key=task.lease_key,
         )  # fmt: skip
         if not await lease.acquire():
             # Someone holds the run and renews it: this copy is a duplicate. Look again

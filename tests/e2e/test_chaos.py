@@ -173,7 +173,8 @@ async def test_long_cut_without_another_trainer_loses_no_step(hub: Stack, site: 
     site.proxy.sever()
     js = nc.jetstream()
     # Longer than the TTL: the hub sees the lease lapse, and the edge trains on.
-    await eventually(lambda: _lapsed(js, run_id), 3 * TTL, "the lease to lapse at the hub")
+    key = hub.lease_key(run_id)
+    await eventually(lambda: _lapsed(js, key), 3 * TTL, "the lease to lapse at the hub")
     seen = max(e.step for e in log.of(Progress))
     await eventually(lambda: progressed_at_site(site, run_id, seen + 20), 30, "training on")
     site.proxy.restore()
@@ -276,8 +277,8 @@ async def _none(count: Any) -> bool:
     return await count == 0
 
 
-async def _lapsed(js: Any, run_id: str) -> bool:
-    return await holder(js, run_id) is None
+async def _lapsed(js: Any, key: str) -> bool:
+    return await holder(js, key) is None
 
 
 async def _idle(nc: Client, worker: str) -> bool:

@@ -204,8 +204,11 @@ async def test_an_orphan_gets_a_kill_command(tmp_path: Path) -> None:
         log = EventLog(nc, run_id)
         await log.wait_for(lambda e: isinstance(e, Progress), 30, "training")
         kv = await js.key_value(names.LEASES_BUCKET)
-        await kv.purge(run_id)  # the lease goes to someone else behind the worker's back
-        intruder = Lease(js, run_id, "intruder", ttl_s=60)
+        # The lease goes to someone else behind the worker's back (the operator, who can
+        # see the hub's lease secret, plays the intruder).
+        key = s.lease_key(run_id)
+        await kv.purge(key)
+        intruder = Lease(js, run_id, "intruder", ttl_s=60, key=key)
         assert await intruder.acquire()
         fenced = await log.wait_for(lambda e: isinstance(e, Fenced), 15, "the kill command")
         assert isinstance(fenced, Fenced) and fenced.reason.startswith("orphan")

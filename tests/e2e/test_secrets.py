@@ -113,6 +113,7 @@ async def test_no_secret_appears_in_anything_baton_captured(
         secrets[f"NATS password of {path.stem}"] = _password(path)
     for path in (site.root / "auth").glob("*.env"):
         secrets[f"NATS password of {path.stem}"] = _password(path)
+    secrets["lease secret"] = (hub.root / "auth" / "lease.secret").read_text().strip()
 
     captured: dict[str, bytes] = {}
     buckets = (names.RUNS_BUCKET, names.LEASES_BUCKET, names.WORKERS_BUCKET, names.POOLS_BUCKET)

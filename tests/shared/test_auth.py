@@ -123,6 +123,36 @@ async def test_a_trainer_cannot_write_what_is_not_its_to_write(servers: Servers)
         await servers.refused("trainer", subject)
 
 
+async def test_a_trainer_can_write_only_the_lease_of_a_run_it_was_handed(
+    servers: Servers,
+) -> None:
+    from shared.lease import Lease, holder, lease_key
+
+    secret = b"the hub's lease secret"
+    handed, other = "r1", "r2"
+    a, b = await servers.as_user("trainer"), await servers.as_user("trainer")
+    # Trainer A was handed r1: its task carried the key. B was not.
+    mine = Lease(a.jetstream(), handed, "a", 30, key=lease_key(handed, secret))
+    assert await mine.acquire(), "the handed trainer takes its lease"
+    # B cannot find r1's key: no listing the bucket, no reading it by sequence.
+    stream = f"KV_{names.LEASES_BUCKET}"
+    for subject, body in (
+        (f"$JS.API.CONSUMER.CREATE.{stream}", b"{}"),
+        (f"$JS.API.STREAM.MSG.GET.{stream}", b'{"seq": 1}'),
+        (f"$JS.API.DIRECT.GET.{stream}", b'{"seq": 1}'),
+    ):
+        with pytest.raises((TimeoutError, nats.errors.Error)):
+            await b.request(subject, body, timeout=0.5)
+        await servers.refused("trainer", subject)
+    # What B can name is not r1's lease: its writes land elsewhere and r1's is untouched.
+    theirs = Lease(b.jetstream(), handed, "b", 30)
+    assert await theirs.acquire(), "a key of its own making is just another key"
+    js = (await servers.as_user("operator")).jetstream()
+    assert await holder(js, lease_key(handed, secret)) == "a", "r1's lease is still A's"
+    assert mine.key != theirs.key and await mine.renew()
+    assert lease_key(other, secret) != lease_key(handed, secret)
+
+
 async def test_a_submitter_can_only_submit_and_read_its_own_runs(servers: Servers) -> None:
     from baton.cli import reader
 

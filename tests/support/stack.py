@@ -63,6 +63,13 @@ class Stack:
     def store_url(self) -> str:
         return f"file://{self.root / 'store'}"
 
+    def lease_key(self, run_id: str) -> str:
+        """Where the run's lease lives (the stack's lease secret keys it)."""
+        from shared.lease import lease_key
+
+        secret = self.root / "auth" / "lease.secret"
+        return lease_key(run_id, secret.read_bytes().strip() if secret.exists() else None)
+
     @property
     def ws_port(self) -> int:
         """The hub's WebSocket port, where sites' leaf nodes connect."""
