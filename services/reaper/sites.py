@@ -82,7 +82,10 @@ class SiteWatch:
             ):
                 log.info("site %s: a source at the hub is idle; nudging it", site)
                 hello = SiteHello(site=site, at=time.time())
-                self._linking[site] = asyncio.create_task(self._link(hello, first=False))
+                # Not a return of the link: the site's record is left as its greetings say.
+                self._linking[site] = asyncio.create_task(
+                    self._link(hello, first=False, returned=False)
+                )
 
     async def _on_hello(self, msg: Msg) -> None:
         try:
@@ -104,7 +107,7 @@ class SiteWatch:
             with contextlib.suppress(Exception):  # the record is informational; next time
                 await self._record(hello, linked=False)
 
-    async def _link(self, hello: SiteHello, *, first: bool) -> None:
+    async def _link(self, hello: SiteHello, *, first: bool, returned: bool = True) -> None:
         self._nudged[hello.site] = time.monotonic()
         try:
             await sites.link(self.js, hello.site, nudge=True)
@@ -112,6 +115,8 @@ class SiteWatch:
             # Forget the greeting, so that the next one tries again.
             self._heard.pop(hello.site, None)
             log.warning("linking site %s failed (%s); will retry", hello.site, exc)
+            return
+        if not returned:
             return
         log.info("site %s %s; its outbox is attached", hello.site, "joined" if first else "is back")
         with contextlib.suppress(Exception):
