@@ -275,24 +275,25 @@ class Vault:
     def secret(self, name: str) -> Path:
         """A generated secret's file (`<name>.secret`), created on first use."""
         path = self.root / f"{name}.secret"
-        if not path.exists():
-            self.root.mkdir(parents=True, exist_ok=True)
-            os.chmod(self.root, 0o700)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_urlsafe(32) + "\n")
+        self._create(path, secrets.token_urlsafe(32) + "\n")
         return path
 
     def get(self, user: str) -> Credentials:
         """The user's credentials, generated on first use and kept from then on."""
         path = self.root / f"{user}.env"
-        if not path.exists():
-            self.root.mkdir(parents=True, exist_ok=True)
-            os.chmod(self.root, 0o700)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(f"NATS_USER={user}\nNATS_PASSWORD={secrets.token_urlsafe(24)}\n")
+        self._create(path, f"NATS_USER={user}\nNATS_PASSWORD={secrets.token_urlsafe(24)}\n")
         return read_env_file(path)
+
+    def _create(self, path: Path, text: str) -> None:
+        """Write `text` to `path` unless it exists; owner-only from its first byte (the mode
+        is set at creation, never after)."""
+        if path.exists():
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
 
 
 def read_env_file(path: Path) -> Credentials:
