@@ -257,14 +257,20 @@ async def test_hub_server_killed_and_restarted_mid_run(hub: Stack, site: Site) -
     log = EventLog(nc, run_id)
     await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 30, 30, "step 30")
     await hub.nats.restart(kill=True)
+    restarted_at = time.time()
     record = await finished(nc, run_id, timeout=120)
     assert record.state is RunState.COMPLETED, record
     assert record.digest == want, "weights differ from the uninterrupted reference"
     # Every service came back by itself: a second job goes end to end, through the site.
     again = await submit(nc, paced(20, pace=0.0))
     assert (await finished(nc, again, timeout=60)).state is RunState.COMPLETED
-    # The heartbeats' source too: the edge trainer is back in the hub's worker registry.
-    await eventually(lambda: worker_info(nc, EDGE), 30, "the edge trainer's heartbeat")
+
+    # The heartbeats' source too: a heartbeat of the edge trainer's from after the restart.
+    async def beating() -> bool:
+        info = await worker_info(nc, EDGE)
+        return info is not None and info.at > restarted_at
+
+    await eventually(beating, 30, "a new heartbeat of the edge trainer at the hub")
     await site.assert_events_once_in_order(nc, run_id)
     log.close()
 

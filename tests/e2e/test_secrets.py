@@ -12,7 +12,7 @@ from __future__ import annotations
 import http.server
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,7 @@ from shared.store import open_store
 from tests.e2e.jobs import finished, job, submit
 from tests.support.seaweed import SeaweedS3
 from tests.support.sites import Site
-from tests.support.stack import Stack
+from tests.support.stack import Stack, eventually
 
 # Distinctive, so that a hit cannot be a coincidence.
 SECRET_KEY = "s3-secret-" + uuid.uuid4().hex
@@ -174,11 +174,8 @@ def _holds_secrets_by_design(path: Path) -> bool:
     return path.parent.name == "auth" or path.name == "nats-server.conf"
 
 
-async def _until(check: object, what: str) -> None:
-    from tests.support.stack import eventually
-
+async def _until(check: Callable[[], bool], what: str) -> None:
     async def ok() -> bool:
-        assert callable(check)
-        return bool(check())
+        return check()
 
     await eventually(ok, 20, what)
