@@ -28,6 +28,7 @@ from shared.contracts import JobSpec, RunState, decode
 from shared.contracts.control import WorkerInfo
 from shared.contracts.events import Completed, Fenced, Progress, Redispatched, Restored, Started
 from shared.lease import holder
+from shared.workers import live_workers
 from tests.e2e.jobs import EventLog, finished, job, submit
 from tests.support.sites import Site, stored
 from tests.support.stack import Stack, eventually
@@ -96,12 +97,7 @@ async def hub_leaves(hub: Stack) -> int:
 
 
 async def worker_info(nc: Client, worker: str) -> WorkerInfo | None:
-    kv = await nc.jetstream().key_value(names.WORKERS_BUCKET)
-    try:
-        entry = await kv.get(worker)
-    except Exception:
-        return None
-    return decode(entry.value or b"", WorkerInfo)
+    return next((w for w in await live_workers(nc.jetstream()) if w.worker == worker), None)
 
 
 async def test_cut_shorter_than_the_ttl_costs_nothing(hub: Stack, site: Site) -> None:

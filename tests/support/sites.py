@@ -18,6 +18,7 @@ from shared import names, sites
 from shared.auth import options_for
 from shared.connect import connect
 from shared.natsserver import NatsServer
+from shared.workers import live_workers
 from tests.support.proxy import Proxy
 from tests.support.stack import Stack, eventually
 
@@ -78,14 +79,8 @@ class Site:
             sources = await sites.source_states(nc, names.EVENTS_STREAM)
             if sites.api_of(self.name) not in sources:
                 return False
-            if not self.trainers:
-                return True
-            kv = await nc.jetstream().key_value(names.WORKERS_BUCKET)
-            try:
-                keys = set(await kv.keys())
-            except Exception:  # nats-py's NoKeysError: nobody registered yet
-                return False
-            return set(self.trainers) <= keys
+            registered = {w.worker for w in await live_workers(nc.jetstream())}
+            return set(self.trainers) <= registered
 
         await eventually(ready, timeout, f"site {self.name} to link to the hub")
 
