@@ -1,7 +1,7 @@
 """Baton: PyTorch training that survives dropped links, killed processes and preemption.
 
-User code needs one name from here, `RunContext`. It is imported lazily so that the CLI
-starts without loading torch.
+User code needs one name from here, `RunContext` (and `Batches`, the type its
+`data_loader()` returns). They are imported lazily so that the CLI starts without torch.
 """
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["RunContext", "__version__"]
+__all__ = ["Batches", "RunContext", "__version__"]
 
 if TYPE_CHECKING:
     from baton.context import RunContext
+    from baton.data import Batches
 
 
 def __getattr__(name: str) -> Any:
@@ -20,4 +21,8 @@ def __getattr__(name: str) -> Any:
         from baton.context import RunContext
 
         return RunContext
+    if name == "Batches":
+        from baton.data import Batches
+
+        return Batches
     raise AttributeError(name)

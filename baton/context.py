@@ -9,7 +9,13 @@
 
 `steps()` takes care of everything else: checkpoints on the job's policy or when the trainer
 asks (preemption), stopping when told to, and the final checkpoint. Resume is exact when the
-job is deterministic: weights, optimizer state, the data cursor and every RNG are restored.
+job is deterministic: everything registered with `restore()` (`baton.state` says what can
+be), the data cursor and the global RNGs are restored, and a checkpoint holds each of them
+as it was at the step it names. `data_loader()` gives the common case's data position.
+
+In deterministic mode a run also checks itself: an attempt that resumes compares its first
+steps' metrics with what an earlier attempt reported after the same checkpoint, and tells
+the trainer if they differ (`baton.witness`).
 """
 
 from __future__ import annotations
@@ -22,26 +28,25 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
+from baton import witness
+from baton.data import Batches
 from baton.snapshot import Snapshotter
+from baton.state import Slot, slot_for
 from shared import checkpoint_files, commit
 from shared.contracts import FileRef, Manifest, Task, spec_hash
-from shared.contracts.child import CheckpointReady, FromChild, Restored, StepDone
+from shared.contracts.child import CheckpointReady, Divergence, FromChild, Restored, StepDone
 from shared.digest import weights_digest
-from shared.errors import IntegrityError
+from shared.errors import IntegrityError, NotFound
 from shared.store import open_store
-from shared.tensors import declared, flatten, specs_of, unflatten
+from shared.tensors import declared, specs_of
 
 REPORT_INTERVAL_S = 0.2
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> Any: ...
-    def load_state_dict(self, state: Any, /) -> Any: ...
 
 
 class RunContext:
@@ -62,13 +67,17 @@ class RunContext:
         self.step = 0
         """Steps completed so far; the next step to run."""
         self.cursor: dict[str, Any] = {}
-        """JSON-able position in the data, saved with every checkpoint. Entry points that
-        derive their batches from `step` need not use it."""
+        """JSON-able position in the data, saved with every checkpoint (as it is when the
+        checkpoint is taken, between steps). Entry points that derive their batches from
+        `step`, or draw them from `data_loader()`, need not use it."""
         self.token = token
         self._store_url = store_url
         self._send = send
-        self._state: dict[str, Stateful] = {}
+        self._slots: list[Slot] = []
+        self._loaders: dict[str, Batches] = {}
         self._metrics: dict[str, float] = {}
+        self._step_metrics: dict[str, float] = {}
+        self._witness = witness.Witness(enabled=task.spec.deterministic)
         self._snap = Snapshotter(store_url, spool)
         self._lock = threading.Lock()
         self._want_checkpoint = False
@@ -82,22 +91,78 @@ class RunContext:
 
     # -- the public API ------------------------------------------------------------------
 
-    def restore(self, **state: Stateful) -> int:
-        """Register what to checkpoint (model, optimizer, scheduler, …) and load the newest
-        committed checkpoint into it, if there is one. Returns the step to continue from."""
-        if not state:
+    def restore(self, **state: Any) -> int:
+        """Register what to checkpoint and load the newest committed checkpoint into it, if
+        there is one. Returns the step to continue from.
+
+        Accepted: objects with `state_dict()`/`load_state_dict()` (model, optimizer,
+        scheduler, `GradScaler`, torchdata's `StatefulDataLoader` — its generator included),
+        `torch.Generator` objects, and dicts/lists of JSON values (put back in place). The
+        first registered object's tensors are the weights the run's digest is taken of.
+        Anything else is refused with a `TypeError` naming it."""
+        registered = {**state, **{n: b for n, b in self._loaders.items() if n not in state}}
+        if not registered:
             raise ValueError("restore() needs at least one object, e.g. restore(model=model)")
-        self._state = dict(state)
-        manifest, damaged = asyncio.run(self._find_checkpoint())
+        if self._slots:
+            raise RuntimeError("restore() registers state once per run; call it once")
+        seen: dict[int, str] = {}
+        for name, obj in registered.items():
+            if id(obj) in seen and not isinstance(obj, bool | int | float | str):
+                raise ValueError(f"restore(): {name!r} is the same object as {seen[id(obj)]!r}")
+            seen[id(obj)] = name
+        self._slots = [slot_for(name, obj) for name, obj in registered.items()]
+        manifest, damaged, rows = asyncio.run(self._find_checkpoint())
         if manifest is not None:
             self._load(manifest)
+        self._witness.resumed(self.step, rows)
         self._send(Restored(step=self.step, damaged=damaged))
         return self.step
+
+    def data_loader(
+        self,
+        dataset: Dataset[Any],
+        *,
+        batch_size: int,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        drop_last: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        seed: int | None = None,
+        name: str = "data",
+        **loader_options: Any,
+    ) -> Batches:
+        """An endless stream of batches over a map-style dataset, reshuffled every epoch
+        from the run's seed (or `seed`), that resumes mid-epoch at exactly the next batch,
+        with any `num_workers`. Registered under `name` by itself: call this before
+        `restore()`, then draw one batch per step:
+
+            batches = ctx.data_loader(dataset, batch_size=32, num_workers=2)
+            ctx.restore(model=model, optimizer=opt)
+            for step in ctx.steps():
+                x, y = next(batches)
+
+        Extra keyword arguments go to torchdata's `StatefulDataLoader` (`pin_memory`, …)."""
+        if self._slots:
+            raise RuntimeError("call data_loader() before restore(), which loads its position")
+        if name in self._loaders:
+            raise ValueError(f"a data loader named {name!r} is registered already")
+        batches = Batches(
+            dataset,
+            batch_size=batch_size,
+            seed=self.seed if seed is None else seed,
+            shuffle=shuffle,
+            num_workers=num_workers,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            **loader_options,
+        )
+        self._loaders[name] = batches
+        return batches
 
     def steps(self) -> Iterator[int]:
         """Yield step numbers from the resume point to `total_steps`, checkpointing as
         the policy says and stopping (after a checkpoint) when the trainer asks."""
-        if not self._state:
+        if not self._slots:
             raise RuntimeError("call ctx.restore(model=..., ...) before ctx.steps()")
         while self.step < self.total_steps:
             if self.should_stop:
@@ -111,7 +176,9 @@ class RunContext:
 
     def report(self, **metrics: float) -> None:
         """Record metrics for the current step (loss, accuracy, …); sent to the trainer."""
-        self._metrics.update({k: float(v) for k, v in metrics.items()})
+        values = {k: float(v) for k, v in metrics.items()}
+        self._metrics.update(values)
+        self._step_metrics.update(values)
 
     def checkpoint(self) -> None:
         """Checkpoint now. Blocks only for the copy into host memory."""
@@ -141,6 +208,7 @@ class RunContext:
     # -- internals -----------------------------------------------------------------------
 
     def _after_step(self) -> None:
+        self._check_step()
         now = time.monotonic()
         policy = self.spec.checkpoint
         with self._lock:
@@ -170,10 +238,9 @@ class RunContext:
             return
         groups: dict[str, dict[str, torch.Tensor]] = {}
         trees: dict[str, Any] = {}
-        for name, obj in self._state.items():
-            tensors: dict[str, torch.Tensor] = {}
-            trees[name] = flatten(obj.state_dict(), name, tensors)
-            groups[name] = tensors
+        for slot in self._slots:
+            groups[slot.name] = {}
+            trees[slot.name] = slot.capture(groups[slot.name])
         rng_tensors, rng_json = _rng_state()
         groups["rng"] = rng_tensors
         model = next(iter(groups.values()))
@@ -188,8 +255,13 @@ class RunContext:
             "digest": digest,
             "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
         }
-        snap, stalled = self._snap.capture(self.step, groups, meta)
+        try:
+            snap, stalled = self._snap.capture(self.step, groups, meta)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"ctx.cursor must hold only JSON values: {exc}") from None
         token, metrics = self.token, dict(self._metrics)
+        if not final:
+            self._witness.checkpointed(self.step)
 
         def done(files: list[FileRef]) -> None:
             self._send(
@@ -212,9 +284,35 @@ class RunContext:
         self._last_ckpt_time = time.monotonic()
         self._postponed = False
 
-    async def _find_checkpoint(self) -> tuple[Manifest | None, list[int]]:
+    def _check_step(self) -> None:
+        """The step just done, against the witness of the checkpoint it follows."""
+        metrics, self._step_metrics = self._step_metrics, {}
+        complete, diverged = self._witness.stepped(self.step, metrics)
+        for start, rows in complete:
+            self._snap.write_witness(commit.witness_key(self.run_id, start), witness.encode(rows))
+        if diverged is not None:
+            self._send(
+                Divergence(
+                    checkpoint=diverged.checkpoint,
+                    step=diverged.step,
+                    metric=diverged.metric,
+                    expected=repr(diverged.expected),
+                    got=repr(diverged.got),
+                )
+            )
+
+    async def _find_checkpoint(
+        self,
+    ) -> tuple[Manifest | None, list[int], list[witness.Row] | None]:
         async with open_store(self._store_url) as store:
-            return await commit.restorable(store, self.run_id)
+            manifest, damaged = await commit.restorable(store, self.run_id)
+            if manifest is None or not self._witness.enabled:
+                return manifest, damaged, None
+            try:
+                data = await store.get(commit.witness_key(self.run_id, manifest.step))
+            except NotFound:
+                return manifest, damaged, None
+            return manifest, damaged, witness.decode(data, manifest.step)
 
     def _load(self, manifest: Manifest) -> None:
         """Load a checkpoint that `commit.restorable` verified. Every file's tensors are
@@ -233,16 +331,16 @@ class RunContext:
             state, cursor, saved = meta.get("state"), meta.get("cursor"), meta.get("step")
             if not (isinstance(state, dict) and isinstance(cursor, dict) and type(saved) is int):
                 raise IntegrityError(f"checkpoint {step}: meta.json lacks state, cursor or step")
-            for name, obj in self._state.items():
+            for slot in self._slots:
+                name = slot.name
                 if f"{name}{suffix}" not in local or name not in state:
                     raise IntegrityError(f"checkpoint {step} has no state for {name!r}")
-                live: dict[str, torch.Tensor] = {}
-                flatten(obj.state_dict(), name, live)
+                live = slot.live()
                 checkpoint_files.check_tensors(
                     local[f"{name}{suffix}"],
                     f"{name}{suffix}",
                     recorded=declared(state[name]),
-                    live=specs_of(live),
+                    live=live,
                     live_name=f"the {name} being restored",
                 )
             checkpoint_files.check_tensors(
@@ -252,13 +350,18 @@ class RunContext:
                 live_name="this process's RNG",
                 required=("torch", "numpy"),
             )
-            for name, obj in self._state.items():
+            # Objects, then data loaders, then generators (`baton.state`); the global RNGs last.
+            for slot in sorted(self._slots, key=lambda s: s.phase):
+                name = slot.name
                 tensors = checkpoint_files.load_tensors(local[f"{name}{suffix}"], f"{name}{suffix}")
                 try:
-                    restored = unflatten(state[name], tensors)
+                    slot.load(state[name], tensors)
                 except RecursionError:
                     raise IntegrityError(f"checkpoint {step}: {name!r} nested too deeply") from None
-                obj.load_state_dict(restored)
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise IntegrityError(
+                        f"checkpoint {step}: cannot restore {name!r}: {exc}"
+                    ) from exc
             rng = checkpoint_files.load_tensors(local[f"rng{suffix}"], f"rng{suffix}")
             try:
                 _set_rng_state(rng, meta["rng"])

@@ -55,11 +55,11 @@ _OUTAGE = (TransientError, ConnectionError, TimeoutError)
 
 
 class Snapshot:
-    """One checkpoint's worth of host-memory copies, ready to be written."""
+    """One checkpoint's worth of host-memory copies, ready to be written: buffers the next
+    capture will not touch before this one is written, and meta.json already serialised.
+    Nothing in it refers to an object the training loop goes on changing."""
 
-    def __init__(
-        self, step: int, groups: dict[str, dict[str, torch.Tensor]], meta: dict[str, object]
-    ) -> None:
+    def __init__(self, step: int, groups: dict[str, dict[str, torch.Tensor]], meta: bytes) -> None:
         self.step = step
         self.groups = groups
         self.meta = meta
@@ -84,8 +84,9 @@ class Snapshotter:
     def capture(
         self, step: int, groups: dict[str, dict[str, torch.Tensor]], meta: dict[str, object]
     ) -> tuple[Snapshot, float]:
-        """Copy tensors into the reusable host buffers. Returns the snapshot and how long
-        the caller was blocked (waiting for the previous write plus the copy)."""
+        """Copy tensors into the reusable host buffers and serialise `meta`, both before
+        returning: whatever the caller does next cannot reach the snapshot. Returns it and
+        how long the caller was blocked (waiting for the previous write plus the copy)."""
         started = time.perf_counter()
         self.wait()
         copies: dict[str, dict[str, torch.Tensor]] = {}
@@ -98,7 +99,8 @@ class Snapshotter:
                 on_gpu = on_gpu or t.is_cuda
         if on_gpu:
             torch.cuda.synchronize()
-        return Snapshot(step, copies, meta), time.perf_counter() - started
+        encoded = json.dumps(meta, sort_keys=True).encode()
+        return Snapshot(step, copies, encoded), time.perf_counter() - started
 
     def write_async(
         self,
@@ -115,6 +117,22 @@ class Snapshotter:
                 failed(exc)
 
         self._pending = self._pool.submit(job)
+
+    def write_witness(self, key: str, data: bytes) -> None:
+        """Write a witness (`baton.witness`) once, after the writes queued before it. Best
+        effort: a witness that cannot be written costs a check, never the run."""
+
+        def job() -> None:
+            store = self._open()
+            assert self._loop is not None
+            try:
+                self._loop.run_until_complete(store.put_once(key, data))
+            except AlreadyExists:
+                pass  # another attempt passed these steps first; either is the witness
+            except Exception as exc:
+                log.warning("witness %s not written: %r", key, exc)
+
+        self._pool.submit(job)
 
     def wait(self) -> None:
         if self._pending is not None:
@@ -134,12 +152,16 @@ class Snapshotter:
             self._buffers[key] = buf
         return buf
 
-    def _write(self, snap: Snapshot, run_id: str, token: int) -> list[FileRef]:
-        # Runs on the single writer thread, which owns its own event loop and store client.
+    def _open(self) -> Store:
+        # On the single writer thread, which owns its own event loop and store client.
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             self._store = open_store(self._store_url)
         assert self._store is not None
+        return self._store
+
+    def _write(self, snap: Snapshot, run_id: str, token: int) -> list[FileRef]:
+        self._open()
         self._spool.mkdir(parents=True, exist_ok=True)
         files: list[tuple[str, Path]] = []
         for group, tensors in snap.groups.items():
@@ -147,7 +169,7 @@ class Snapshotter:
             save_file(tensors, str(path))
             files.append((f"{group}.safetensors", path))
         meta_path = self._spool / "meta.json"
-        meta_path.write_text(json.dumps(snap.meta, sort_keys=True))
+        meta_path.write_bytes(snap.meta)
         files.append(("meta.json", meta_path))
         refs = []
         for name, path in files:

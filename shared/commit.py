@@ -4,6 +4,9 @@
     2. manifest      -> runs/<run>/manifests/<step>-<token>.json  write-once (the commit point)
     3. latest        -> runs/<run>/latest                         CAS, ordered by (token, step)
 
+Beside them, `runs/<run>/witness/<step>.json` (write-once, not part of any commit) keeps what
+the steps after a checkpoint reported, so a resume can check itself (`baton.witness`).
+
 Before a checkpoint is committed, and again before one is restored, its files are checked
 (`verify`): names and keys (`shared.checkpoint_files`), sizes and sha256, and each tensor
 file's safetensors header. `restorable` is the one place that decides a checkpoint is damaged.
@@ -47,6 +50,11 @@ def data_key(run_id: str, token: int, step: int, name: str) -> str:
 
 def manifest_key(run_id: str, step: int, token: int) -> str:
     return f"runs/{run_id}/manifests/{step:012d}-{token:012d}.json"
+
+
+def witness_key(run_id: str, step: int) -> str:
+    """What the steps right after the checkpoint at `step` reported (`baton.witness`)."""
+    return f"runs/{run_id}/witness/{step:012d}.json"
 
 
 def latest_key(run_id: str) -> str:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
+import msgspec
 import typer
 from rich.table import Table
 
@@ -35,9 +36,10 @@ from baton.cli.common import (
     run,
     with_nats,
 )
-from baton.cli.watch import watch_run
+from baton.cli.watch import divergence, watch_run
 from shared import names, telemetry
-from shared.contracts import RunState
+from shared.contracts import RunRecord, RunState
+from shared.contracts.events import Diverged
 
 
 @app.command()
@@ -181,11 +183,22 @@ def submit(
 
 @app.command()
 def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
-    """Show one run's record: state, committed step, attempts, worker, digest."""
-    record = run(lambda: with_nats(server, lambda nc: client.record(nc, run_id)))
+    """Show one run's record: state, committed step, attempts, worker, digest, and whether
+    a resume was found not exact."""
+
+    async def get(nc: Any) -> tuple[RunRecord, list[Diverged]]:
+        found = await client.record(nc, run_id)
+        return found, await client.divergences(nc, run_id)
+
+    record, diverged = run(lambda: with_nats(server, get))
     if as_json:
-        print_json(record)
+        print_json({**msgspec.to_builtins(record), "diverged": msgspec.to_builtins(diverged)})
         return
+    exact = "-"
+    if diverged:
+        exact = "[red]diverged[/red]: " + "; ".join(divergence(d) for d in diverged)
+    elif record.spec.deterministic:
+        exact = "no divergence seen"
     t = Table(show_header=False, box=None)
     for k, v in [
         ("run", record.run_id),
@@ -198,6 +211,7 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
         ("token", str(record.token or "-")),
         ("loss", fmt(record.metrics.get("loss"))),
         ("digest", record.digest or "-"),
+        ("exact", exact),
         ("reason", record.reason or "-"),
     ]:
         t.add_row(f"[bold]{k}[/bold]", v)

@@ -22,7 +22,7 @@ from shared import auth, commit, names
 from shared.connect import connect
 from shared.contracts import JobSpec, RunRecord, convert, decode, encode, run_id_for
 from shared.contracts.control import CancelRequest, WorkerInfo
-from shared.contracts.events import Accepted, Event, Rejected
+from shared.contracts.events import Accepted, Diverged, Event, Rejected
 from shared.digest import weights_digest
 from shared.errors import BatonError, ContractError, IntegrityError
 from shared.runs import Runs
@@ -176,6 +176,15 @@ async def history(nc: Client, run_id: str) -> list[Event]:
     sub = await _subscribe_events(nc, run_id)
     try:
         return [decode(m.data, Event) for m in await reader.drain(sub)]  # type: ignore[arg-type]
+    finally:
+        await sub.unsubscribe()
+
+
+async def divergences(nc: Client, run_id: str) -> list[Diverged]:
+    """The run's `diverged` events: each a resume found not exact (`baton.witness`)."""
+    sub = await reader.read(nc, names.EVENTS_STREAM, names.event_subject(run_id, "diverged"))
+    try:
+        return [decode(m.data, Diverged) for m in await reader.drain(sub, idle_s=0.2)]
     finally:
         await sub.unsubscribe()
 

@@ -237,6 +237,10 @@ def _marks(events: list[Event], attempts: list[Attempt], t0: float, scale: float
                 times.append((at, "accepted", GREY))
             case ev.CommitRefused():
                 steps.append((e.step, f"commit refused @{e.step}", RED))
+            case ev.Diverged():
+                text = f"diverged @{e.step}: {e.metric} {e.expected} → {e.got}"
+                steps.append((e.step, text, RED))
+                times.append((at, text, RED))
             case ev.Completed():
                 steps.append((e.step, f"completed @{e.step}", GREEN))
                 times.append((at, "completed", GREEN))
@@ -387,7 +391,7 @@ img {{ max-width: 100%; border: 1px solid #ddd; }} table {{ border-collapse: col
 th, td {{ border-bottom: 1px solid #e5e5e5; padding: 3px 10px; text-align: left; }}
 td {{ font-family: ui-monospace, monospace; white-space: pre-wrap; word-break: break-all; }}
 .preempted {{ background: #fff3e0; }} .completed {{ background: #e8f5e9; }}
-.fenced, .attempt_failed, .failed, .commit_refused {{ background: #fdecea; }}</style>
+.fenced, .attempt_failed, .failed, .commit_refused, .diverged {{ background: #fdecea; }}</style>
 </head><body><h1>{title}</h1>
 <img alt="loss and attempts" src="data:image/png;base64,{base64.b64encode(image).decode()}">
 <h2>Run record</h2><table>{rec}</table>

@@ -16,6 +16,7 @@ from shared.contracts.events import (
     Cancelled,
     CheckpointCommitted,
     Completed,
+    Diverged,
     Event,
     Failed,
     Fenced,
@@ -44,6 +45,8 @@ def describe(event: Event) -> str | None:
             )
         case Fenced():
             return f"[red]fenced[/red] {event.worker}: {event.reason}"
+        case Diverged():
+            return f"[red]diverged[/red]: {divergence(event)}"
         case Preempted():
             return f"[yellow]preempted[/yellow] on {event.worker} after step {event.step}"
         case AttemptFailed():
@@ -60,6 +63,14 @@ def describe(event: Event) -> str | None:
         case CheckpointCommitted() if event.final:
             return f"final checkpoint committed at step {event.step}"
     return None
+
+
+def divergence(event: Diverged) -> str:
+    return (
+        f"{event.metric} at step {event.step} was {event.expected} before, {event.got} after"
+        f" resuming from step {event.checkpoint} on {event.worker}: this run's resume is not"
+        " exact (see README, 'Making a training loop resumable')"
+    )
 
 
 def _terminal(event: Event) -> bool | None:

@@ -41,11 +41,20 @@ from services.trainer.keeper import Keeper
 from shared import commit, names, telemetry
 from shared.config import Settings
 from shared.contracts import RunRecord, RunState, Task
-from shared.contracts.child import CheckpointReady, Control, Finished, Launch, Restored, StepDone
+from shared.contracts.child import (
+    CheckpointReady,
+    Control,
+    Divergence,
+    Finished,
+    Launch,
+    Restored,
+    StepDone,
+)
 from shared.contracts.events import (
     AttemptFailed,
     Cancelled,
     Completed,
+    Diverged,
     Event,
     Failed,
     Fenced,
@@ -276,6 +285,16 @@ class Attempt:
                 telemetry.CHECKPOINT_BYTES.record(size, self._metric_attrs)
                 await self.commits.request(msg)
                 self.last_checkpoint = msg
+            elif isinstance(msg, Divergence):
+                log.warning(
+                    "%s: not exact: %s at step %d was %s, now %s (resumed from %d)",
+                    self.run_id, msg.metric, msg.step, msg.expected, msg.got, msg.checkpoint,
+                )  # fmt: skip
+                diverged = Diverged(
+                    run_id=self.run_id, worker=self.worker, checkpoint=msg.checkpoint,
+                    step=msg.step, metric=msg.metric, expected=msg.expected, got=msg.got,
+                )  # fmt: skip
+                await self._emit(diverged)
             elif isinstance(msg, Finished):
                 return msg
         return None

@@ -60,6 +60,18 @@ class CheckpointReady(_Msg, tag="checkpoint", frozen=True):
     """How long the training loop was blocked for this checkpoint."""
 
 
+class Divergence(_Msg, tag="divergence", frozen=True):
+    """A resumed attempt's step reported a metric that differs, bit for bit, from what an
+    earlier attempt reported at the same step after the same checkpoint (`baton.witness`).
+    Values are `repr()`s of the floats: exact, and NaN survives JSON."""
+
+    checkpoint: int
+    step: int
+    metric: str
+    expected: str
+    got: str
+
+
 class Finished(_Msg, tag="finished", frozen=True):
     step: int
     stopped: bool
@@ -67,4 +79,4 @@ class Finished(_Msg, tag="finished", frozen=True):
 
 
 ToChild = Launch | Control
-FromChild = Restored | StepDone | CheckpointReady | Finished
+FromChild = Restored | StepDone | CheckpointReady | Divergence | Finished

@@ -66,6 +66,19 @@ class CommitRefused(_Event, tag="commit_refused", frozen=True):
     reason: str
 
 
+class Diverged(_Event, tag="diverged", frozen=True):
+    """This attempt resumed from `checkpoint` and, at `step`, reported `metric` as `got`
+    where an earlier attempt reported `expected` (exact `repr()`s): the resume is not exact.
+    Training goes on; this tells the user what the checkpoint does not hold."""
+
+    worker: str
+    checkpoint: int
+    step: int
+    metric: str
+    expected: str
+    got: str
+
+
 class Completed(_Event, tag="completed", frozen=True):
     step: int
     digest: str
@@ -121,6 +134,7 @@ Event = (
     | Progress
     | CheckpointCommitted
     | CommitRefused
+    | Diverged
     | Completed
     | Failed
     | AttemptFailed
