@@ -73,3 +73,26 @@ def chatty(ctx: RunContext) -> None:
         if step % 10 == 0:
             print(f"chatty: at step {step}", flush=True)
         time.sleep(float(ctx.config.get("pace", 0.01)))
+
+
+def unregistered_generator(ctx: RunContext) -> None:
+    """The example regression with its dropout masks drawn from a generator it never
+    registers: a resumed attempt restarts it from the seed, so its masks differ from the
+    uninterrupted run's. Deterministic in every other way — the self-check must flag it."""
+    dim, hidden, batch = 16, 32, 32
+    pace = float(ctx.config.get("pace", 0.02))
+    g = torch.Generator().manual_seed(ctx.seed)
+    first, second = nn.Linear(dim, hidden), nn.Linear(hidden, 1)
+    model = nn.Sequential(first, second)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    ctx.restore(model=model, optimizer=opt)
+    for step in ctx.steps():
+        x, y = make_batch(ctx.seed, step, batch, dim)
+        h = torch.relu(first(x))
+        keep = (torch.rand(h.shape, generator=g) > 0.1).float() / 0.9
+        loss = nn.functional.mse_loss(second(h * keep), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.report(loss=loss.item())
+        time.sleep(pace)
