@@ -20,6 +20,7 @@ from shared.contracts.events import (
     Accepted,
     CheckpointCommitted,
     Completed,
+    Diverged,
     Event,
     Preempted,
     Progress,
@@ -64,6 +65,8 @@ def history(t0: float = 1_700_000_000.0) -> list[Event]:
     add(Redispatched, 4.0, dispatch=2, reason=f"lost run {SCRIPT}")
     add(Started, 9.0, worker="w2", token=5, attempt=2, start_step=40)
     add(Restored, 0.4, worker="w2", step=40)
+    add(Diverged, 0.3, worker="w2", checkpoint=40, step=42, metric="loss",
+        expected="0.5123", got="0.5124")  # fmt: skip
     train("w2", 5, 40, 80)
     add(Preempted, 0.2, worker="w2", step=80)
     add(Started, 1.5, worker="w1", token=9, attempt=3, start_step=80)
@@ -111,6 +114,7 @@ def test_render_writes_a_png_and_a_self_contained_escaped_page(tmp_path: Path) -
     assert embedded is not None
     assert base64.b64decode(embedded.group(1)) == data
     assert "<td>progress</td>" not in text, "progress events stay out of the table"
+    assert '<tr class="diverged">' in text and "0.5124" in text, "the divergence is shown"
     assert DIGEST in text
 
 
