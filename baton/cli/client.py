@@ -23,7 +23,6 @@ from shared.connect import connect
 from shared.contracts import JobSpec, RunRecord, convert, decode, encode, run_id_for
 from shared.contracts.control import CancelRequest, WorkerInfo
 from shared.contracts.events import Accepted, Diverged, Event, Rejected
-from shared.digest import weights_digest
 from shared.errors import BatonError, ContractError, IntegrityError
 from shared.runs import Runs
 from shared.store import open_store
@@ -235,8 +234,9 @@ def store_url(explicit: str | None) -> str:
 async def pull(url: str, run_id: str, dest: Path) -> dict[str, Any]:
     """Download the newest committed checkpoint that verifies, check every file again after
     the download, and recompute the weights digest from the downloaded model file."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # torch only here: every other command starts fast
 
+    from shared.digest import weights_digest
     from shared.store.base import sha256_file
 
     async with open_store(url) as store:
