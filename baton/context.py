@@ -368,7 +368,8 @@ class RunContext:
             except (KeyError, TypeError, ValueError) as exc:
                 raise IntegrityError(f"checkpoint {step}: malformed RNG state: {exc!r}") from None
         self.step = saved
-        self.cursor = dict(cursor)
+        self.cursor.clear()  # in place, like registered dicts: a reference taken earlier
+        self.cursor.update(cursor)  # is still the one saved
         self._last_saved = self.step
         self._last_ckpt_time = time.monotonic()
 
