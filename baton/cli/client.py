@@ -145,12 +145,23 @@ async def submit(
 
 async def events(nc: Client, run_id: str) -> AsyncIterator[Event]:
     """Every event of a run, from its first, then live."""
+    async for event in follow(nc, run_id, idle_s=3600):
+        if event is not None:
+            yield event
+
+
+async def follow(nc: Client, run_id: str, idle_s: float) -> AsyncIterator[Event | None]:
+    """Every event of a run, from its first, then live, and `None` after every `idle_s`
+    without one: a follower then reads the run record, which is the truth when an event it
+    waits for never comes (its writer died after the record changed, or the stream
+    discarded it)."""
     sub = await _subscribe_events(nc, run_id)
     try:
         while True:
             try:
-                msg = await sub.next_msg(timeout=3600)
+                msg = await sub.next_msg(timeout=idle_s)
             except TimeoutError:
+                yield None
                 continue
             except ConnectionClosedError:
                 return

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from baton.cli import client
+from shared.contracts import RunRecord, RunState
 from shared.contracts.events import (
     AttemptFailed,
     Cancelled,
@@ -81,11 +82,23 @@ def _terminal(event: Event) -> bool | None:
     return None
 
 
+QUIET_S = 2.0
+"""Seconds without an event after which `watch` looks at the run record."""
+
+
 async def watch_run(nc: Client, run_id: str, console: Console, as_json: bool) -> bool:
+    """Follow a run to its end: True if it completed. The end is its terminal event, or a
+    terminal run record seen during a quiet spell when that event never comes."""
     record = await client.record(nc, run_id)
     total = record.spec.total_steps
     if as_json:
-        async for event in client.events(nc, run_id):
+        async for event in client.follow(nc, run_id, QUIET_S):
+            if event is None:
+                if (ended := await _ended(nc, run_id)) is not None:
+                    ending = {"type": "record", "record": msgspec.to_builtins(ended)}
+                    sys.stdout.write(json.dumps(ending) + "\n")
+                    return ended.state is RunState.COMPLETED
+                continue
             sys.stdout.write(json.dumps(json.loads(msgspec.json.encode(event))) + "\n")
             sys.stdout.flush()
             if (done := _terminal(event)) is not None:
@@ -101,7 +114,15 @@ async def watch_run(nc: Client, run_id: str, console: Console, as_json: bool) ->
     )
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task(record.spec.name, total=total, loss="-", rate="-")
-        async for event in client.events(nc, run_id):
+        async for event in client.follow(nc, run_id, QUIET_S):
+            if event is None:
+                if (ended := await _ended(nc, run_id)) is not None:
+                    bar.console.print(
+                        f"{ended.state.value.lower()} at step {ended.step} (from the run record;"
+                        f" its event is missing){': ' + ended.reason if ended.reason else ''}"
+                    )
+                    return ended.state is RunState.COMPLETED
+                continue
             if isinstance(event, ProgressEvent):
                 loss = event.metrics.get("loss")
                 bar.update(
@@ -117,3 +138,8 @@ async def watch_run(nc: Client, run_id: str, console: Console, as_json: bool) ->
             if (done := _terminal(event)) is not None:
                 return done
     return False
+
+
+async def _ended(nc: Client, run_id: str) -> RunRecord | None:
+    found = await client.record(nc, run_id)
+    return found if found.state.terminal else None
