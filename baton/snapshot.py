@@ -2,7 +2,7 @@
 
 The copy goes into buffers allocated once and reused (pinned when the source is on a GPU),
 because copying into fresh allocations is several times slower than into warm memory
-(NATS-NOTES.md measured 5.4 GB/s vs far less). Serialising, hashing and uploading happen on
+(docs/nats.md: 5.4 GB/s vs far less). Serialising, hashing and uploading happen on
 one background thread, so at most one checkpoint is in flight and memory stays bounded.
 
 A capture overwrites the buffers, so it must wait for the previous write; what happens when

@@ -50,7 +50,6 @@ HUB_API = f"$JS.{names.HUB_DOMAIN}.API"
 
 HUB_ROLES = ("operator", "submitter", "dispatcher", "checkpointer", "reaper", "trainer")
 SITE_ROLES = ("operator", "submitter", "checkpointer", "trainer")
-SERVICE_ROLE = {"dispatcher": "dispatcher", "checkpointer": "checkpointer", "reaper": "reaper"}
 
 
 class Permissions(msgspec.Struct, frozen=True):

@@ -41,9 +41,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`BATON_ENTRY_ALLOW`: comma-separated module prefixes a trainer may run entry points
     from (`examples,mylab.models`); a job naming any other module is failed before anything
     is imported. Empty allows every module."""
-    entry_path: str = ""
-    """`BATON_ENTRY_PATH`: extra `os.pathsep`-separated directories searched for entry
-    points, before the trainer's working directory."""
     progress_interval_s: float = 0.5
     """`BATON_PROGRESS_INTERVAL`: least seconds between two progress events of one run."""
     max_deliver: int = 100
@@ -63,6 +60,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     domain, which `NATS_URL` then points at. Empty at the hub."""
     hub_domain: str = "hub"
     """`BATON_HUB_DOMAIN`: the hub's JetStream domain, as a site reaches it."""
+    log_level: str = "INFO"
+    """`BATON_LOG_LEVEL`: a service's logging level (`DEBUG`, `INFO`, `WARNING`…)."""
 
     @property
     def hub_api(self) -> str | None:
@@ -101,7 +100,6 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             entry_allow=tuple(
                 p.strip() for p in env.get("BATON_ENTRY_ALLOW", "").split(",") if p.strip()
             ),
-            entry_path=env.get("BATON_ENTRY_PATH", ""),
             progress_interval_s=_float(env, "BATON_PROGRESS_INTERVAL", d.progress_interval_s),
             max_deliver=_int(env, "BATON_MAX_DELIVER", d.max_deliver, minimum=1),
             sweep_interval_s=_float(env, "BATON_SWEEP_INTERVAL", 0.0, allow_zero=True),
@@ -110,6 +108,7 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             pools_file=env.get("BATON_POOLS_FILE", ""),
             site=_site(env.get("BATON_SITE", "")),
             hub_domain=env.get("BATON_HUB_DOMAIN", d.hub_domain),
+            log_level=env.get("BATON_LOG_LEVEL", d.log_level),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

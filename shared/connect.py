@@ -1,7 +1,7 @@
 """NATS connections that never give up, and publishes that are safe to retry.
 
 nats-py's defaults stop reconnecting after 60 attempts (~2 minutes) and ping every 120 s,
-so a dead link goes unnoticed for minutes (NATS-NOTES.md). A trainer behind a flaky link
+so a dead link goes unnoticed for minutes (docs/nats.md). A trainer behind a flaky link
 must instead reconnect forever and notice a silent partition within seconds.
 """
 

@@ -39,10 +39,6 @@ class ContractError(PermanentError):
         self.path = path
 
 
-class LostRace(TransientError):
-    """A compare-and-swap found another writer first."""
-
-
 class Fenced(PermanentError):
     """The caller's lease token is no longer the newest; its work must stop."""
 

@@ -1,7 +1,7 @@
 """Writes to a KV bucket as raw JetStream publishes, so that they work from a site too.
 
 nats-py's `kv.put/update/delete` publish to `$KV.<bucket>.<key>`, which does not cross
-into another JetStream domain: from a leaf they reach no stream (NATS-NOTES). Publishing to
+into another JetStream domain: from a leaf they reach no stream (docs/nats.md). Publishing to
 `$JS.<domain>.API.$KV.<bucket>.<key>` does, and the headers give what the client methods
 cannot: `Nats-Expected-Last-Subject-Sequence` (compare-and-swap) together with `Nats-TTL`.
 Reads need none of this: `nc.jetstream(domain=…).key_value(…)` reads across domains.

@@ -3,7 +3,7 @@
 Every write is a raw JetStream publish to the bucket's subject, carrying
 `Nats-Expected-Last-Subject-Sequence` (the compare-and-swap) and `Nats-TTL` (expiry by the
 *server's* clock, so no two hosts' clocks ever need to agree). nats-py's `kv.update()` can do
-neither TTL on update nor writes from a leaf into the hub's domain (NATS-NOTES.md), so we do
+neither TTL on update nor writes from a leaf into the hub's domain (docs/nats.md), so we do
 not use it for writes. `api_prefix` (e.g. `$JS.hub.API`) routes the writes into another
 JetStream domain.
 

@@ -54,9 +54,6 @@ MAX_DELIVERIES_ADVISORIES = [
     for stream in (SUBMIT_STREAM, TASKS_STREAM, CKPT_STREAM, CANCEL_STREAM)
 ]
 
-# Control plane: core NATS, never stored (a lost control message is re-sent by its sweep).
-CONTROL_ALL = f"{PREFIX}.control.>"
-
 
 def submit_subject(pool: str, owner: str = "") -> str:
     """Where jobs for `pool` are submitted; a submitter's subject ends in its own name,
@@ -125,7 +122,7 @@ ALL_STREAMS = (
 # the prefix (`baton.site.lab1.events.<run>.<kind>`). Those are captured by the site's own
 # outbox, never by a hub stream (hub streams listen on `baton.events.>` etc.), so a message
 # is stored once at the site and copied once to the hub by sourcing — whether the link was
-# up or down when it was published (NATS-NOTES: "double capture").
+# up or down when it was published (docs/nats.md: "Double capture").
 
 SITE_OUTBOX_KINDS = ("submit", "events", "logs", "dlq", "cancel", "workers")
 """Subject roots a site sends to the hub through its outbox; `workers` are heartbeats,

@@ -5,7 +5,7 @@ the loopback form of `deploy/nats/dev/hub.conf` and `leaf.conf` (tests/deploy ch
 the two agree on every setting that matters: domains, pings, reconnect).
 
 Pings every 2 s, two missed: a silent partition (TCP open, bytes lost) is noticed in about
-5 s on both sides, where the defaults took minutes (NATS-NOTES). The leaf redials every
+5 s on both sides, where the defaults took minutes (docs/nats.md). The leaf redials every
 second once the link is gone.
 """
 

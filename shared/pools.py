@@ -1,4 +1,5 @@
-"""Pools: what a step costs, for budgets and deadlines (seeds/003: prepaid cost).
+"""Pools: what a step costs, for budgets and deadlines (docs/architecture.md, "Retention and
+budgets": a job's cost is estimated before it runs, and its budget caps its hard timeout).
 
 The configured table (`BATON_POOLS_FILE`) gives each pool a rate per hour and a first
 guess of seconds per step. Trainers measure real seconds per step on every completed run

@@ -1,7 +1,7 @@
 """Child-process supervision for Baton's own services (what `baton up` runs).
 
-Three promises, each one a lesson from seeds/000 (an orphaned trainer kept a GPU busy while
-nobody owned it):
+Three promises, each against a failure seen in an earlier setup, where a training process
+orphaned by its dropped worker kept a GPU busy while nobody owned it:
 
 * No orphans. Every child gets a parent-death signal, so a supervisor that is SIGKILLed (or
   OOM-killed) takes its children with it. Each child also leads its own process group, so a

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -33,12 +32,14 @@ class Service(Protocol):
 
 def main(name: str, make: Callable[[Client, Settings, StopSignals], Service]) -> None:
     """Run one service until SIGTERM/SIGINT: `python -m services.<name>`."""
-    setup_logging(name)
-    asyncio.run(_main(name, make))
-
-
-async def _main(name: str, make: Callable[[Client, Settings, StopSignals], Service]) -> None:
     settings = config.load()
+    setup_logging(name, settings.log_level)
+    asyncio.run(_main(name, make, settings))
+
+
+async def _main(
+    name: str, make: Callable[[Client, Settings, StopSignals], Service], settings: Settings
+) -> None:
     telemetry.setup(f"baton-{name}")
     signals = StopSignals()
     signals.install()
@@ -69,9 +70,9 @@ async def _main(name: str, make: Callable[[Client, Settings, StopSignals], Servi
 CHATTY_WITH_SECRETS = ("botocore", "aiobotocore", "boto3", "aioboto3", "urllib3", "s3transfer")
 
 
-def setup_logging(name: str) -> None:
+def setup_logging(name: str, level: str) -> None:
     logging.basicConfig(
-        level=os.environ.get("BATON_LOG_LEVEL", "INFO"),
+        level=level,
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -7,11 +7,11 @@ that needs a kind of message *sources* the outbox, filtered to that kind, with a
 transform back to the hub's subject (`baton.site.lab1.events.>` → `baton.events.>`). The
 hub tracks how far it has sourced, so after any cut every message arrives once and in the
 order the site stored it. Hub streams never listen on site subjects: listening and sourcing
-at once would store each message twice (NATS-NOTES).
+at once would store each message twice (docs/nats.md).
 
 After a long cut the hub retries a source on a back-off and catch-up can wait tens of
 seconds; re-attaching the source the moment the link is back makes it immediate
-(NATS-NOTES). The site's checkpointer greets the hub every second (`SiteHello`); the reaper
+(docs/nats.md). The site's checkpointer greets the hub every second (`SiteHello`); the reaper
 re-attaches a site's sources on the first greeting after a silence (`link`).
 """
 

@@ -181,7 +181,8 @@ class Dispatcher:
         log.info("%s %s (%s) on pool %s", verb, run_id, spec.name, spec.pool)
 
     async def _budget(self, run_id: str, spec: JobSpec) -> tuple[float | None, float | None]:
-        """The estimated cost, and the hard timeout the budget allows (seeds/003)."""
+        """The estimated cost, and the hard timeout the budget allows (docs/architecture.md,
+        "Retention and budgets")."""
         rate = self.pools.rate(spec.pool)
         per_step = await self.pools.seconds_per_step(spec.pool)
         estimate = spec.total_steps * per_step * rate / 3600 if per_step is not None else None

@@ -7,7 +7,7 @@ durations on its monotonic clock, deadlines (minutes to days, set by the dispatc
 wall clock. No correctness depends on them, only when a run is given up.
 
     lost run     RUNNING, no lease, no task queued, for a whole lease TTL: dispatch again
-                 (a stale worker's late ack can remove the task — NATS-NOTES.md); if it was
+                 (a stale worker's late ack can remove the task — docs/nats.md); if it was
                  asked to cancel, cancel it instead
     hard timeout past its deadline: FAILED (`hard_timeout`), its trainer stops the child
     soft timeout past its soft deadline: a `warning` event, once

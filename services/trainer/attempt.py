@@ -10,7 +10,7 @@ the task message:
     RETRY      user code failed (or stalled), retries left            -> nak(back-off)
     FAILED     user code failed for good, run record FAILED           -> ack
     FENCED     someone else holds the run now                         -> nothing: the message is
-               no longer ours, and a late ack could delete the new holder's copy (NATS-NOTES)
+               no longer ours, and a late ack could delete the new holder's copy (docs/nats.md)
 
 Each attempt is an `attempt` span, continuing the trace whose context the task message's
 headers carry (the dispatch), and the parent of the attempt's `commit` spans.
@@ -42,6 +42,7 @@ from shared import commit, names, telemetry
 from shared.config import Settings
 from shared.contracts import RunRecord, RunState, Task
 from shared.contracts.child import (
+    EXIT_BAD_LAUNCH,
     CheckpointReady,
     Control,
     Divergence,
@@ -66,14 +67,13 @@ from shared.contracts.events import Restored as RestoredEvent
 from shared.events import emit
 from shared.lease import Lease
 from shared.pools import Pools
-from shared.runs import Runs
+from shared.runs import Change, Runs
 from shared.store import Store
 
 log = logging.getLogger("baton.trainer")
 
 FINAL_COMMIT_WAIT_S = 900.0
 LOG_TAIL_BYTES = 3000
-EXIT_BAD_LAUNCH = 2
 
 
 class Outcome(enum.Enum):
@@ -84,9 +84,6 @@ class Outcome(enum.Enum):
     RETRY = "retry"
     FAILED = "failed"
     FENCED = "fenced"
-
-
-Change = Callable[[RunRecord], RunRecord | None]
 
 
 class Attempt:

@@ -20,10 +20,9 @@ from typing import Any
 
 from baton.context import RunContext
 from shared.contracts import decode, encode
-from shared.contracts.child import Control, Finished, FromChild, Launch
+from shared.contracts.child import EXIT_BAD_LAUNCH, Control, Finished, FromChild, Launch
 
 EXIT_USER_ERROR = 1
-EXIT_BAD_LAUNCH = 2
 EXIT_ORPHANED = 70
 
 

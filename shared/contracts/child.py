@@ -10,6 +10,10 @@ import msgspec
 from shared.contracts.checkpoints import FileRef
 from shared.contracts.tasks import Task
 
+EXIT_BAD_LAUNCH = 2
+"""The child's exit status when the run's entry point cannot be loaded; the trainer then
+fails the run without retrying it."""
+
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
     pass

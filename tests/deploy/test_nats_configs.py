@@ -3,7 +3,7 @@
 Dev variant (deploy/nats/dev/): a leaf dials the hub over plain ws:// on loopback.
 Deployment variant (deploy/nats/hub.conf, leaf.conf — what compose runs): the leaf dials
 wss:// with the CA from deploy/certs/gen-dev-certs.sh; a leaf trusting another CA is
-refused. Also re-checks the NATS-NOTES facts the configs rely on: the hub's `leafnodes`
+refused. Also re-checks the facts in docs/nats.md the configs rely on: the hub's `leafnodes`
 block, duration strings, pings that notice a silent partition in ~4 s.
 """
 
@@ -150,7 +150,7 @@ async def test_leaf_without_site_fails_at_start(
 
 
 async def test_durations_must_be_strings(tmp_path: Path) -> None:
-    """NATS-NOTES: `reconnect` must be a duration string; so must `ping_interval`."""
+    """docs/nats.md: `reconnect` must be a duration string; so must `ping_interval`."""
     text = (NATS_DIR / "dev" / "leaf.conf").read_text()
     env = {"SITE": "site1"}
     rc, out = await check_config(text, tmp_path / "ok", env=env)
@@ -165,7 +165,7 @@ async def test_durations_must_be_strings(tmp_path: Path) -> None:
 
 
 async def test_hub_needs_a_leafnodes_block(launch: Launch) -> None:
-    """NATS-NOTES: without `leafnodes { listen }` the hub refuses leaves on its WebSocket.
+    """docs/nats.md: without `leafnodes { listen }` the hub refuses leaves on its WebSocket.
     (2.15.1 logs the refusal on the hub; the leaf retries silently at the default level.)"""
     text = (NATS_DIR / "dev" / "hub.conf").read_text()
     assert re.search(r"^leafnodes\s*\{\s*listen:", strip_comments(text), re.M)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from shared import config
@@ -39,3 +42,18 @@ def test_a_site_writes_into_the_hubs_domain() -> None:
     assert config.load({}).hub_api is None
     s = config.load({"BATON_SITE": "lab-1", "BATON_HUB_DOMAIN": "core"})
     assert s.site == "lab-1" and s.hub_api == "$JS.core.API"
+
+
+def test_the_readme_lists_every_variable_settings_reads() -> None:
+    read: list[str] = []
+
+    class Recording(dict[str, str]):
+        def get(self, key: str, default: object = None) -> Any:
+            read.append(key)
+            return super().get(key, default)
+
+    s = config.load(Recording())
+    assert s.log_level == "INFO" and config.load({"BATON_LOG_LEVEL": "DEBUG"}).log_level == "DEBUG"
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme.split("### Settings (environment)", 1)[1].split("\n## ", 1)[0]
+    assert read and [v for v in read if f"`{v}`" not in table] == []

@@ -78,7 +78,7 @@ def record(run_id: str) -> RunRecord:
 
 async def test_kv_writes_from_a_site_need_the_hubs_api_prefix(pair: Pair) -> None:
     hub_kv = await pair.hub.jetstream().key_value(names.LEASES_BUCKET)
-    # The trap (NATS-NOTES): nats-py's own write from the leaf reaches no stream.
+    # The trap (docs/nats.md): nats-py's own write from the leaf reaches no stream.
     leaf_kv = await pair.leaf.jetstream(domain=names.HUB_DOMAIN).key_value(names.LEASES_BUCKET)
     with pytest.raises(NoStreamResponseError):
         await leaf_kv.put("plain", b"x")
