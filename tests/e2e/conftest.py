@@ -16,3 +16,14 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
         yield s
     finally:
         await s.stop()  # which also waits for every training process to exit
+
+
+@pytest.fixture
+async def two(tmp_path: Path) -> AsyncIterator[Stack]:
+    """Two trainers and a short lease: one to kill, one to take over."""
+    s = Stack(tmp_path / "stack", trainers=2, lease_ttl=3)
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.stop()

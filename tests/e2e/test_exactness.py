@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator
-from pathlib import Path
-
-import pytest
 
 from baton.cli import client
 from baton.cli.watch import describe
@@ -26,16 +22,6 @@ def spec(entry: str, key: str) -> JobSpec:
         entry_point=entry, total_steps=STEPS, checkpoint={"every_steps": EVERY},
         config={"pace": 0.03}, seed=5, idempotency_key=key,
     )  # fmt: skip
-
-
-@pytest.fixture
-async def two(tmp_path: Path) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path / "stack", trainers=2, lease_ttl=3)
-    await s.start()
-    try:
-        yield s
-    finally:
-        await s.stop()
 
 
 async def kill_after_a_commit(stack: Stack, log: EventLog) -> Started:

@@ -11,11 +11,8 @@ import asyncio
 import itertools
 import os
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from shared import commit, names
 from shared.contracts import CommitRequest, FileRef, JobSpec, Pointer, RunState, decode, encode
@@ -47,16 +44,6 @@ def paced(total: int = 100, every: int = 10, pace: float = 0.03, **over: Any) ->
         seed=11,
         **over,
     )
-
-
-@pytest.fixture
-async def two(tmp_path: Path) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path / "stack", trainers=2, lease_ttl=3)
-    await s.start()
-    try:
-        yield s
-    finally:
-        await s.stop()
 
 
 async def reference_digest(stack: Stack, spec: JobSpec) -> str:
