@@ -27,10 +27,19 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
-from baton.cli.client import cancel, record
+from baton.cli.client import cancel, divergences, record
+from baton.cli.watch import describe
 from examples import charlm, cnn
 from shared.contracts import JobSpec, RunState
-from shared.contracts.events import Completed, Diverged, Event, Progress, Restored, Started
+from shared.contracts.events import (
+    CheckpointCommitted,
+    Completed,
+    Diverged,
+    Event,
+    Progress,
+    Restored,
+    Started,
+)
 from tests.e2e.jobs import EventLog, finished, history, job, submit
 from tests.support.stack import Stack, alive, children_of, eventually
 
@@ -283,3 +292,49 @@ async def test_cnn_survives_a_kill(three: Stack) -> None:
     plan = [(at + 2, _mid_epoch(per, 1), f"restored at {at}, killed before {at + every}")]
     resumes = await kill_and_compare(three, "cnn", spec, plan)
     print("cnn:", "; ".join(r.epochs(per) for r in resumes))
+
+
+async def test_a_resume_that_is_not_exact_is_flagged(three: Stack) -> None:
+    """A run checks itself: a job whose dropout masks come from a generator it never
+    registers resumes inexactly, and says so with one `diverged` event at the first step
+    after the resume, naming the checkpoint, the metric and both values (what `baton
+    status` and `baton logs` show). The exact jobs above assert the converse: no event."""
+    nc = await three.client()
+    spec = job(
+        entry_point="tests.support.workloads:unregistered_generator", total_steps=80,
+        checkpoint={"every_steps": 10}, config={"pace": 0.03}, seed=5,
+        idempotency_key="not-exact",
+    )  # fmt: skip
+    loose = await submit(nc, spec)
+    log = EventLog(nc, loose)
+    replaced = True
+    try:
+        first = await _next_attempt(log, 0)
+        done = await log.wait_for(lambda e: isinstance(e, CheckpointCommitted), 30, "a commit")
+        assert isinstance(done, CheckpointCommitted)
+        await log.wait_for(_progress(first.worker, done.step + 5), 30, "steps past the commit")
+        pid = three.pid(first.worker)
+        family = [pid, *children_of(pid)]
+        os.kill(pid, signal.SIGKILL)
+        replaced = False
+        await _all_dead(family, f"{first.worker} and its training process")
+        await _next_attempt(log, first.token)
+        await three.add_trainer("not-exact-1")
+        replaced = True
+
+        flagged = await log.wait_for(lambda e: isinstance(e, Diverged), 60, "a diverged event")
+        assert isinstance(flagged, Diverged)
+        resumed = log.of(Restored)[-1]
+        assert resumed.step > 0 and flagged.checkpoint == resumed.step, (resumed, flagged)
+        assert resumed.step < flagged.step <= resumed.step + 3, "not within the first steps"
+        assert flagged.metric == "loss" and float(flagged.expected) != float(flagged.got)
+        record = await finished(nc, loose)
+        assert record.state is RunState.COMPLETED, "a divergence is reported, not stopped"
+        assert len(log.of(Diverged)) == 1, "one report per resume"
+        assert await divergences(nc, loose) == [flagged]
+        line = describe(flagged)
+        assert line is not None and f"step {flagged.step}" in line and flagged.got in line, line
+    finally:
+        log.close()
+        if not replaced:
+            await three.add_trainer("not-exact-replacement")
