@@ -145,6 +145,7 @@ class Trainer:
             return
         if not self.settings.allows(task.spec.entry_point):
             await self._refuse(task, msg)
+            await lease.release()  # the run is over: nobody should wait out its TTL
             return
         if record.cancel_requested is not None and await self._cancel_unowned(record.run_id):
             await msg.ack()

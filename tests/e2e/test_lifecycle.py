@@ -24,7 +24,7 @@ from shared.contracts.events import (
     RunWarning,
     Started,
 )
-from shared.lease import Lease
+from shared.lease import Lease, is_held
 from shared.outcome import DeadLetter
 from shared.store import open_store
 from tests.e2e.jobs import EventLog, finished, history, job, submit
@@ -265,7 +265,8 @@ async def test_retention_under_a_fast_cadence_keeps_the_last_k(tmp_path: Path) -
 async def test_an_entry_point_outside_the_allow_list_is_refused_before_import(
     tmp_path: Path,
 ) -> None:
-    s = Stack(tmp_path / "stack", trainers=1, lease_ttl=3, env={"BATON_ENTRY_ALLOW": "examples"})
+    # A lease TTL far longer than the test: a lease found free was released, not lapsed.
+    s = Stack(tmp_path / "stack", trainers=1, lease_ttl=60, env={"BATON_ENTRY_ALLOW": "examples"})
     try:
         await s.start()
         nc = await s.client()
@@ -273,6 +274,12 @@ async def test_an_entry_point_outside_the_allow_list_is_refused_before_import(
         record = await finished(nc, refused)
         assert record.state is RunState.FAILED
         assert "'tests.support.workloads' is not allowed" in (record.reason or "")
+        key = s.lease_key(refused)
+
+        async def released() -> bool:
+            return not await is_held(nc.jetstream(), key)
+
+        await eventually(released, 10, "the refused run's lease to be released")
         events = await history(nc, refused)
         assert not [e for e in events if isinstance(e, Started)], "no attempt may start"
         assert record.attempts == 0
