@@ -133,7 +133,7 @@ async def submit(
                     msg = await sub.next_msg(timeout=left)
                 except TimeoutError:
                     break
-                event: Event = decode(msg.data, Event)  # type: ignore[arg-type]
+                event: Event = decode(msg.data, Event)
                 if isinstance(event, Accepted | Rejected):
                     verdict = "accepted" if isinstance(event, Accepted) else "rejected"
                     span.set_attribute(telemetry.OUTCOME, verdict)
@@ -165,7 +165,7 @@ async def follow(nc: Client, run_id: str, idle_s: float) -> AsyncIterator[Event 
                 continue
             except ConnectionClosedError:
                 return
-            yield decode(msg.data, Event)  # type: ignore[arg-type]
+            yield decode(msg.data, Event)
     finally:
         with contextlib.suppress(ConnectionClosedError):
             await sub.unsubscribe()
@@ -185,7 +185,7 @@ async def history(nc: Client, run_id: str) -> list[Event]:
     """Every event of a run so far (stops at the newest; does not wait for more)."""
     sub = await _subscribe_events(nc, run_id)
     try:
-        return [decode(m.data, Event) for m in await reader.drain(sub)]  # type: ignore[arg-type]
+        return [decode(m.data, Event) for m in await reader.drain(sub)]
     finally:
         await sub.unsubscribe()
 

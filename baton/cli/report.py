@@ -60,7 +60,7 @@ async def collect(nc: Client, run_id: str, idle_s: float = 1.0) -> list[Event]:
                 return found
             # An event from a newer Baton must not make the whole history unreadable.
             with contextlib.suppress(ContractError):
-                found.append(decode(msg.data, Event))  # type: ignore[arg-type]
+                found.append(decode(msg.data, Event))
             if msg.metadata.num_pending == 0:
                 return found
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import AsyncIterator
 
 import msgspec
 from nats.aio.client import Client
@@ -90,18 +91,15 @@ async def watch_run(nc: Client, run_id: str, console: Console, as_json: bool) ->
     """Follow a run to its end: True if it completed. The end is its terminal event, or a
     terminal run record seen during a quiet spell when that event never comes."""
     record = await client.record(nc, run_id)
-    total = record.spec.total_steps
     if as_json:
-        async for event in client.follow(nc, run_id, QUIET_S):
-            if event is None:
-                if (ended := await _ended(nc, run_id)) is not None:
-                    ending = {"type": "record", "record": msgspec.to_builtins(ended)}
-                    sys.stdout.write(json.dumps(ending) + "\n")
-                    return ended.state is RunState.COMPLETED
-                continue
-            sys.stdout.write(json.dumps(json.loads(msgspec.json.encode(event))) + "\n")
+        async for item in _until_end(nc, run_id):
+            if isinstance(item, RunRecord):
+                ending = {"type": "record", "record": msgspec.to_builtins(item)}
+                sys.stdout.write(json.dumps(ending) + "\n")
+                return item.state is RunState.COMPLETED
+            sys.stdout.write(json.dumps(json.loads(msgspec.json.encode(item))) + "\n")
             sys.stdout.flush()
-            if (done := _terminal(event)) is not None:
+            if (done := _terminal(item)) is not None:
                 return done
         return False
     columns = (
@@ -113,33 +111,36 @@ async def watch_run(nc: Client, run_id: str, console: Console, as_json: bool) ->
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task(record.spec.name, total=total, loss="-", rate="-")
-        async for event in client.follow(nc, run_id, QUIET_S):
-            if event is None:
-                if (ended := await _ended(nc, run_id)) is not None:
-                    bar.console.print(
-                        f"{ended.state.value.lower()} at step {ended.step} (from the run record;"
-                        f" its event is missing){': ' + ended.reason if ended.reason else ''}"
-                    )
-                    return ended.state is RunState.COMPLETED
-                continue
-            if isinstance(event, ProgressEvent):
-                loss = event.metrics.get("loss")
-                bar.update(
-                    task,
-                    completed=event.step,
-                    loss=f"{loss:.4f}" if loss is not None else "-",
-                    rate=f"{event.steps_per_s:.0f}",
+        task = bar.add_task(record.spec.name, total=record.spec.total_steps, loss="-", rate="-")
+        async for item in _until_end(nc, run_id):
+            if isinstance(item, RunRecord):
+                why = f": {item.reason}" if item.reason else ""
+                bar.console.print(
+                    f"{item.state.value.lower()} at step {item.step} (from the run record;"
+                    f" its event is missing){why}"
                 )
-            elif isinstance(event, Completed):
-                bar.update(task, completed=event.step)
-            if (line := describe(event)) is not None:
+                return item.state is RunState.COMPLETED
+            if isinstance(item, ProgressEvent | Completed):
+                loss = item.metrics.get("loss")
+                shown = f"{loss:.4f}" if loss is not None else "-"
+                bar.update(task, completed=item.step, loss=shown)
+            if isinstance(item, ProgressEvent):
+                bar.update(task, rate=f"{item.steps_per_s:.0f}")
+            if (line := describe(item)) is not None:
                 bar.console.print(line)
-            if (done := _terminal(event)) is not None:
+            if (done := _terminal(item)) is not None:
                 return done
     return False
 
 
-async def _ended(nc: Client, run_id: str) -> RunRecord | None:
-    found = await client.record(nc, run_id)
-    return found if found.state.terminal else None
+async def _until_end(nc: Client, run_id: str) -> AsyncIterator[Event | RunRecord]:
+    """The run's events; after a quiet spell, its record instead if that is terminal (and
+    then nothing more)."""
+    async for event in client.follow(nc, run_id, QUIET_S):
+        if event is not None:
+            yield event
+            continue
+        found = await client.record(nc, run_id)
+        if found.state.terminal:
+            yield found
+            return

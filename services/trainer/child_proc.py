@@ -82,7 +82,7 @@ class Child:
 
     async def messages(self) -> AsyncIterator[FromChild]:
         while line := await self._reader.readline():
-            yield decode(line, FromChild)  # type: ignore[arg-type]
+            yield decode(line, FromChild)
 
     def kill(self) -> None:
         if self.proc.returncode is None:

@@ -101,7 +101,7 @@ class Commits:
 
     async def on_event(self, msg: Msg) -> None:
         try:
-            event: Event = decode(msg.data, Event)  # type: ignore[arg-type]
+            event: Event = decode(msg.data, Event)
         except ContractError:
             return
         if not isinstance(event, CheckpointCommitted | CommitRefused):

@@ -8,7 +8,8 @@ whose `reason` says what is wrong with it, in words a user can act on.
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from types import UnionType
+from typing import Any, TypeVar, overload
 
 import msgspec
 
@@ -25,15 +26,20 @@ def encode(obj: Any) -> bytes:
     return _encoder.encode(obj)
 
 
-def decode(data: bytes | str, kind: type[T], *, max_bytes: int | None = None) -> T:
-    """Decode `data` strictly as `kind`, or raise `ContractError` naming the field."""
+@overload
+def decode(data: bytes | str, kind: type[T], *, max_bytes: int | None = None) -> T: ...
+@overload
+def decode(data: bytes | str, kind: UnionType, *, max_bytes: int | None = None) -> Any: ...
+def decode(data: bytes | str, kind: Any, *, max_bytes: int | None = None) -> Any:
+    """Decode `data` strictly as `kind` (a type, or a union of tagged structs such as
+    `Event`), or raise `ContractError` naming the field."""
     if max_bytes is not None and len(data) > max_bytes:
         raise ContractError(f"payload is {len(data)} bytes, over the limit of {max_bytes} bytes")
     decoder = _decoders.get(kind)
     if decoder is None:
         decoder = _decoders[kind] = msgspec.json.Decoder(kind)
     try:
-        return decoder.decode(data)  # type: ignore[no-any-return]
+        return decoder.decode(data)
     except msgspec.ValidationError as exc:
         raise _contract_error(str(exc)) from None
     except msgspec.DecodeError as exc:
