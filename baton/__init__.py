@@ -12,17 +12,17 @@ __version__ = "0.1.0"
 __all__ = ["Batches", "RunContext", "__version__"]
 
 if TYPE_CHECKING:
-    from baton.context import RunContext
-    from baton.data import Batches
+    from baton.runtime.context import RunContext
+    from baton.runtime.data import Batches
 
 
 def __getattr__(name: str) -> Any:
     if name == "RunContext":
-        from baton.context import RunContext
+        from baton.runtime.context import RunContext
 
         return RunContext
     if name == "Batches":
-        from baton.data import Batches
+        from baton.runtime.data import Batches
 
         return Batches
     raise AttributeError(name)

@@ -7,7 +7,7 @@ hub's source. Ratios are against baselines measured in the same run.
 
 Each measurement gets a fresh hub (domain `hub`) and a fresh leaf (domain `--site`) that
 dials the hub's WebSocket through a loopback `Proxy`; the hub's streams source the site's
-outbox (`shared.sites.link`), as in Baton.
+outbox (`shared.bus.sourcing.link`), as in Baton.
 
 * live: the link is up and sourced; N events are published at the site. Time from the last
   publish-ack to the last event at the hub, and N / (first publish → last event at hub).
@@ -40,11 +40,12 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from shared import names, sites
-from shared.connect import connect
-from shared.natsconf import hub_fragment, leaf_fragment
-from shared.natsserver import NatsServer
-from shared.streams import ensure, ensure_site
+from baton.stack.natsconf import hub_fragment, leaf_fragment
+from baton.stack.natsserver import NatsServer
+from shared.bus import names
+from shared.bus import sourcing as sites
+from shared.bus.connect import connect
+from shared.bus.streams import ensure, ensure_site
 from tests.support.proxy import Proxy
 from tests.support.sites import stored
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from baton.context import RunContext
-from baton.snapshot import Snapshotter
+from baton.runtime.context import RunContext
+from baton.runtime.snapshot import Snapshotter
 from shared.contracts import JobSpec, Task, convert
 
 

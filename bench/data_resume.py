@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, default_collate
 
-from baton.data import Batches
+from baton.runtime.data import Batches
 
 SEED = 0
 REPEAT_BUDGET_S = 1.0

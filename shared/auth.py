@@ -25,7 +25,7 @@ and handed to services in their environment — never in a spec, an event or a l
 
 A trainer writes leases by key, and a run's lease key is a capability: a MAC of the run id
 under a secret only the hub's dispatcher and reaper hold, handed out in the run's task
-(`shared.lease.lease_key`). Trainers may read leases only by naming a key — never list the
+(`shared.state.lease.lease_key`). Trainers may read leases only by naming a key — never list the
 bucket nor read it by sequence — so a trainer can write the lease of a run it was handed and
 of no other. (Run records stay writable by every trainer: any trainer of a pool may be
 handed any of its runs, and every change is a compare-and-swap checked against the lease's
@@ -43,7 +43,7 @@ from typing import Any
 
 import msgspec
 
-from shared import names
+from shared.bus import names
 
 API = "$JS.API"
 HUB_API = f"$JS.{names.HUB_DOMAIN}.API"
@@ -97,7 +97,7 @@ def _read_kv(api: str, *buckets: str) -> list[str]:
 
 def _get_by_key(api: str, bucket: str) -> list[str]:
     """Read a bucket only by naming a key: no listing, no reading by sequence. The leases
-    bucket is read so by trainers, whose lease keys are capabilities (`shared.lease`)."""
+    bucket is read so by trainers, whose lease keys are capabilities (`shared.state.lease`)."""
     stream = f"KV_{bucket}"
     return [f"{api}.STREAM.INFO.{stream}", f"{api}.DIRECT.GET.{stream}.$KV.{bucket}.>"]
 
@@ -107,7 +107,7 @@ def _write_kv(prefix: str, *buckets: str) -> list[str]:
 
 
 _DECLARE = [f"{API}.INFO", f"{API}.STREAM.INFO.*", f"{API}.STREAM.CREATE.*"]
-"""Declaring streams and buckets at start (`shared.streams.ensure`): create, never delete."""
+"""Declaring streams and buckets at start (`shared.bus.streams.ensure`): create, never delete."""
 _FLOW = ["$JS.FC.>"]
 """Flow-control replies of push consumers (ordered consumers, `keys()`)."""
 _ALL_KV = (

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from shared import names
+from shared.bus import names
 from shared.contracts.sites import SITE_NAME
 from shared.errors import ConfigError
 

@@ -1,7 +1,7 @@
 """Baton's one error tree.
 
 Every failure a service can meet is one of three kinds, because JetStream offers exactly
-three answers to a message (see `shared.outcome`):
+three answers to a message (see `shared.bus.answer`):
 
 * `TransientError` — the world is briefly wrong (a link, a store, a race we lost and can
   retry). The message is nak'ed with a delay and comes back.
@@ -39,7 +39,7 @@ class ContractError(PermanentError):
         self.path = path
 
 
-class Fenced(PermanentError):
+class StaleToken(PermanentError):
     """The caller's lease token is no longer the newest; its work must stop."""
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from shared.connect import connect
-from shared.natsserver import NatsServer
-from shared.streams import ensure
-from tests.shared.helpers import descendants, wait_until_sync
+from baton.stack.natsserver import NatsServer
+from shared.bus.connect import connect
+from shared.bus.streams import ensure
+from tests.support.helpers import descendants, wait_until_sync
 
 
 @pytest.fixture

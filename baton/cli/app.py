@@ -37,7 +37,8 @@ from baton.cli.common import (
     with_nats,
 )
 from baton.cli.watch import divergence, watch_run
-from shared import names, telemetry
+from shared import telemetry
+from shared.bus import names
 from shared.contracts import RunRecord, RunState
 from shared.contracts.events import Diverged
 
@@ -89,7 +90,7 @@ def up(
     service as its own process — or, with --site NAME --hub URL, a site: a leaf NATS server
     that keeps working while its link to the hub is down, the site's checkpointer, and
     trainers. Ctrl-C or SIGTERM stops everything it started."""
-    from baton.stack import StackOptions, run_stack
+    from baton.stack.embedded import StackOptions, run_stack
     from shared.config import load
 
     if site is not None:

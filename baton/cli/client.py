@@ -18,15 +18,17 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from baton.cli import reader
-from shared import auth, commit, names
-from shared.connect import connect
+from shared import auth
+from shared.bus import names
+from shared.bus.connect import connect
+from shared.checkpoint import commit
+from shared.checkpoint.store import open_store
 from shared.contracts import JobSpec, RunRecord, convert, decode, encode, run_id_for
 from shared.contracts.control import CancelRequest, WorkerInfo
 from shared.contracts.events import Accepted, Diverged, Event, Rejected
 from shared.errors import BatonError, ContractError, IntegrityError
-from shared.runs import Runs
-from shared.store import open_store
-from shared.workers import live_workers
+from shared.state.runs import Runs
+from shared.state.workers import live_workers
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -191,7 +193,7 @@ async def history(nc: Client, run_id: str) -> list[Event]:
 
 
 async def divergences(nc: Client, run_id: str) -> list[Diverged]:
-    """The run's `diverged` events: each a resume found not exact (`baton.witness`)."""
+    """The run's `diverged` events: each a resume found not exact (`baton.runtime.witness`)."""
     sub = await reader.read(nc, names.EVENTS_STREAM, names.event_subject(run_id, "diverged"))
     try:
         return [decode(m.data, Diverged) for m in await reader.drain(sub, idle_s=0.2)]
@@ -247,8 +249,8 @@ async def pull(url: str, run_id: str, dest: Path) -> dict[str, Any]:
     the download, and recompute the weights digest from the downloaded model file."""
     from safetensors.torch import load_file  # torch only here: every other command starts fast
 
-    from shared.digest import weights_digest
-    from shared.store.base import sha256_file
+    from shared.checkpoint.digest import weights_digest
+    from shared.checkpoint.store.base import sha256_file
 
     async with open_store(url) as store:
         manifest, _damaged = await commit.restorable(store, run_id)

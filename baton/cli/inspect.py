@@ -15,10 +15,11 @@ from nats.js.errors import NotFoundError
 
 from baton.cli import reader
 from baton.cli.client import CliError
-from shared import names, retention
+from shared.bus import names
+from shared.bus.answer import DeadLetter
+from shared.checkpoint import retention
+from shared.checkpoint.store import open_store
 from shared.contracts import decode
-from shared.outcome import DeadLetter
-from shared.store import open_store
 
 
 class ConsumerReport(msgspec.Struct, frozen=True):

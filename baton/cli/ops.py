@@ -70,7 +70,7 @@ def streams(
 def sites(server: Server = DEFAULT, as_json: Json = False) -> None:
     """Sites the hub has heard from: link state, last greeting, and backlog (messages the
     hub has yet to take from the site's outbox, as last measured)."""
-    from shared import sites as site_links
+    from shared.bus import sourcing as site_links
 
     found = run(lambda: with_nats(server, site_links.views))
     if as_json:

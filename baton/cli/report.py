@@ -28,7 +28,7 @@ from nats.js.errors import NotFoundError
 
 from baton.cli import reader
 from baton.cli.client import CliError
-from shared import names
+from shared.bus import names
 from shared.contracts import RunRecord, decode
 from shared.contracts import events as ev
 from shared.contracts.events import Event, kind_of

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.checkpointer.service import Checkpointer
-from shared import service
+from shared.bus import service
 
 if __name__ == "__main__":
     service.main("checkpointer", lambda nc, settings, _signals: Checkpointer(nc, settings))

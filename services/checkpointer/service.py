@@ -1,8 +1,8 @@
 """The checkpointer: the only writer of manifests and `latest` pointers.
 
 Whatever a trainer claims about its files is checked here by reading them back; the
-protocol itself is `shared.commit`. A refused commit (a fenced worker's, or one whose files
-are damaged) is not retried: the trainer learns of it from the `commit_refused` event.
+protocol itself is `shared.checkpoint.commit`. A refused commit (a fenced worker's, or one
+whose files are damaged) is not retried: the trainer learns of it from the `commit_refused` event.
 
 Each commit is a `checkpoint.commit` span (verify, manifest, pointer CAS, outcome event),
 the child of the trainer's `commit` span whose context the request's headers carry.
@@ -11,7 +11,7 @@ Retention runs after the span: it is housekeeping, not part of what a commit cos
 At a site (`BATON_SITE`) the checkpointer serves that site's trainers from the site's own
 JetStream — commits go on while the WAN link is down, as long as the store is reachable —
 and its events reach the hub through the site's outbox. It also declares the site's streams
-and greets the hub every second (`shared.sites`).
+and greets the hub every second (`shared.bus.sourcing`).
 """
 
 from __future__ import annotations
@@ -26,16 +26,19 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from opentelemetry import trace
 
-from shared import commit, names, retention, sites, telemetry
+from shared import telemetry
+from shared.bus import names
+from shared.bus import sourcing as sites
+from shared.bus.answer import handle
+from shared.bus.emit import emit
+from shared.bus.service import pull_loop
+from shared.bus.streams import checkpointer_consumer, ensure, ensure_consumer, ensure_site
+from shared.checkpoint import commit, retention
+from shared.checkpoint.store import Store, open_store
 from shared.config import Settings
 from shared.contracts import CommitRequest, decode
 from shared.contracts.events import CheckpointCommitted, CommitRefused
-from shared.errors import Fenced, IntegrityError
-from shared.events import emit
-from shared.outcome import handle
-from shared.service import pull_loop
-from shared.store import Store, open_store
-from shared.streams import checkpointer_consumer, ensure, ensure_consumer, ensure_site
+from shared.errors import IntegrityError, StaleToken
 
 log = logging.getLogger("baton.checkpointer")
 
@@ -101,7 +104,7 @@ class Checkpointer:
         try:
             async with _in_progress(msg):
                 pointer, size = await commit.commit(self.store, req)
-        except (Fenced, IntegrityError) as exc:
+        except (StaleToken, IntegrityError) as exc:
             log.warning("refused %s step %d token %d: %s", req.run_id, req.step, req.token, exc)
             refused = CommitRefused(
                 run_id=req.run_id, step=req.step, token=req.token, reason=str(exc)
@@ -113,7 +116,7 @@ class Checkpointer:
                 site=self.site,
             )
             span.set_attribute(telemetry.OUTCOME, "refused")
-            if isinstance(exc, Fenced):
+            if isinstance(exc, StaleToken):
                 span.set_status(trace.StatusCode.ERROR, str(exc))
                 return None  # expected behaviour of the protocol, not a poison message
             raise

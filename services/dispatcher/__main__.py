@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.dispatcher.service import Dispatcher
-from shared import service
+from shared.bus import service
 
 if __name__ == "__main__":
     service.main("dispatcher", lambda nc, settings, _signals: Dispatcher(nc, settings))

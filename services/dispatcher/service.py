@@ -26,10 +26,15 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from opentelemetry import trace
 
-from shared import names, telemetry
+from shared import telemetry
 from shared.auth import lease_secret
+from shared.bus import names
+from shared.bus.answer import handle
+from shared.bus.connect import publish
+from shared.bus.emit import emit
+from shared.bus.service import pull_loop
+from shared.bus.streams import cancel_consumer, dispatcher_consumer, ensure, ensure_consumer
 from shared.config import Settings
-from shared.connect import publish
 from shared.contracts import (
     JobSpec,
     RunRecord,
@@ -44,13 +49,9 @@ from shared.contracts.control import CancelRequest, Command
 from shared.contracts.events import Accepted, Cancelled, Rejected
 from shared.contracts.jobs import MAX_SPEC_BYTES
 from shared.errors import ContractError
-from shared.events import emit
-from shared.lease import lease_key
-from shared.outcome import handle
-from shared.pools import Pools, load_table
-from shared.runs import Runs
-from shared.service import pull_loop
-from shared.streams import cancel_consumer, dispatcher_consumer, ensure, ensure_consumer
+from shared.state.lease import lease_key
+from shared.state.pools import Pools, load_table
+from shared.state.runs import Runs
 
 log = logging.getLogger("baton.dispatcher")
 
@@ -62,7 +63,7 @@ class Dispatcher:
         self.settings = settings
         self.runs: Runs
         self.lease_secret = lease_secret()
-        """Keys each run's lease (`shared.lease.lease_key`), handed out in its tasks."""
+        """Keys each run's lease (`shared.state.lease.lease_key`), handed out in its tasks."""
 
     async def on_reconnect(self) -> None:
         return None  # pull consumers resume by themselves once NATS is back

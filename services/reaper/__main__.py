@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.reaper.service import Reaper
-from shared import service
+from shared.bus import service
 
 if __name__ == "__main__":
     service.main("reaper", lambda nc, settings, _signals: Reaper(nc, settings))

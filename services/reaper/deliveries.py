@@ -17,14 +17,14 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from shared import names
-from shared.connect import publish
+from shared.bus import names
+from shared.bus.answer import DeadLetter
+from shared.bus.connect import publish
+from shared.bus.emit import emit
 from shared.contracts import RunRecord, RunState, Task, decode, encode
 from shared.contracts.events import Failed
 from shared.errors import ContractError
-from shared.events import emit
-from shared.outcome import DeadLetter
-from shared.runs import Runs
+from shared.state.runs import Runs
 
 log = logging.getLogger("baton.reaper")
 

@@ -36,22 +36,23 @@ from nats.js.errors import NotFoundError
 
 from services.reaper.deliveries import on_advisory
 from services.reaper.sites import SiteWatch
-from shared import names, retention
 from shared.auth import lease_secret
+from shared.bus import names
+from shared.bus.answer import handle
+from shared.bus.connect import publish
+from shared.bus.emit import emit
+from shared.bus.service import pull_loop
+from shared.bus.streams import ensure, ensure_consumer, reaper_consumer
+from shared.checkpoint import retention
+from shared.checkpoint.store import open_store
 from shared.config import Settings
-from shared.connect import publish
 from shared.contracts import RunRecord, RunState, Task, encode
 from shared.contracts.control import Command, WorkerInfo
 from shared.contracts.events import Cancelled, Failed, Redispatched, RunWarning
-from shared.events import emit
-from shared.lease import holder as lease_holder
-from shared.lease import lease_key
-from shared.outcome import handle
-from shared.runs import Runs
-from shared.service import pull_loop
-from shared.store import open_store
-from shared.streams import ensure, ensure_consumer, reaper_consumer
-from shared.workers import live_workers
+from shared.state.lease import holder as lease_holder
+from shared.state.lease import lease_key
+from shared.state.runs import Runs
+from shared.state.workers import live_workers
 
 log = logging.getLogger("baton.reaper")
 

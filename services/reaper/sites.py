@@ -1,5 +1,5 @@
 """The reaper's watch over sites: attach each site's outbox to the hub's streams, and
-re-attach it the moment a link comes back (see `shared.sites` for why).
+re-attach it the moment a link comes back (see `shared.bus.sourcing` for why).
 
 Greetings arrive on core NATS; this keeps, per site, when the last one came. The first
 greeting from a site this reaper has not heard of, or after a silence longer than
@@ -29,7 +29,8 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 
-from shared import names, sites
+from shared.bus import names
+from shared.bus import sourcing as sites
 from shared.contracts import decode, encode
 from shared.contracts.sites import SiteHello, SiteRecord
 from shared.errors import ContractError

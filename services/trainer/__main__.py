@@ -9,7 +9,7 @@ those steps needs NATS. A second SIGTERM skips the wait; the child is killed eit
 from __future__ import annotations
 
 from services.trainer.service import Trainer
-from shared import service
+from shared.bus import service
 
 if __name__ == "__main__":
     service.main("trainer", lambda nc, settings, signals: Trainer(nc, settings, signals))

@@ -38,7 +38,11 @@ from opentelemetry import trace
 from services.trainer.child_proc import Child
 from services.trainer.commits import Commits
 from services.trainer.keeper import Keeper
-from shared import commit, names, telemetry
+from shared import telemetry
+from shared.bus import names
+from shared.bus.emit import emit
+from shared.checkpoint import commit
+from shared.checkpoint.store import Store
 from shared.config import Settings
 from shared.contracts import RunRecord, RunState, Task
 from shared.contracts.child import (
@@ -48,7 +52,7 @@ from shared.contracts.child import (
     Divergence,
     Finished,
     Launch,
-    Restored,
+    Loaded,
     StepDone,
 )
 from shared.contracts.events import (
@@ -61,14 +65,12 @@ from shared.contracts.events import (
     Fenced,
     Preempted,
     Progress,
+    Restored,
     Started,
 )
-from shared.contracts.events import Restored as RestoredEvent
-from shared.events import emit
-from shared.lease import Lease
-from shared.pools import Pools
-from shared.runs import Change, Runs
-from shared.store import Store
+from shared.state.lease import Lease
+from shared.state.pools import Pools
+from shared.state.runs import Change, Runs
 
 log = logging.getLogger("baton.trainer")
 
@@ -264,9 +266,9 @@ class Attempt:
 
     async def _read(self) -> Finished | None:
         async for msg in self.child.messages():
-            if isinstance(msg, Restored):
+            if isinstance(msg, Loaded):
                 self.step = msg.step
-                restored = RestoredEvent(
+                restored = Restored(
                     run_id=self.run_id, worker=self.worker, step=msg.step, damaged=msg.damaged
                 )
                 await self._emit(restored)

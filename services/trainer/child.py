@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from baton.context import RunContext
+from baton.runtime.context import RunContext
 from shared.contracts import decode, encode
 from shared.contracts.child import EXIT_BAD_LAUNCH, Control, Finished, FromChild, Launch
 

@@ -22,14 +22,16 @@ from nats.js import JetStreamContext
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from shared import commit, names, telemetry
-from shared.connect import publish
+from shared import telemetry
+from shared.bus import names
+from shared.bus.connect import publish
+from shared.checkpoint import commit
+from shared.checkpoint.store import Store
 from shared.contracts import CommitRequest, RunRecord, decode, encode
 from shared.contracts.child import CheckpointReady
 from shared.contracts.events import CheckpointCommitted, CommitRefused, Event
 from shared.errors import ContractError
-from shared.runs import Runs
-from shared.store import Store
+from shared.state.runs import Runs
 
 POLL_STORE_S = 2.0
 

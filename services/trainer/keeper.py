@@ -17,12 +17,13 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from shared import commit, telemetry
+from shared import telemetry
+from shared.checkpoint import commit
+from shared.checkpoint.store import Store
 from shared.contracts import RunRecord
 from shared.contracts.child import Control
-from shared.lease import Lease
-from shared.runs import Runs
-from shared.store import Store
+from shared.state.lease import Lease
+from shared.state.runs import Runs
 
 log = logging.getLogger("baton.trainer")
 

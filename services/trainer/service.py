@@ -36,21 +36,22 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from services.trainer.attempt import Attempt, Outcome
 from services.trainer.child_proc import Child
-from shared import names, telemetry
+from shared import telemetry
+from shared.bus import names
+from shared.bus.answer import dead_letter
+from shared.bus.connect import publish
+from shared.bus.emit import emit
+from shared.bus.service import StopSignals, pull_loop
+from shared.bus.streams import ensure_consumer, trainer_consumer
+from shared.checkpoint.store import Store, open_store
 from shared.config import Settings
-from shared.connect import publish
 from shared.contracts import RunRecord, RunState, Task, decode, encode
 from shared.contracts.control import Command, WorkerInfo
 from shared.contracts.events import Cancelled, Failed
 from shared.errors import ContractError
-from shared.events import emit
-from shared.lease import Lease
-from shared.outcome import dead_letter
-from shared.pools import Pools, load_table
-from shared.runs import Runs
-from shared.service import StopSignals, pull_loop
-from shared.store import Store, open_store
-from shared.streams import ensure_consumer, trainer_consumer
+from shared.state.lease import Lease
+from shared.state.pools import Pools, load_table
+from shared.state.runs import Runs
 
 log = logging.getLogger("baton.trainer")
 

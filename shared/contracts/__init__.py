@@ -3,7 +3,7 @@
 from shared.contracts.checkpoints import CommitRequest, FileRef, Manifest, Pointer
 from shared.contracts.codec import convert, decode, encode
 from shared.contracts.jobs import CheckpointPolicy, JobSpec, Limits, job_schema
-from shared.contracts.runs import RunRecord, RunState, run_id_for, spec_hash
+from shared.contracts.records import RunRecord, RunState, run_id_for, spec_hash
 from shared.contracts.tasks import Task
 
 __all__ = [

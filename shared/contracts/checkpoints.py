@@ -31,7 +31,7 @@ class CommitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     final: bool = False
     metrics: dict[str, float] = {}
     digest: str = ""
-    """sha256 over the model tensors in name order (see `shared.digest`)."""
+    """sha256 over the model tensors in name order (see `shared.checkpoint.digest`)."""
     keep_last: Annotated[int, Meta(ge=1)] = 3
     """The job's retention: committed checkpoints to keep besides pinned and final ones."""
 

@@ -40,7 +40,7 @@ class Control(_Msg, tag="control", frozen=True):
 # child -> parent
 
 
-class Restored(_Msg, tag="restored", frozen=True):
+class Loaded(_Msg, tag="loaded", frozen=True):
     """Where the attempt really starts: the newest checkpoint that verified, after skipping
     the `damaged` ones (steps whose files no longer match their manifest)."""
 
@@ -66,7 +66,7 @@ class CheckpointReady(_Msg, tag="checkpoint", frozen=True):
 
 class Divergence(_Msg, tag="divergence", frozen=True):
     """A resumed attempt's step reported a metric that differs, bit for bit, from what an
-    earlier attempt reported at the same step after the same checkpoint (`baton.witness`).
+    earlier attempt reported at the same step after the same checkpoint (`baton.runtime.witness`).
     Values are `repr()`s of the floats: exact, and NaN survives JSON."""
 
     checkpoint: int
@@ -83,4 +83,4 @@ class Finished(_Msg, tag="finished", frozen=True):
 
 
 ToChild = Launch | Control
-FromChild = Restored | StepDone | CheckpointReady | Divergence | Finished
+FromChild = Loaded | StepDone | CheckpointReady | Divergence | Finished

@@ -19,5 +19,5 @@ class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     dispatch: Annotated[int, Meta(ge=1)] = 1
     lease_key: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,200}$")] | None = None
     """The run's key in the leases bucket, when the hub keys leases by a secret
-    (`shared.lease.lease_key`): only a trainer handed this task can name — and so write —
+    (`shared.state.lease.lease_key`): only a trainer handed this task can name — and so write —
     the run's lease. None: the run id is the key."""

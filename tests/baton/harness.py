@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from baton.context import RunContext
-from shared import commit
+from baton.runtime.context import RunContext
+from shared.checkpoint import commit
+from shared.checkpoint.store.file import FileStore
 from shared.contracts import CommitRequest, JobSpec, Task, convert
 from shared.contracts.child import CheckpointReady, Divergence, FromChild
-from shared.store.file import FileStore
 
 RUN = "r1"
 

@@ -13,8 +13,10 @@ import pytest
 
 from baton.cli.client import CliError
 from baton.cli.report import attempts_of, collect, render
-from shared import streams
-from shared.connect import connect
+from baton.stack.natsserver import NatsServer
+from shared.bus import streams
+from shared.bus.connect import connect
+from shared.bus.emit import emit
 from shared.contracts import JobSpec, RunRecord, RunState
 from shared.contracts.events import (
     Accepted,
@@ -29,8 +31,6 @@ from shared.contracts.events import (
     RunWarning,
     Started,
 )
-from shared.events import emit
-from shared.natsserver import NatsServer
 
 RUN = "r0123456789abcdef0123"
 DIGEST = "3fa9c1e2" + "0" * 56

@@ -13,13 +13,13 @@ import pytest
 from rich.console import Console
 
 from baton.cli import watch
-from shared import streams
-from shared.connect import connect
+from baton.stack.natsserver import NatsServer
+from shared.bus import streams
+from shared.bus.connect import connect
+from shared.bus.emit import emit
 from shared.contracts import JobSpec, RunRecord, RunState
 from shared.contracts.events import Completed, Progress, Started
-from shared.events import emit
-from shared.natsserver import NatsServer
-from shared.runs import Runs
+from shared.state.runs import Runs
 
 RUN = "r0123456789abcdef0000"
 

@@ -20,8 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from shared.natsserver import find_binary
-from shared.procs import open_log
+from baton.stack.natsserver import find_binary
+from baton.stack.procs import open_log
 
 REPO = Path(__file__).resolve().parents[2]
 NATS_DIR = REPO / "deploy" / "nats"

@@ -21,14 +21,14 @@ import yaml
 from typer.testing import CliRunner
 
 from baton.cli.app import SERVICES, app
-from shared import names
+from shared.bus import names
 from tests.deploy.natsconf import CERT_SCRIPT, NATS_DIR, REPO, listeners, strip_comments
 
 COMPOSE: dict[str, Any] = yaml.safe_load((REPO / "compose.yaml").read_text())
 SVC: dict[str, dict[str, Any]] = COMPOSE["services"]
 CERTS_OUT = Path("deploy/certs/out")
 
-# Read by Baton outside shared/config.py: the S3 store (shared/store/s3.py) and
+# Read by Baton outside shared/config.py: the S3 store (shared/checkpoint/store/s3.py) and
 # OpenTelemetry (shared/telemetry.py: OTEL_EXPORTER_OTLP_* and the SDK's OTEL_*).
 S3_ENV = {
     "BATON_S3_ENDPOINT",
@@ -281,9 +281,9 @@ def test_dev_configs_pair_up() -> None:
 
 
 def test_the_servers_baton_starts_match_the_dev_configs() -> None:
-    """`baton up` and the tests run `shared.natsconf`; compose runs deploy/nats. They must
+    """`baton up` and the tests run `baton.stack.natsconf`; compose runs deploy/nats. They must
     agree on what makes the hub/site protocol work."""
-    from shared import natsconf
+    from baton.stack import natsconf
 
     def settings(text: str) -> dict[str, str]:
         body = strip_comments(text)

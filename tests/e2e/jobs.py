@@ -13,7 +13,7 @@ from nats.aio.client import Client
 from baton.cli import client
 from shared.contracts import JobSpec, RunRecord, convert
 from shared.contracts.events import Event
-from shared.runs import Runs
+from shared.state.runs import Runs
 from tests.support.stack import eventually
 
 E = TypeVar("E")

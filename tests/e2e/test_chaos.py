@@ -23,12 +23,12 @@ import pytest
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from shared import names
+from shared.bus import names
 from shared.contracts import JobSpec, RunState, decode
 from shared.contracts.control import WorkerInfo
 from shared.contracts.events import Completed, Fenced, Progress, Redispatched, Restored, Started
-from shared.lease import holder
-from shared.workers import live_workers
+from shared.state.lease import holder
+from shared.state.workers import live_workers
 from tests.e2e.jobs import EventLog, finished, job, submit
 from tests.support.sites import Site, stored
 from tests.support.stack import Stack, eventually

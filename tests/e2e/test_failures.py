@@ -14,7 +14,10 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from shared import commit, names
+from shared.bus import names
+from shared.checkpoint import commit
+from shared.checkpoint.store import open_store
+from shared.checkpoint.store.base import sha256_file
 from shared.contracts import CommitRequest, FileRef, JobSpec, Pointer, RunState, decode, encode
 from shared.contracts.events import (
     CheckpointCommitted,
@@ -26,8 +29,6 @@ from shared.contracts.events import (
     Restored,
     Started,
 )
-from shared.store import open_store
-from shared.store.base import sha256_file
 from tests.e2e.jobs import EventLog, finished, job, submit
 from tests.support.proxy import Proxy
 from tests.support.stack import Stack, alive, children_of, eventually

@@ -21,7 +21,7 @@ import nats
 import nats.errors
 import pytest
 
-from shared import names
+from shared.bus import names
 from shared.contracts import RunState, run_id_for
 from shared.contracts.events import Accepted
 from tests.e2e.jobs import finished, history

@@ -11,7 +11,10 @@ from typing import Any
 import pytest
 
 from baton.cli import client
-from shared import commit, names, retention
+from shared.bus import names
+from shared.bus.answer import DeadLetter
+from shared.checkpoint import commit, retention
+from shared.checkpoint.store import open_store
 from shared.contracts import RunState, decode, run_id_for
 from shared.contracts.events import (
     AttemptFailed,
@@ -24,9 +27,7 @@ from shared.contracts.events import (
     RunWarning,
     Started,
 )
-from shared.lease import Lease, is_held
-from shared.outcome import DeadLetter
-from shared.store import open_store
+from shared.state.lease import Lease, is_held
 from tests.e2e.jobs import EventLog, finished, history, job, submit
 from tests.support.stack import Stack, eventually, training_processes
 
@@ -230,7 +231,7 @@ async def test_retention_under_a_fast_cadence_keeps_the_last_k(tmp_path: Path) -
         await s.start()
         nc = await s.client()
         # A periodic checkpoint due while the previous write is in flight is postponed
-        # (baton.snapshot), so the cadence leaves each tiny write many times what it needs.
+        # (baton.runtime.snapshot), so the cadence leaves each tiny write many times what it needs.
         quick = {"total_steps": 60, "checkpoint": {"every_steps": 2, "keep_last": 2}}
         reference = await finished(
             nc, await submit(nc, spec("paced", **quick, config={"pace": 0.02}))

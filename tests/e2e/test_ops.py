@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from shared import names
+from shared.bus import names
 from shared.contracts import RunState, run_id_for
 from tests.e2e.jobs import finished, job, submit
 from tests.support.stack import REPO, Stack, eventually

@@ -19,9 +19,9 @@ import pytest
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from shared import names
+from shared.bus import names
+from shared.checkpoint.store import open_store
 from shared.contracts import RunState
-from shared.store import open_store
 from tests.e2e.jobs import finished, job, submit
 from tests.support.seaweed import SeaweedS3
 from tests.support.sites import Site

@@ -9,11 +9,12 @@ import jsonschema
 from safetensors.torch import load_file
 
 from baton.cli import client
-from shared import commit, names
+from shared.bus import names
+from shared.checkpoint import commit
+from shared.checkpoint.digest import weights_digest
+from shared.checkpoint.store import open_store
 from shared.contracts import RunState, job_schema, run_id_for
 from shared.contracts.events import CheckpointCommitted, Completed, Progress, Rejected
-from shared.digest import weights_digest
-from shared.store import open_store
 from tests.e2e.jobs import finished, history, job, submit
 from tests.support.stack import Stack, eventually
 

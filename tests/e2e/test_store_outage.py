@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from shared import commit
+from shared.checkpoint import commit
+from shared.checkpoint.store import open_store
 from shared.contracts import JobSpec, RunState
 from shared.contracts.events import CheckpointCommitted, CommitRefused, Progress, Started
-from shared.store import open_store
 from tests.e2e.jobs import EventLog, finished, job, submit
 from tests.support.seaweed import SeaweedS3
 from tests.support.stack import Stack, eventually

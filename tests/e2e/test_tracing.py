@@ -21,15 +21,15 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from baton.cli import client
+from baton.stack.natsserver import NatsServer
 from services.checkpointer.service import Checkpointer
 from services.dispatcher.service import Dispatcher
 from services.trainer.service import Trainer
 from shared import config, telemetry
-from shared.connect import connect
+from shared.bus.connect import connect
+from shared.bus.service import StopSignals
 from shared.contracts import JobSpec, RunState, convert
 from shared.contracts.events import Accepted
-from shared.natsserver import NatsServer
-from shared.service import StopSignals
 from tests.e2e.jobs import finished
 from tests.support.stack import eventually
 
@@ -179,7 +179,7 @@ async def test_a_run_is_one_trace_with_linked_spans(stack: Services) -> None:
     assert parent_of(attempt) == dispatch.context.span_id
     steps = sorted(attr(s, "baton.step") for s in commits)
     # Every 10 steps, but a periodic checkpoint due while the previous one is still being
-    # written is postponed (baton/snapshot.py), so on a busy machine 20 may move or merge
+    # written is postponed (baton/runtime/snapshot.py), so on a busy machine 20 may move or merge
     # into the final one.
     assert steps[0] == 10 and steps[-1] == 30 and len(set(steps)) == len(steps), steps
     assert all(parent_of(c) == attempt.context.span_id for c in commits)

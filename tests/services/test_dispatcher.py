@@ -9,11 +9,12 @@ from nats.aio.client import Client
 
 from baton.cli import client
 from services.dispatcher.service import Dispatcher
-from shared import config, names
+from shared import config
+from shared.bus import names
+from shared.bus.answer import DeadLetter
 from shared.contracts import decode, run_id_for
 from shared.contracts.events import Accepted, Event, Rejected
-from shared.outcome import DeadLetter
-from shared.runs import Runs
+from shared.state.runs import Runs
 from tests.support.stack import eventually
 
 GOOD = {"name": "t", "entry_point": "examples.regression:train", "total_steps": 10}

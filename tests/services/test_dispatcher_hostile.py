@@ -22,13 +22,14 @@ from hypothesis import strategies as st
 from nats.aio.client import Client
 
 from services.dispatcher.service import Dispatcher
-from shared import config, names
+from shared import config
+from shared.bus import names
+from shared.bus.answer import DeadLetter
+from shared.bus.streams import MAX_MSG_BYTES
 from shared.contracts import JobSpec, decode, run_id_for
 from shared.contracts.jobs import MAX_SPEC_BYTES
 from shared.errors import ContractError
-from shared.outcome import DeadLetter
-from shared.runs import Runs
-from shared.streams import MAX_MSG_BYTES
+from shared.state.runs import Runs
 
 GOOD: dict[str, Any] = {"name": "t", "entry_point": "examples.regression:train", "total_steps": 3}
 # Room left under the server's message size limit for the headers of a submission.

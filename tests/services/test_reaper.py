@@ -9,10 +9,11 @@ from pathlib import Path
 from nats.aio.client import Client
 
 from services.reaper.service import Reaper
-from shared import config, names
+from shared import config
+from shared.bus import names
 from shared.contracts import JobSpec, RunRecord, RunState, convert, encode, spec_hash
-from shared.lease import Lease
-from shared.runs import Runs
+from shared.state.lease import Lease
+from shared.state.runs import Runs
 from tests.support.stack import eventually
 
 SPEC = convert({"name": "t", "entry_point": "m:f", "total_steps": 5}, JobSpec)

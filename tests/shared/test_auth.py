@@ -13,11 +13,12 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from baton.stack import StackOptions, nats_server, operator_options, user_of, vault
-from shared import auth, names
+from baton.stack.embedded import StackOptions, nats_server, operator_options, user_of, vault
+from baton.stack.natsserver import NatsServer
+from shared import auth
+from shared.bus import names
+from shared.bus.streams import ensure, ensure_site
 from shared.contracts import encode
-from shared.natsserver import NatsServer
-from shared.streams import ensure, ensure_site
 from tests.support.stack import eventually
 
 
@@ -126,7 +127,7 @@ async def test_a_trainer_cannot_write_what_is_not_its_to_write(servers: Servers)
 async def test_a_trainer_can_write_only_the_lease_of_a_run_it_was_handed(
     servers: Servers,
 ) -> None:
-    from shared.lease import Lease, holder, lease_key
+    from shared.state.lease import Lease, holder, lease_key
 
     secret = b"the hub's lease secret"
     handed, other = "r1", "r2"
@@ -239,7 +240,7 @@ async def test_generated_credentials_are_owner_only(servers: Servers) -> None:
 
 
 async def test_wrong_credentials_fail_fast_with_a_clear_error(servers: Servers) -> None:
-    from shared.connect import connect
+    from shared.bus.connect import connect
     from shared.errors import ConfigError
 
     with pytest.raises(ConfigError, match="refused the credentials"):

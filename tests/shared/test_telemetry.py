@@ -15,7 +15,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from shared import telemetry
-from shared.connect import publish
+from shared.bus.connect import publish
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -17,10 +17,16 @@ from typing import TypeVar
 import msgspec
 from nats.aio.client import Client
 
-from baton.stack import StackOptions, nats_server, operator_options, service_specs, stop_order
-from shared.connect import connect
-from shared.natsserver import NatsServer
-from shared.procs import ServiceSpec, Supervisor
+from baton.stack.embedded import (
+    StackOptions,
+    nats_server,
+    operator_options,
+    service_specs,
+    stop_order,
+)
+from baton.stack.natsserver import NatsServer
+from baton.stack.procs import ServiceSpec, Supervisor
+from shared.bus.connect import connect
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +71,7 @@ class Stack:
 
     def lease_key(self, run_id: str) -> str:
         """Where the run's lease lives (the stack's lease secret keys it)."""
-        from shared.lease import lease_key
+        from shared.state.lease import lease_key
 
         secret = self.root / "auth" / "lease.secret"
         return lease_key(run_id, secret.read_bytes().strip() if secret.exists() else None)
@@ -89,7 +95,7 @@ class Stack:
         """Wait until the services have declared their streams and consumers."""
         from nats.js.errors import NotFoundError
 
-        from shared import names
+        from shared.bus import names
 
         nc = await self.client()
         js = nc.jetstream()

@@ -1,0 +1,382 @@
+"""`baton up`: the whole stack on one machine — or one site of it.
+
+An embedded nats-server (JetStream, loopback only), a `file://` store, and the services as
+supervised child processes: dispatcher, checkpointer, reaper and N trainers. The server is
+the hub (JetStream domain `hub`) and listens for sites on a WebSocket port.
+
+With `site`, it is a site instead: a leaf nats-server in the site's own domain that dials
+the hub's WebSocket, the site's checkpointer, and N trainers that take the hub's work. A site
+shares the hub's store (`store`), since either may resume the other's runs.
+
+Everything lives under one data directory:
+
+    <data>/nats   server config, log and JetStream store
+    <data>/store  checkpoints (the `file://` object store)
+    <data>/logs   one log per service
+    <data>/run    pid files, `stack.json` (present while the stack runs), `stack.lock`
+    <data>/work   per-trainer scratch
+    <data>/auth   generated NATS credentials, one owner-only file per user
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from baton.stack.natsconf import hub_fragment, leaf_fragment
+from baton.stack.natsserver import NatsServer, NatsServerError
+from baton.stack.procs import (
+    SERVICE_GRACE_S,
+    TRAINER_GRACE_S,
+    ServiceSpec,
+    StopGroup,
+    Supervisor,
+    install_stop_signals,
+    remove_stop_signals,
+)
+from shared.auth import (
+    HUB_ROLES,
+    SITE_ROLES,
+    Vault,
+    authorization,
+    hub_permissions,
+    options_for,
+    read_env_file,
+    site_link,
+    site_permissions,
+    submitter_permissions,
+)
+from shared.bus import names
+from shared.config import Settings
+
+log = logging.getLogger("baton.stack")
+
+# The server must outlive every service's shutdown (trainers commit through it), so it only
+# gets its own, short, grace once they are all gone.
+NATS_STOP_TIMEOUT_S = 10.0
+# What the trainers take by default; TRAINER_GRACE_S is that plus a margin.
+DEFAULT_TRAINER_CHECKPOINT_S: float = Settings().grace_s
+# A crash-looping server gets the same patience as a crash-looping service.
+NATS_RESTART_DELAY_S = 1.0
+
+
+class StackOptions(msgspec.Struct, kw_only=True):
+    data_dir: Path = Path(".baton")
+    port: int = 4222
+    """0: any free port."""
+    trainers: int = 2
+    pool: str = "default"
+    lease_ttl: int | None = None
+    """Seconds; None leaves the services' default (`BATON_LEASE_TTL`)."""
+    extra_env: dict[str, str] = {}
+    """Laid over every service's environment, after Baton's own variables."""
+    ws_port: int = 8080
+    """The hub's WebSocket port for sites, on 127.0.0.1 (0: any free port)."""
+    site: str = ""
+    """Run a site of this name instead of the hub."""
+    hub_url: str = ""
+    """A site's way to the hub: its WebSocket URL (`ws://…` or `wss://…`)."""
+    store: str = ""
+    """The store URL; default `file://<data_dir>/store`. A site must name the hub's."""
+    auth: bool = True
+    """Users per role with least privilege (`shared.auth`); passwords generated into
+    `<data_dir>/auth`, owner-only."""
+    sites: tuple[str, ...] = ()
+    """At the hub, with auth: the sites allowed to join (each gets a link user)."""
+    submitters: tuple[str, ...] = ()
+    """At the hub, with auth: submitter users besides `submitter`, each owning its runs."""
+    hub_auth: str = ""
+    """At a site, with auth: the file holding the site's link credentials, which the hub
+    generated (`<hub data>/auth/site-<name>.env`)."""
+
+
+SpecBuilder = Callable[[StackOptions, str], list[ServiceSpec]]
+
+
+def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
+    """Dispatcher, checkpointer, reaper and the trainers, in start order; at a site, its
+    checkpointer and trainers (named after the site: worker names are unique system-wide)."""
+    data = opts.data_dir.absolute()
+    trainer = f"{opts.site}-trainer" if opts.site else "trainer"
+    services = ["checkpointer"] if opts.site else ["dispatcher", "checkpointer", "reaper"]
+    services += [f"{trainer}-{i}" for i in range(1, opts.trainers + 1)]
+    specs = []
+    for name in services:
+        module = "services.trainer" if _is_trainer(name) else f"services.{name}"
+        env = {
+            "NATS_URL": nats_url,
+            "BATON_STORE": store_url(opts),
+            "BATON_WORK_DIR": str(data / "work" / name),
+            "BATON_WORKER_ID": name,
+            "BATON_POOL": opts.pool,
+            "PYTHONUNBUFFERED": "1",
+        }
+        if pythonpath := _pythonpath():
+            env["PYTHONPATH"] = pythonpath
+        if opts.lease_ttl is not None:
+            env["BATON_LEASE_TTL"] = str(opts.lease_ttl)
+        if opts.site:
+            env["BATON_SITE"] = opts.site
+        if (v := vault(opts)) is not None:
+            # A path, not the password: the environment is copied to more places.
+            user = user_of(opts, "trainer" if _is_trainer(name) else name)
+            v.get(user)
+            env["NATS_AUTH_FILE"] = str(v.root / f"{user}.env")
+            if name in ("dispatcher", "reaper"):
+                # They key the runs' leases (shared/state/lease.py); no one else may know how.
+                env["BATON_LEASE_SECRET_FILE"] = str(v.secret("lease"))
+        env.update(opts.extra_env)
+        # The user's cwd, so that entry points `module:function` next to them import.
+        specs.append(
+            ServiceSpec(name=name, argv=[sys.executable, "-m", module], env=env, cwd=os.getcwd())
+        )
+    return specs
+
+
+def _pythonpath() -> str:
+    """Run from a checkout that is not pip-installed, the services must still import from
+    the same tree as this module. (`-m` puts the cwd first, so user entry points win.)"""
+    root = Path(__file__).resolve().parents[1]
+    parts = [str(root)] if (root / "services" / "__init__.py").is_file() else []
+    if existing := os.environ.get("PYTHONPATH"):
+        parts.append(existing)
+    return os.pathsep.join(parts)
+
+
+def store_url(opts: StackOptions) -> str:
+    return opts.store or f"file://{opts.data_dir.absolute() / 'store'}"
+
+
+def _is_trainer(name: str) -> bool:
+    return "trainer-" in name
+
+
+def vault(opts: StackOptions) -> Vault | None:
+    return Vault(opts.data_dir.absolute() / "auth") if opts.auth else None
+
+
+def user_of(opts: StackOptions, role: str) -> str:
+    """The NATS user a role connects as: the role at the hub, `<site>-<role>` at a site."""
+    return f"{opts.site}-{role}" if opts.site else role
+
+
+def operator_options(opts: StackOptions) -> dict[str, Any]:
+    """Client options for the stack's operator (none without auth)."""
+    v = vault(opts)
+    return options_for(v.get(user_of(opts, "operator"))) if v else {}
+
+
+def _authorization(opts: StackOptions, v: Vault) -> str:
+    if opts.site:
+        return authorization(
+            [(v.get(user_of(opts, r)), site_permissions(r, opts.site)) for r in SITE_ROLES]
+        )
+    users = [(v.get(r), hub_permissions(r)) for r in HUB_ROLES]
+    users += [(v.get(u), submitter_permissions(u)) for u in opts.submitters]
+    users += [(v.get(f"site-{s}"), site_link(s)) for s in opts.sites]
+    return authorization(users)
+
+
+def nats_server(
+    opts: StackOptions, stop_timeout_s: float = 10.0, http_port: int | None = None
+) -> NatsServer:
+    """The hub's server, or a site's leaf node. `http_port` turns monitoring on."""
+    data = opts.data_dir.absolute()
+    v = vault(opts)
+    auth = _authorization(opts, v) if v else ""
+    probe = operator_options(opts)
+    if opts.site:
+        hub_url = opts.hub_url
+        if v is not None:
+            link = read_env_file(Path(opts.hub_auth))
+            scheme, _, rest = hub_url.partition("://")
+            hub_url = f"{scheme}://{link.user}:{link.password}@{rest}"
+        return NatsServer(
+            data / "nats", port=opts.port, server_name=opts.site, domain=opts.site,
+            extra_config=leaf_fragment(hub_url) + "\n" + auth, stop_timeout_s=stop_timeout_s,
+            http_port=http_port, probe=probe,
+        )  # fmt: skip
+    return NatsServer(
+        data / "nats", port=opts.port, domain=names.HUB_DOMAIN, ws_port=opts.ws_port,
+        extra_config=hub_fragment() + "\n" + auth, stop_timeout_s=stop_timeout_s,
+        http_port=http_port, probe=probe,
+    )  # fmt: skip
+
+
+def stop_order(specs: list[ServiceSpec]) -> list[StopGroup]:
+    """Trainers first: on SIGTERM each checkpoints its run, and committing that checkpoint
+    needs NATS and a live checkpointer, so those must still be there. Then the dispatcher and
+    the checkpointer, which by then have nothing left to serve. (The NATS server goes last,
+    after the supervisor is done.)"""
+    trainers = [s for s in specs if _is_trainer(s.name)]
+    others = [s.name for s in specs if not _is_trainer(s.name)]
+    grace = max([TRAINER_GRACE_S, *(_trainer_grace(s) for s in trainers)])
+    return [StopGroup([s.name for s in trainers], grace), StopGroup(others, SERVICE_GRACE_S)]
+
+
+def _trainer_grace(spec: ServiceSpec) -> float:
+    """A trainer told (by `BATON_GRACE`) to take longer than the default to checkpoint must
+    not be SIGKILLed by us before its own deadline."""
+    raw = spec.env.get("BATON_GRACE", os.environ.get("BATON_GRACE"))
+    try:
+        return float(raw) + TRAINER_GRACE_S - DEFAULT_TRAINER_CHECKPOINT_S if raw else 0.0
+    except ValueError:
+        return 0.0
+
+
+async def run_stack(
+    opts: StackOptions,
+    *,
+    stop: asyncio.Event | None = None,
+    hurry: asyncio.Event | None = None,
+    build_specs: SpecBuilder = service_specs,
+    out: IO[str] | None = None,
+) -> int:
+    """Run the stack until SIGINT/SIGTERM, or until `stop` is set when one is given (then no
+    signal handlers are installed and `hurry` plays the second signal). A second signal
+    skips the grace periods. Returns the exit status for the CLI: 0 after a clean stop, 1
+    when the stack could not start or lost its NATS server for good."""
+    out = out if out is not None else sys.stdout
+    data = opts.data_dir.absolute()
+    for sub in ("nats", "store", "logs", "run", "work"):
+        (data / sub).mkdir(parents=True, exist_ok=True)
+    try:
+        lock = _lock(data / "run" / "stack.lock")
+    except BlockingIOError:
+        print(f"error: a stack is already running on {data}", file=sys.stderr, flush=True)
+        return 1
+
+    loop = asyncio.get_running_loop()
+    hurry = hurry if hurry is not None else asyncio.Event()
+    own_signals = stop is None
+    stop = stop if stop is not None else asyncio.Event()
+    if own_signals:
+        install_stop_signals(loop, stop, hurry)
+
+    server = nats_server(opts, NATS_STOP_TIMEOUT_S)
+    supervisor = Supervisor(data / "logs", data / "run")
+    specs: list[ServiceSpec] = []
+    stack_json = data / "run" / "stack.json"
+    try:
+        try:
+            await server.start()
+            specs = build_specs(opts, server.url)
+            await supervisor.start_all(specs)
+        except (NatsServerError, OSError) as exc:
+            print(f"error: the stack did not start: {exc}", file=sys.stderr, flush=True)
+            return 1
+        sites_url = (server.ports.get("websocket") or [""])[0]
+        _write_json(
+            stack_json,
+            {
+                "nats_url": server.url,
+                "site": opts.site,
+                "sites_url": sites_url,
+                "store_url": store_url(opts),
+                "pids": {"supervisor": os.getpid(), "nats-server": server.pid, **supervisor.pids()},
+                "started_at": time.time(),
+            },
+        )
+        print(f"nats: {server.url}", file=out)
+        if opts.site:
+            print(f"site: {opts.site} (leaf of {opts.hub_url})", file=out)
+        else:
+            print(f"sites join at: {sites_url}", file=out)
+        print(f"store: {store_url(opts)}", file=out)
+        if (v := vault(opts)) is not None:
+            print(f"auth: on; credentials in {v.root} (the CLI's: operator.env)", file=out)
+        print(f"logs: {data / 'logs'}", file=out, flush=True)
+        try:
+            await _serve(server, stop)
+            print(
+                "stopping: trainers first, to let them checkpoint (signal again to skip)",
+                file=sys.stderr,
+                flush=True,
+            )
+        except NatsServerError as exc:
+            print(f"error: nats-server could not be restarted: {exc}", file=sys.stderr, flush=True)
+            return 1
+        return 0
+    finally:
+        await _uncancellable(_shutdown(supervisor, server, specs, hurry))
+        with contextlib.suppress(FileNotFoundError):
+            stack_json.unlink()
+        if own_signals:
+            remove_stop_signals(loop)
+        lock.close()
+
+
+async def _serve(server: NatsServer, stop: asyncio.Event) -> None:
+    """Wait for the stop request; bring the server back if it dies meanwhile, since the
+    services only reconnect to it, they cannot replace it."""
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        while not stop.is_set():
+            died = asyncio.create_task(server.wait())
+            await asyncio.wait([stopping, died], return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set():
+                died.cancel()
+                break
+            log.warning("nats-server exited with %s; restarting it", server.returncode)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), NATS_RESTART_DELAY_S)
+            if not stop.is_set():
+                await server.start()
+    finally:
+        stopping.cancel()
+
+
+async def _shutdown(
+    supervisor: Supervisor, server: NatsServer, specs: list[ServiceSpec], hurry: asyncio.Event
+) -> None:
+    try:
+        await supervisor.stop(stop_order(specs), hurry=hurry)
+    finally:
+        if hurry.is_set():
+            await server.kill()
+        else:
+            await server.stop()
+
+
+async def _uncancellable(coro: Coroutine[Any, Any, None]) -> None:
+    """Run `coro` to its end even if our caller is cancelled meanwhile (an interrupted
+    shutdown is exactly how orphans are made), then pass the cancellation on."""
+    task = asyncio.create_task(coro)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    task.result()
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+def _lock(path: Path) -> IO[str]:
+    """Two stacks on one data dir would share a JetStream store and the pid files. A lock,
+    not a pid check, because the kernel drops it when its holder dies, even by SIGKILL."""
+    fh = open(path, "a")  # noqa: SIM115 - held open for as long as the stack runs
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        fh.close()
+        raise
+    return fh
+
+
+def _write_json(path: Path, value: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,167 @@
+"""Every subject, stream, consumer and bucket name Baton uses, in one place.
+
+Subjects carry the run id as a token wherever a message belongs to one run, so that a
+single run's traffic can be filtered, looked up (`get_last_msg`) or purged without
+scanning a stream.
+"""
+
+from __future__ import annotations
+
+PREFIX = "baton"
+
+# Streams.
+SUBMIT_STREAM = "BATON_SUBMIT"
+TASKS_STREAM = "BATON_TASKS"
+EVENTS_STREAM = "BATON_EVENTS"
+CKPT_STREAM = "BATON_CKPT"
+DLQ_STREAM = "BATON_DLQ"
+CANCEL_STREAM = "BATON_CANCEL"
+LOGS_STREAM = "BATON_LOGS"
+ADVISORY_STREAM = "BATON_ADVISORIES"
+# In a site's own JetStream domain: everything the site sends to the hub, kept there until
+# the hub's streams have sourced it (see `shared.bus.sourcing`). The site's commit requests live in
+# a site-domain stream named CKPT_STREAM too, with site subjects.
+OUTBOX_STREAM = "BATON_OUTBOX"
+
+# JetStream domain of the hub, as sites address it.
+HUB_DOMAIN = "hub"
+
+# KV buckets.
+RUNS_BUCKET = "baton_runs"
+LEASES_BUCKET = "baton_leases"
+WORKERS_BUCKET = "baton_workers"
+POOLS_BUCKET = "baton_pools"
+SITES_BUCKET = "baton_sites"
+
+# Durable consumers.
+DISPATCHER_CONSUMER = "dispatcher"
+CHECKPOINTER_CONSUMER = "checkpointer"
+CANCEL_CONSUMER = "dispatcher-cancel"
+REAPER_CONSUMER = "reaper"
+
+# Subject roots, used as stream subjects and consumer filters.
+SUBMIT_ALL = f"{PREFIX}.submit.>"
+TASKS_ALL = f"{PREFIX}.tasks.>"
+EVENTS_ALL = f"{PREFIX}.events.>"
+CKPT_ALL = f"{PREFIX}.ckpt.>"
+DLQ_ALL = f"{PREFIX}.dlq.>"
+CANCEL_ALL = f"{PREFIX}.cancel.>"
+LOGS_ALL = f"{PREFIX}.logs.>"
+# JetStream's own advisory when a message has used up its deliveries, for our work queues
+# (wildcards match whole tokens only, so each stream is named).
+MAX_DELIVERIES_ADVISORIES = [
+    f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.*"
+    for stream in (SUBMIT_STREAM, TASKS_STREAM, CKPT_STREAM, CANCEL_STREAM)
+]
+
+
+def submit_subject(pool: str, owner: str = "") -> str:
+    """Where jobs for `pool` are submitted; a submitter's subject ends in its own name,
+    which the servers enforce, so the dispatcher can trust it as the runs' owner."""
+    return f"{PREFIX}.submit.{pool}.{owner}" if owner else f"{PREFIX}.submit.{pool}"
+
+
+def task_subject(pool: str, run_id: str) -> str:
+    return f"{PREFIX}.tasks.{pool}.{run_id}"
+
+
+def tasks_of_pool(pool: str) -> str:
+    return f"{PREFIX}.tasks.{pool}.>"  # run ids may have two tokens (`owner.r…`)
+
+
+def trainer_consumer(pool: str) -> str:
+    return f"trainer-{pool}"
+
+
+def event_subject(run_id: str, kind: str) -> str:
+    return f"{PREFIX}.events.{run_id}.{kind}"
+
+
+def events_of_run(run_id: str) -> str:
+    return f"{PREFIX}.events.{run_id}.*"
+
+
+def commit_subject(run_id: str) -> str:
+    return f"{PREFIX}.ckpt.commit.{run_id}"
+
+
+def cancel_subject(run_id: str) -> str:
+    return f"{PREFIX}.cancel.{run_id}"
+
+
+def logs_subject(run_id: str) -> str:
+    """The entry point's stdout and stderr, as the trainer captured them."""
+    return f"{PREFIX}.logs.{run_id}"
+
+
+def dlq_subject(source: str) -> str:
+    return f"{PREFIX}.dlq.{source}"
+
+
+def control_subject(worker_id: str) -> str:
+    """Where a trainer listens for commands addressed to it (cancel, kill)."""
+    return f"{PREFIX}.control.{worker_id}"
+
+
+ALL_STREAMS = (
+    "BATON_SUBMIT",
+    "BATON_TASKS",
+    "BATON_CKPT",
+    "BATON_CANCEL",
+    "BATON_EVENTS",
+    "BATON_LOGS",
+    "BATON_DLQ",
+    "BATON_ADVISORIES",
+    "BATON_OUTBOX",
+)
+
+
+# -- sites ----------------------------------------------------------------------------
+#
+# A site publishes what the hub must receive on the same subjects with `site.<name>.` after
+# the prefix (`baton.site.lab1.events.<run>.<kind>`). Those are captured by the site's own
+# outbox, never by a hub stream (hub streams listen on `baton.events.>` etc.), so a message
+# is stored once at the site and copied once to the hub by sourcing — whether the link was
+# up or down when it was published (docs/nats.md: "Double capture").
+
+SITE_OUTBOX_KINDS = ("submit", "events", "logs", "dlq", "cancel", "workers")
+"""Subject roots a site sends to the hub through its outbox; `workers` are heartbeats,
+sourced into the workers bucket."""
+
+
+def at_site(subject: str, site: str) -> str:
+    """The subject a message bound for the hub takes when published at `site` ("" = hub)."""
+    if not site:
+        return subject
+    head, _, rest = subject.partition(".")
+    assert head == PREFIX, subject
+    return f"{PREFIX}.site.{site}.{rest}"
+
+
+def site_root(site: str, kind: str) -> str:
+    return f"{PREFIX}.site.{site}.{kind}.>"
+
+
+def hello_subject(site: str) -> str:
+    """Core NATS: a site's checkpointer says it is there, about once a second."""
+    return f"{PREFIX}.site.{site}.hello"
+
+
+HELLO_ALL = f"{PREFIX}.site.*.hello"
+
+
+def heartbeat_subject(worker_id: str, site: str) -> str:
+    """A trainer's heartbeat: straight into the workers bucket at the hub; through the
+    outbox (sourced into that bucket) at a site."""
+    if site:
+        return f"{PREFIX}.site.{site}.workers.{worker_id}"
+    return f"$KV.{WORKERS_BUCKET}.{worker_id}"
+
+
+def pool_from_submit_subject(subject: str) -> str:
+    return subject.split(".")[2]
+
+
+def owner_from_submit_subject(subject: str) -> str:
+    parts = subject.split(".")
+    return parts[3] if len(parts) > 3 else ""

@@ -1,0 +1,132 @@
+"""What every service shares: its `main()`, logging, stop signals, the pull loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, ServiceUnavailableError
+
+from shared import config, telemetry
+from shared.bus.connect import connect
+from shared.config import Settings
+
+log = logging.getLogger("baton.service")
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+    async def serve(self, stop: asyncio.Event) -> None: ...
+    async def on_reconnect(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+def main(name: str, make: Callable[[Client, Settings, StopSignals], Service]) -> None:
+    """Run one service until SIGTERM/SIGINT: `python -m services.<name>`."""
+    settings = config.load()
+    setup_logging(name, settings.log_level)
+    asyncio.run(_main(name, make, settings))
+
+
+async def _main(
+    name: str, make: Callable[[Client, Settings, StopSignals], Service], settings: Settings
+) -> None:
+    telemetry.setup(f"baton-{name}")
+    signals = StopSignals()
+    signals.install()
+    made: list[Service] = []
+
+    async def reconnected() -> None:
+        if made:
+            await made[0].on_reconnect()
+
+    client_name = f"baton-{name}-{settings.worker_id}" if name == "trainer" else f"baton-{name}"
+    nc = await connect(settings.nats_url, client_name, on_reconnect=reconnected)
+    service = make(nc, settings, signals)
+    made.append(service)
+    try:
+        await service.start()
+        await service.serve(signals.stop)
+    finally:
+        # The service finished its own shutdown in serve(); draining now lets its last acks
+        # and events reach the server before the socket closes, then its resources go, and
+        # telemetry last, to flush what that final work recorded.
+        await nc.drain()
+        await service.close()
+        telemetry.shutdown()
+
+
+# Their DEBUG output prints signed request headers, which carry the S3 access key: never
+# below INFO, whatever BATON_LOG_LEVEL says (tests/e2e/test_secrets.py found it).
+CHATTY_WITH_SECRETS = ("botocore", "aiobotocore", "boto3", "aioboto3", "urllib3", "s3transfer")
+
+
+def setup_logging(name: str, level: str) -> None:
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in CHATTY_WITH_SECRETS:
+        logger = logging.getLogger(noisy)
+        logger.setLevel(max(logging.INFO, logger.getEffectiveLevel()))
+
+
+class StopSignals:
+    """SIGTERM/SIGINT handlers that only set state. The first asks for a graceful stop
+    (`stop`), a second one says hurry (`hurry`)."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.hurry = asyncio.Event()
+
+    def install(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        if self.stop.is_set():
+            self.hurry.set()
+        self.stop.set()
+
+
+async def pull_loop(
+    js: JetStreamContext,
+    stream: str,
+    durable: str,
+    stop: asyncio.Event,
+    handle: Callable[[Msg], Awaitable[None]],
+    batch: int = 1,
+) -> None:
+    """Fetch and handle messages until `stop` is set. A fetch that fails because the link
+    is down is retried: the pull subscription works again once NATS is back."""
+    sub = await js.pull_subscribe_bind(durable, stream)
+    delay = 0.2
+    try:
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(batch, timeout=1.0)
+            except (TimeoutError, NatsTimeoutError):
+                continue
+            except (ServiceUnavailableError, APIError, ConnectionError) as exc:
+                log.warning("fetch from %s/%s failed (%s); retrying", stream, durable, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.2
+            for msg in msgs:
+                await handle(msg)
+    finally:
+        with contextlib.suppress(Exception):  # the connection may be closing already
+            await sub.unsubscribe()

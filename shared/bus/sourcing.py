@@ -1,0 +1,175 @@
+"""Sites: leaf nodes with their own JetStream domain, and how the hub takes in their work.
+
+A site publishes everything the hub must receive on its own subjects
+(`baton.site.<site>.events.…`, see `names.at_site`), captured by the site's outbox stream in
+the site's domain — acknowledged there whether or not the WAN link is up. Each hub stream
+that needs a kind of message *sources* the outbox, filtered to that kind, with a subject
+transform back to the hub's subject (`baton.site.lab1.events.>` → `baton.events.>`). The
+hub tracks how far it has sourced, so after any cut every message arrives once and in the
+order the site stored it. Hub streams never listen on site subjects: listening and sourcing
+at once would store each message twice (docs/nats.md).
+
+After a long cut the hub retries a source on a back-off and catch-up can wait tens of
+seconds; re-attaching the source the moment the link is back makes it immediate
+(docs/nats.md). The site's checkpointer greets the hub every second (`SiteHello`); the reaper
+re-attaches a site's sources on the first greeting after a silence (`link`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import replace
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import ExternalStream, StreamSource, SubjectTransform
+from nats.js.errors import KeyNotFoundError
+
+from shared.bus import names
+from shared.contracts import decode, encode
+from shared.contracts.sites import SiteHello, SiteRecord
+
+log = logging.getLogger("baton.sites")
+
+HELLO_EVERY_S = 1.0
+SILENCE_S = 3.0
+"""No greeting for this long: the link is taken to be down, and the next greeting
+re-attaches the site's sources."""
+
+SOURCED = {
+    names.SUBMIT_STREAM: "submit",
+    names.EVENTS_STREAM: "events",
+    names.LOGS_STREAM: "logs",
+    names.DLQ_STREAM: "dlq",
+    names.CANCEL_STREAM: "cancel",
+    f"KV_{names.WORKERS_BUCKET}": "workers",
+}
+"""Hub stream → the kind of site message it takes in."""
+
+
+def api_of(site: str) -> str:
+    return f"$JS.{site}.API"
+
+
+def source_of(site: str, kind: str) -> StreamSource:
+    dest = f"$KV.{names.WORKERS_BUCKET}.>" if kind == "workers" else f"{names.PREFIX}.{kind}.>"
+    return StreamSource(
+        name=names.OUTBOX_STREAM,
+        external=ExternalStream(api=api_of(site)),
+        # The transform's source subject is also the filter: only this kind is copied.
+        subject_transforms=[SubjectTransform(src=names.site_root(site, kind), dest=dest)],
+    )
+
+
+def _of(source: StreamSource, site: str) -> bool:
+    return source.external is not None and source.external.api == api_of(site)
+
+
+async def link(js: JetStreamContext, site: str, *, nudge: bool) -> None:
+    """Make every hub stream source `site`'s outbox. With `nudge`, a source already there is
+    detached and attached again, which makes the hub resume from where it stopped at once
+    instead of on its retry back-off."""
+    for stream, kind in SOURCED.items():
+        config = (await js.stream_info(stream)).config
+        others = [s for s in config.sources or [] if not _of(s, site)]
+        present = len(others) < len(config.sources or [])
+        if present and not nudge:
+            continue
+        if present:
+            await js.update_stream(replace(config, sources=others))
+        await js.update_stream(replace(config, sources=[*others, source_of(site, kind)]))
+
+
+class SiteView(msgspec.Struct, frozen=True, kw_only=True):
+    """What `baton sites` shows of one site."""
+
+    site: str
+    link: str
+    """`up` (greeted within SILENCE_S) or `down`."""
+    last_seen_s: float
+    """Seconds since the last greeting (by this host's clock against the hub's)."""
+    backlog: int
+    """Messages the hub has yet to source, summed over its streams, as last measured."""
+    links: int
+    outbox_last_seq: int
+
+
+async def views(nc: Client) -> list[SiteView]:
+    """Every site the hub has heard of, with its link state and backlog (`nc` is connected
+    to the hub)."""
+    kv = await nc.jetstream().key_value(names.SITES_BUCKET)
+    try:
+        keys = await kv.keys()
+    except Exception:  # nats-py's NoKeysError is a bare Exception
+        keys = []
+    records = []
+    for key in sorted(keys):
+        with contextlib.suppress(KeyNotFoundError):
+            entry = await kv.get(key)
+            if entry.value:
+                records.append(decode(entry.value, SiteRecord))
+    lag: dict[str, int] = {}
+    for stream in SOURCED:
+        for api, state in (await source_states(nc, stream)).items():
+            lag[api] = lag.get(api, 0) + state.lag
+    now = time.time()
+    return [
+        SiteView(
+            site=r.site,
+            link="up" if now - r.last_hello < SILENCE_S else "down",
+            last_seen_s=max(0.0, now - r.last_hello),
+            backlog=lag.get(api_of(r.site), 0),
+            links=r.links,
+            outbox_last_seq=r.outbox_last_seq,
+        )
+        for r in records
+    ]
+
+
+class SourceState(msgspec.Struct, frozen=True):
+    lag: int
+    active: bool
+    """The hub has a live consumer on the source (the server reports -1 when not)."""
+
+
+async def source_states(nc: Client, stream: str) -> dict[str, SourceState]:
+    """Each external source of a hub stream, by its API prefix. Asked of the server
+    directly: nats-py's stream info leaves out which domain a source is in, and every
+    site's outbox has the same name."""
+    try:
+        reply = await nc.request(f"$JS.API.STREAM.INFO.{stream}", b"", timeout=2)
+        info = json.loads(reply.data)
+    except (TimeoutError, ValueError, nats.errors.Error):
+        return {}
+    out = {}
+    for src in info.get("sources") or []:
+        api = (src.get("external") or {}).get("api")
+        if api:
+            active = src.get("active", -1) >= 0 and not src.get("error")
+            out[api] = SourceState(lag=int(src.get("lag") or 0), active=active)
+    return out
+
+
+def site_of(api: str) -> str:
+    """The site whose API prefix `api` is (`$JS.lab1.API` → `lab1`)."""
+    return api.removeprefix("$JS.").removesuffix(".API")
+
+
+async def greet(nc: Client, js_site: JetStreamContext, site: str, stop: asyncio.Event) -> None:
+    """Run at the site: say hello to the hub every HELLO_EVERY_S until `stop`. Core NATS:
+    a greeting lost to a cut is exactly the silence the hub is meant to notice."""
+    while not stop.is_set():
+        last = 0
+        with contextlib.suppress(Exception):
+            last = (await js_site.stream_info(names.OUTBOX_STREAM)).state.last_seq
+        hello = SiteHello(site=site, outbox_last_seq=last, at=time.time())
+        with contextlib.suppress(Exception):
+            await nc.publish(names.hello_subject(site), encode(hello))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), HELLO_EVERY_S)

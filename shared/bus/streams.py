@@ -1,0 +1,268 @@
+"""Streams, consumers and KV buckets, defined once as code and applied idempotently.
+
+`ensure()` creates what is missing and updates what differs. JetStream refuses some
+changes in place (a stream's retention or storage); those fail loudly with the field
+named, because running against a stale definition would silently break an invariant.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields, replace
+from typing import Any
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import APIError, NotFoundError
+
+from shared.bus import names
+from shared.errors import ConfigError
+
+log = logging.getLogger("baton.streams")
+
+DAY_S = 86400.0
+DUPLICATE_WINDOW_S = 120.0
+MAX_MSG_BYTES = 1024 * 1024
+
+
+def _work_queue(name: str, subject: str | list[str], description: str) -> StreamConfig:
+    return StreamConfig(
+        name=name,
+        description=description,
+        subjects=[subject] if isinstance(subject, str) else subject,
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.NEW,
+        max_age=7 * DAY_S,
+        max_msg_size=MAX_MSG_BYTES,
+        duplicate_window=DUPLICATE_WINDOW_S,
+    )
+
+
+def _history(
+    name: str,
+    subject: str | list[str],
+    description: str,
+    max_bytes: int = 2 * 1024**3,
+    allow_msg_ttl: bool | None = None,
+) -> StreamConfig:
+    return StreamConfig(
+        name=name,
+        description=description,
+        subjects=[subject] if isinstance(subject, str) else subject,
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=30 * DAY_S,
+        max_bytes=max_bytes,
+        max_msg_size=MAX_MSG_BYTES,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        allow_msg_ttl=allow_msg_ttl,
+    )
+
+
+def stream_configs() -> list[StreamConfig]:
+    return [
+        _work_queue(names.SUBMIT_STREAM, names.SUBMIT_ALL, "Job submissions, per pool"),
+        _work_queue(names.TASKS_STREAM, names.TASKS_ALL, "Dispatched runs, per pool and run"),
+        _work_queue(names.CKPT_STREAM, names.CKPT_ALL, "Checkpoint commit requests"),
+        _work_queue(names.CANCEL_STREAM, names.CANCEL_ALL, "Cancel requests, per run"),
+        _history(names.EVENTS_STREAM, names.EVENTS_ALL, "Run lifecycle events"),
+        _history(names.DLQ_STREAM, names.DLQ_ALL, "Dead letters, each with its reason"),
+        _history(names.LOGS_STREAM, names.LOGS_ALL, "Entry points' stdout and stderr, per run"),
+        # Advisories are published on core NATS only; capturing them makes "this message
+        # used up its deliveries" durable until the reaper has dealt with it.
+        _work_queue(
+            names.ADVISORY_STREAM,
+            names.MAX_DELIVERIES_ADVISORIES,
+            "JetStream max-deliveries advisories for Baton's consumers",
+        ),
+    ]
+
+
+def site_stream_configs(site: str) -> list[StreamConfig]:
+    """The streams in a site's own JetStream domain. The outbox keeps what the site sends to
+    the hub until the hub has sourced it: a limits stream (the hub reads it, nobody acks
+    it), big and long-lived enough to ride out a long WAN outage. Per-message TTLs are on
+    for heartbeats, which must not reach the hub long after they stopped being true."""
+    return [
+        _history(
+            names.OUTBOX_STREAM,
+            [names.site_root(site, kind) for kind in names.SITE_OUTBOX_KINDS],
+            f"What site {site} sends to the hub; sourced by the hub's streams",
+            max_bytes=4 * 1024**3,
+            allow_msg_ttl=True,
+        ),
+        _work_queue(
+            names.CKPT_STREAM,
+            names.site_root(site, "ckpt"),
+            f"Checkpoint commit requests of site {site}'s trainers",
+        ),
+    ]
+
+
+def kv_configs() -> list[KeyValueConfig]:
+    return [
+        # Direct gets name the key in the API subject, which lets a submitter's permissions
+        # allow reading its own runs' records and no other's (`shared.auth`).
+        KeyValueConfig(bucket=names.RUNS_BUCKET, history=5, description="Run records", direct=True),
+        # No bucket TTL: each lease carries its own per-message TTL, enforced by the
+        # server's clock, so lease expiry never depends on clocks agreeing across hosts.
+        # Direct gets too: trainers may read a lease only by naming its key (`shared.auth`).
+        KeyValueConfig(
+            bucket=names.LEASES_BUCKET, history=1, description="Run leases", direct=True
+        ),
+        KeyValueConfig(bucket=names.WORKERS_BUCKET, history=1, description="Trainer heartbeats"),
+        KeyValueConfig(bucket=names.POOLS_BUCKET, history=1, description="Measured pool speeds"),
+        KeyValueConfig(bucket=names.SITES_BUCKET, history=1, description="Sites and their links"),
+    ]
+
+
+def dispatcher_consumer() -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=names.DISPATCHER_CONSUMER,
+        filter_subject=names.SUBMIT_ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=30.0,
+        max_deliver=10,
+    )
+
+
+def checkpointer_consumer(site: str = "") -> ConsumerConfig:
+    # Commits are never dropped for lack of tries: a store that is down for an hour must
+    # still get every commit once it is back. Poison commits are terminated explicitly.
+    return ConsumerConfig(
+        durable_name=names.CHECKPOINTER_CONSUMER,
+        filter_subject=names.at_site(names.CKPT_ALL, site),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=60.0,
+        max_deliver=-1,
+    )
+
+
+def trainer_consumer(pool: str, ack_wait_s: float, max_deliver: int) -> ConsumerConfig:
+    # Failures of user code are counted in the run record (max_retries), and kills, cuts
+    # and preemptions must not use up a run's tries; so `max_deliver` is high and only
+    # catches a task that keeps taking trainers down with it (the reaper dead-letters it).
+    return ConsumerConfig(
+        durable_name=names.trainer_consumer(pool),
+        filter_subject=names.tasks_of_pool(pool),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=ack_wait_s,
+        max_deliver=max_deliver,
+    )
+
+
+def cancel_consumer() -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=names.CANCEL_CONSUMER,
+        filter_subject=names.CANCEL_ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=30.0,
+        max_deliver=10,
+    )
+
+
+def reaper_consumer() -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=names.REAPER_CONSUMER,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=30.0,
+        max_deliver=-1,
+    )
+
+
+async def ensure(js: JetStreamContext) -> None:
+    """Create or update every stream and bucket Baton needs at the hub."""
+    for config in stream_configs():
+        await _ensure_stream(js, config)
+    for kv in kv_configs():
+        await _ensure_bucket(js, kv)
+
+
+async def ensure_site(js: JetStreamContext, site: str) -> None:
+    """Create or update the streams of `site`, in its own domain (`js` is the site's)."""
+    for config in site_stream_configs(site):
+        await _ensure_stream(js, config)
+
+
+async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> None:
+    assert config.durable_name is not None
+    try:
+        info = await js.consumer_info(stream, config.durable_name)
+    except NotFoundError:
+        await js.add_consumer(stream, config)
+        return
+    differs = _differences(config, info.config)
+    if differs:
+        log.warning("consumer %s differs (%s); updating", config.durable_name, ", ".join(differs))
+        try:
+            await js.add_consumer(stream, config)
+        except APIError as exc:  # the server answers 400 or 500, depending on the field
+            raise ConfigError(
+                f"consumer {stream}/{config.durable_name} differs in {differs} and cannot be "
+                f"updated in place: {exc.description}"
+            ) from None
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    assert config.name is not None
+    try:
+        info = await js.stream_info(config.name)
+    except NotFoundError:
+        await js.add_stream(config)
+        return
+    differs = _differences(config, info.config)
+    if not differs:
+        return
+    log.warning("stream %s differs (%s); updating", config.name, ", ".join(differs))
+    # Sources are added at run time, one per linked site (`shared.bus.sourcing`); an update made
+    # for another field must not unlink them.
+    config = replace(config, sources=config.sources or info.config.sources)
+    try:
+        await js.update_stream(config)
+    except APIError as exc:  # the server answers 400 or 500, depending on the field
+        raise ConfigError(
+            f"stream {config.name} differs in {differs} and cannot be updated in place: "
+            f"{exc.description}"
+        ) from None
+
+
+async def _ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> None:
+    try:
+        info = await js.stream_info(f"KV_{config.bucket}")
+    except NotFoundError:
+        await js.create_key_value(config)
+        return
+    if info.config.max_msgs_per_subject != config.history or not info.config.allow_msg_ttl:
+        raise ConfigError(
+            f"KV bucket {config.bucket} exists with history={info.config.max_msgs_per_subject}"
+            f", allow_msg_ttl={info.config.allow_msg_ttl}; expected history={config.history}"
+            ", allow_msg_ttl=True. Delete it or point Baton at a fresh server."
+        )
+
+
+def _differences(wanted: Any, actual: Any) -> list[str]:
+    """Fields set in `wanted` whose value the server reports differently."""
+    out = []
+    for f in fields(wanted):
+        value = getattr(wanted, f.name)
+        if value is None or f.name in ("description",):
+            continue
+        if getattr(actual, f.name, None) != value:
+            out.append(f.name)
+    return out

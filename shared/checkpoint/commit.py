@@ -1,0 +1,225 @@
+"""The commit protocol, on top of any `Store`.
+
+    1. tensor files  -> runs/<run>/data/<token>/<step>/<name>   immutable, written by the trainer
+    2. manifest      -> runs/<run>/manifests/<step>-<token>.json  write-once (the commit point)
+    3. latest        -> runs/<run>/latest                         CAS, ordered by (token, step)
+
+Beside them, `runs/<run>/witness/<step>.json` (write-once, not part of any commit) keeps what
+the steps after a checkpoint reported, so a resume can check itself (`baton.runtime.witness`).
+
+Before a checkpoint is committed, and again before one is restored, its files are checked
+(`verify`): names and keys (`shared.checkpoint.files`), sizes and sha256, and each tensor
+file's safetensors header. `restorable` is the one place that decides a checkpoint is damaged.
+
+A checkpoint exists once `latest` names its manifest. Step 3 is decided by the store: the
+pointer write is conditional on the version just read, and the order check is made on that
+same version, so a fenced worker (lower token) can never overwrite a newer pointer however
+late its request arrives — it either fails the order check or loses the conditional write
+and re-reads a pointer it cannot supersede.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+from shared.checkpoint import files as checkpoint_files
+from shared.checkpoint.store import Store
+from shared.checkpoint.store.base import sha256_file
+from shared.contracts import CommitRequest, FileRef, Manifest, Pointer, decode, encode
+from shared.errors import (
+    AlreadyExists,
+    ContractError,
+    IntegrityError,
+    NotFound,
+    PreconditionFailed,
+    StaleToken,
+)
+
+log = logging.getLogger("baton.commit")
+
+
+def data_key(run_id: str, token: int, step: int, name: str) -> str:
+    return f"runs/{run_id}/data/{token:012d}/{step:012d}/{name}"
+
+
+def manifest_key(run_id: str, step: int, token: int) -> str:
+    return f"runs/{run_id}/manifests/{step:012d}-{token:012d}.json"
+
+
+def witness_key(run_id: str, step: int) -> str:
+    """What the steps right after the checkpoint at `step` reported (`baton.runtime.witness`)."""
+    return f"runs/{run_id}/witness/{step:012d}.json"
+
+
+def latest_key(run_id: str) -> str:
+    return f"runs/{run_id}/latest"
+
+
+async def read_latest(store: Store, run_id: str) -> tuple[Pointer, str] | None:
+    found = await store.read_pointer(latest_key(run_id))
+    if found is None:
+        return None
+    data, version = found
+    return decode(data, Pointer), version
+
+
+async def load_manifest(store: Store, key: str) -> Manifest:
+    return decode(await store.get(key), Manifest)
+
+
+async def verify(store: Store, files: list[FileRef]) -> int:
+    """Read every file back and check its size and sha256, and that each tensor file has a
+    well-formed safetensors header. Returns the total bytes."""
+    total = 0
+    with tempfile.TemporaryDirectory(prefix="baton-verify-") as tmp:
+        # Tensor files are read back into a local copy: the store only reads whole objects,
+        # and the header checked is then that of the very bytes that were hashed. The copy
+        # is never named after the file: the name is not trusted yet.
+        local = Path(tmp) / "object"
+        for ref in files:
+            tensors = checkpoint_files.is_tensor_file(ref.name)
+            try:
+                if tensors:
+                    await store.download(ref.key, local)
+                    size, digest = await asyncio.to_thread(sha256_file, local)
+                else:
+                    size, digest = await store.stat(ref.key)
+            except NotFound:
+                raise IntegrityError(f"{ref.name}: missing from the store ({ref.key})") from None
+            if size != ref.size:
+                raise IntegrityError(f"{ref.name}: {size} bytes stored, {ref.size} declared")
+            if digest != ref.sha256:
+                raise IntegrityError(f"{ref.name}: sha256 {digest[:12]}… differs from declared")
+            if tensors:
+                await asyncio.to_thread(checkpoint_files.read_header, local, ref.name)
+            total += size
+    return total
+
+
+async def commit(store: Store, req: CommitRequest) -> tuple[Pointer, int]:
+    """Commit a checkpoint; returns the new pointer and the bytes committed.
+
+    Raises `IntegrityError` if a file does not match its declaration, `StaleToken` if `latest`
+    already names a checkpoint that this one cannot supersede, `ContractError` if the request
+    names files outside its own immutable prefix or by names that are not checkpoint file
+    names. Safe to repeat: a redelivered request that already committed returns the same
+    pointer.
+    """
+    try:
+        checkpoint_files.check_refs(req.files, data_key(req.run_id, req.token, req.step, ""))
+    except IntegrityError as exc:
+        raise ContractError(str(exc)) from None  # a bad request, not bad stored bytes
+    size = await verify(store, req.files)
+    wanted = Pointer(
+        run_id=req.run_id,
+        token=req.token,
+        step=req.step,
+        manifest=manifest_key(req.run_id, req.step, req.token),
+        final=req.final,
+    )
+    current = await read_latest(store, req.run_id)
+    if current is not None and current[0] == wanted:
+        return wanted, size  # this very commit already went through; a redelivery
+    _check_order(wanted, current)
+
+    manifest = Manifest(
+        run_id=req.run_id,
+        token=req.token,
+        step=req.step,
+        worker=req.worker,
+        files=req.files,
+        final=req.final,
+        metrics=req.metrics,
+        digest=req.digest,
+        previous=current[0].manifest if current else None,
+        created_at=time.time(),
+    )
+    try:
+        await store.put_once(wanted.manifest, encode(manifest))
+    except AlreadyExists:
+        existing = await load_manifest(store, wanted.manifest)
+        if existing.files != req.files:
+            raise StaleToken(
+                f"a different manifest for step {req.step} token {req.token} exists"
+            ) from None
+
+    while True:
+        try:
+            await store.write_pointer(
+                latest_key(req.run_id), encode(wanted), current[1] if current else None
+            )
+            return wanted, size
+        except PreconditionFailed:
+            current = await read_latest(store, req.run_id)
+            if current is not None and current[0] == wanted:
+                return wanted, size
+            _check_order(wanted, current)
+
+
+def _check_order(wanted: Pointer, current: tuple[Pointer, str] | None) -> None:
+    if current is not None and not wanted.supersedes(current[0]):
+        have = current[0]
+        raise StaleToken(
+            f"latest is token {have.token} step {have.step}; "
+            f"token {wanted.token} step {wanted.step} cannot supersede it"
+        )
+
+
+async def restorable(store: Store, run_id: str) -> tuple[Manifest | None, list[int]]:
+    """The newest committed checkpoint whose files all verify, walking back through
+    `previous` past any that were damaged after their commit, or that are refused (a
+    manifest that breaks its contract or names files it may not: another run's, a path);
+    and the steps skipped. `IntegrityError` if a manifest is too broken to walk past.
+
+    A `previous` naming a manifest that is gone ends the walk: retention
+    (`shared.checkpoint.retention`) deletes old checkpoints, manifest included, so the chain
+    legitimately stops where retention cut it."""
+    current = await read_latest(store, run_id)
+    key = current[0].manifest if current else None
+    damaged: list[int] = []
+    seen: set[str] = set()
+    while key is not None:
+        if key in seen:  # only a forged chain can loop; without this, restore would hang
+            raise IntegrityError(f"manifest {key} is its own ancestor")
+        seen.add(key)
+        try:
+            data = await store.get(key)
+        except NotFound:
+            break
+        try:
+            try:
+                manifest = decode(data, Manifest)
+            except ContractError as exc:
+                raise IntegrityError(f"manifest {key}: {exc}") from None
+            if manifest.run_id != run_id:
+                raise IntegrityError(f"manifest {key} belongs to run {manifest.run_id!r}")
+            prefix = data_key(run_id, manifest.token, manifest.step, "")
+            checkpoint_files.check_refs(manifest.files, prefix)
+            await verify(store, manifest.files)
+            return manifest, damaged
+        except IntegrityError as exc:
+            link = _link(key, data)
+            log.warning("run %s: checkpoint %d is damaged, skipped: %s", run_id, link.step, exc)
+            damaged.append(link.step)
+            key = link.previous
+    return None, damaged
+
+
+class _Link(msgspec.Struct, frozen=True):
+    """What the walk back needs of a manifest, readable even when the rest of it is not."""
+
+    step: int
+    previous: str | None
+
+
+def _link(key: str, data: bytes) -> _Link:
+    try:
+        return decode(data, _Link)
+    except ContractError as exc:
+        raise IntegrityError(f"manifest {key} is unreadable, no way back past it: {exc}") from None

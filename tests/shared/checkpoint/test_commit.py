@@ -1,0 +1,119 @@
+"""The commit protocol on the file store: write-once manifests, fenced pointer, verification."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from shared.checkpoint import commit
+from shared.checkpoint.store.file import FileStore
+from shared.checkpoint.tensors import flatten, unflatten
+from shared.contracts import CommitRequest, FileRef, encode
+from shared.errors import AlreadyExists, ContractError, IntegrityError, StaleToken
+
+
+async def files(store: FileStore, run: str, token: int, step: int, payload: bytes) -> list[FileRef]:
+    # Commit checks safetensors headers: the payload travels as the file's one tensor.
+    payload = save({"payload": torch.frombuffer(bytearray(payload), dtype=torch.uint8)})
+    key = commit.data_key(run, token, step, "model.safetensors")
+    await store.put_once(key, payload)
+    digest = hashlib.sha256(payload).hexdigest()
+    return [FileRef(name="model.safetensors", key=key, size=len(payload), sha256=digest)]
+
+
+def request(run: str, token: int, step: int, refs: list[FileRef]) -> CommitRequest:
+    return CommitRequest(run_id=run, token=token, step=step, worker="w", files=refs)
+
+
+async def test_a_second_manifest_for_the_same_checkpoint_is_refused_by_the_store(
+    tmp_path: Path,
+) -> None:
+    store = FileStore(tmp_path)
+    refs = await files(store, "r", 1, 10, b"weights")
+    await commit.commit(store, request("r", 1, 10, refs))
+    key = commit.manifest_key("r", 10, 1)
+    before = await store.get(key)
+    with pytest.raises(AlreadyExists):
+        await store.put_once(key, encode({"forged": True}))
+    assert await store.get(key) == before
+    # The same commit again (a redelivery) is idempotent, not a second manifest.
+    pointer, _ = await commit.commit(store, request("r", 1, 10, refs))
+    assert pointer.step == 10
+
+
+async def test_lower_token_and_same_token_lower_step_are_refused(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    await commit.commit(store, request("r", 5, 20, await files(store, "r", 5, 20, b"a")))
+    with pytest.raises(StaleToken):
+        await commit.commit(store, request("r", 4, 30, await files(store, "r", 4, 30, b"b")))
+    with pytest.raises(StaleToken):
+        await commit.commit(store, request("r", 5, 10, await files(store, "r", 5, 10, b"c")))
+    await commit.commit(store, request("r", 6, 15, await files(store, "r", 6, 15, b"d")))
+    latest = await commit.read_latest(store, "r")
+    assert latest is not None and (latest[0].token, latest[0].step) == (6, 15)
+
+
+async def test_racing_committers_leave_one_increasing_lineage(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    reqs = [
+        request("r", t, s, await files(store, "r", t, s, f"{t}-{s}".encode()))
+        for t in (1, 2, 3)
+        for s in (10, 20)
+    ]
+
+    async def attempt(req: CommitRequest) -> None:
+        with contextlib.suppress(StaleToken):
+            await commit.commit(store, req)
+
+    await asyncio.gather(*(attempt(r) for r in reversed(reqs)))
+    latest = await commit.read_latest(store, "r")
+    assert latest is not None and latest[0].token == 3
+
+
+async def test_a_flipped_bit_fails_verification_and_resume_walks_back(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    await commit.commit(store, request("r", 1, 10, await files(store, "r", 1, 10, b"good" * 100)))
+    refs = await files(store, "r", 1, 20, b"also good" * 100)
+    path = tmp_path / refs[0].key
+    data = bytearray(path.read_bytes())
+    data[50] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="sha256"):
+        await commit.commit(store, request("r", 1, 20, refs))
+    latest = await commit.read_latest(store, "r")
+    assert latest is not None and latest[0].step == 10
+    # Damage after commit: restore skips it and names it.
+    await commit.commit(store, request("r", 1, 30, await files(store, "r", 1, 30, b"x" * 64)))
+    (tmp_path / commit.data_key("r", 1, 30, "model.safetensors")).write_bytes(b"y" * 64)
+    manifest, damaged = await commit.restorable(store, "r")
+    assert manifest is not None and manifest.step == 10 and damaged == [30]
+
+
+async def test_files_outside_the_checkpoint_prefix_are_refused(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    refs = await files(store, "other", 1, 10, b"theirs")
+    with pytest.raises(ContractError):
+        await commit.commit(store, request("r", 1, 10, refs))
+
+
+def test_optimizer_state_round_trips_exactly_without_pickle() -> None:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.8, 0.95))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    tensors: dict[str, torch.Tensor] = {}
+    tree = flatten(opt.state_dict(), "optimizer", tensors)
+    back = unflatten(tree, tensors)
+    assert back["param_groups"] == opt.state_dict()["param_groups"]
+    assert back["param_groups"][0]["betas"] == (0.8, 0.95)
+    for k, v in opt.state_dict()["state"].items():
+        for name, t in v.items():
+            assert torch.equal(back["state"][k][name], t)
+    tree2 = flatten({"x": float("inf")}, "m", {})
+    assert unflatten(tree2, {}) == {"x": float("inf")}
