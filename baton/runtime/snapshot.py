@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from shared.backoff import Backoff
 from shared.checkpoint.commit import data_key
 from shared.checkpoint.store import Store, open_store
 from shared.checkpoint.store.base import sha256_file
@@ -181,7 +182,7 @@ class Snapshotter:
 
     def _put(self, key: str, path: Path, size: int, digest: str) -> None:
         assert self._loop is not None and self._store is not None
-        delay = RETRY_FIRST_S
+        delays = Backoff(RETRY_FIRST_S, RETRY_MAX_S)
         failed_before = False
         while True:
             try:
@@ -193,8 +194,8 @@ class Snapshotter:
                 if self._outage_since is None:
                     self._outage_since = time.monotonic()
                     log.warning("store unreachable (%s); retrying %s until it is back", exc, key)
-                time.sleep(delay)  # back-off on the writer thread; training goes on meanwhile
-                delay = min(delay * 2, RETRY_MAX_S)
+                # back-off on the writer thread; training goes on meanwhile
+                time.sleep(delays.next())
                 continue
             if self._outage_since is not None:
                 log.warning(

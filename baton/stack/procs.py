@@ -30,6 +30,8 @@ from typing import BinaryIO
 
 import msgspec
 
+from shared import backoff
+
 log = logging.getLogger("baton.procs")
 
 TRAINER_GRACE_S = 35.0
@@ -148,14 +150,12 @@ class Backoff:
         self.initial = initial
         self.maximum = maximum
         self.reset_after = reset_after
-        self._next = initial
+        self._delays = backoff.Backoff(initial, maximum)
 
     def after_exit(self, uptime_s: float) -> float:
         if uptime_s >= self.reset_after:
-            self._next = self.initial
-        delay = self._next
-        self._next = min(self._next * 2, self.maximum)
-        return delay
+            self._delays.reset()
+        return self._delays.next()
 
 
 class _Service:

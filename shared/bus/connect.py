@@ -21,6 +21,7 @@ from nats.js.api import PubAck
 from nats.js.errors import NoStreamResponseError
 
 from shared import auth
+from shared.backoff import Backoff, retrying
 from shared.errors import ConfigError
 
 log = logging.getLogger("baton.nats")
@@ -67,42 +68,28 @@ async def connect(
     nc = Client()
     loop = asyncio.get_running_loop()
     deadline = None if first_attempt_timeout is None else loop.time() + first_attempt_timeout
-    delay = 0.2
+    delays = Backoff(first=0.2, most=5.0)
     while True:
         creds = {**auth.client_options(), **(options or {})}
-        attempt = asyncio.ensure_future(
-            nc.connect(
-                servers=url.split(","),
+        try:
+            await _attempt(
+                nc,
+                url,
+                denied,
+                creds,
                 name=name,
                 max_reconnect_attempts=-1,
-                reconnect_time_wait=RECONNECT_WAIT_S,  # type: ignore[arg-type]
+                reconnect_time_wait=RECONNECT_WAIT_S,
                 ping_interval=PING_INTERVAL_S,
                 max_outstanding_pings=MAX_OUTSTANDING_PINGS,
                 connect_timeout=2,
                 disconnected_cb=disconnected,
                 reconnected_cb=reconnected,
                 error_cb=errored,
-                **creds,
             )
-        )
-        refused = asyncio.ensure_future(denied.wait())
-        try:
-            await asyncio.wait({attempt, refused}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            refused.cancel()
-        if denied.is_set():
-            attempt.cancel()
-            with contextlib.suppress(BaseException):
-                await nc.close()
-            who = creds.get("user") or "no user"
-            raise ConfigError(
-                f"NATS at {url} refused the credentials ({who}): set NATS_USER and "
-                "NATS_PASSWORD, or NATS_AUTH_FILE (`baton up` writes them to DATA_DIR/auth)"
-            )
-        try:
-            await attempt
             return nc
         except (TimeoutError, NoServersError, OSError) as exc:
+            delay = delays.next()
             if deadline is not None and loop.time() + delay > deadline:
                 raise ConnectionError(
                     f"cannot reach NATS at {url}: {exc or type(exc).__name__}"
@@ -111,7 +98,29 @@ async def connect(
                 "%s: NATS at %s not reachable (%s); retrying", name, url, type(exc).__name__
             )
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+
+
+async def _attempt(
+    nc: Client, url: str, denied: asyncio.Event, creds: Mapping[str, Any], **opts: Any
+) -> None:
+    """One try at connecting `nc`, which fails with ConfigError as soon as `denied` says the
+    server refused the credentials."""
+    attempt = asyncio.ensure_future(nc.connect(servers=url.split(","), **opts, **creds))
+    refused = asyncio.ensure_future(denied.wait())
+    try:
+        await asyncio.wait({attempt, refused}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        refused.cancel()
+    if denied.is_set():
+        attempt.cancel()
+        with contextlib.suppress(BaseException):
+            await nc.close()
+        who = creds.get("user") or "no user"
+        raise ConfigError(
+            f"NATS at {url} refused the credentials ({who}): set NATS_USER and "
+            "NATS_PASSWORD, or NATS_AUTH_FILE (`baton up` writes them to DATA_DIR/auth)"
+        )
+    await attempt
 
 
 async def publish(
@@ -132,15 +141,12 @@ async def publish(
     `shared.telemetry.inject`); `msg_id` is set last, so no header copied from elsewhere
     can replace the id that makes the retries safe."""
     hdrs = {**(headers or {}), "Nats-Msg-Id": msg_id}
-    tried = 0
-    delay = 0.1
-    while True:
-        try:
-            return await js.publish(subject, payload, headers=hdrs, timeout=timeout)
-        except (TimeoutError, NoStreamResponseError, nats.errors.TimeoutError) as exc:
-            tried += 1
-            if attempts and tried >= attempts:
-                raise
-            log.info("publish to %s not confirmed (%s); retrying", subject, type(exc).__name__)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+    return await retrying(
+        lambda: js.publish(subject, payload, headers=hdrs, timeout=timeout),
+        retry_on=(TimeoutError, NoStreamResponseError, nats.errors.TimeoutError),
+        what=f"publish to {subject} not confirmed",
+        backoff=Backoff(first=0.1, most=2.0),
+        attempts=attempts,
+        log=log,
+        level=logging.INFO,
+    )

@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, ServiceUnavailableError
 
 from shared import config, telemetry
+from shared.backoff import Backoff
 from shared.bus.connect import connect
 from shared.config import Settings
 
@@ -111,7 +112,7 @@ async def pull_loop(
     """Fetch and handle messages until `stop` is set. A fetch that fails because the link
     is down is retried: the pull subscription works again once NATS is back."""
     sub = await js.pull_subscribe_bind(durable, stream)
-    delay = 0.2
+    delays = Backoff(first=0.2, most=5.0)
     try:
         while not stop.is_set():
             try:
@@ -121,10 +122,9 @@ async def pull_loop(
             except (ServiceUnavailableError, APIError, ConnectionError) as exc:
                 log.warning("fetch from %s/%s failed (%s); retrying", stream, durable, exc)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
-                delay = min(delay * 2, 5.0)
+                    await asyncio.wait_for(stop.wait(), delays.next())
                 continue
-            delay = 0.2
+            delays.reset()
             for msg in msgs:
                 await handle(msg)
     finally:

@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import random
 import re
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, AsyncExitStack
@@ -37,6 +36,7 @@ import aiohttp
 import botocore.exceptions as bex
 from aiobotocore.config import AioConfig
 
+from shared.backoff import Backoff
 from shared.checkpoint.store.base import CHUNK, ObjectInfo, Store, check_key, sha256_file
 from shared.errors import (
     AlreadyExists,
@@ -351,7 +351,8 @@ class S3Store(Store):
 
     async def _retry(self, what: str, key: str, op: Callable[[Any], Awaitable[T]]) -> T:
         s3 = await self._client()
-        delay = self.backoff_s
+        # Full jitter: racers that collided once should not collide again in step.
+        delays = Backoff(self.backoff_s, self.max_backoff_s, jitter=True)
         for attempt in range(1, self.attempts + 1):
             try:
                 return await op(s3)
@@ -368,9 +369,7 @@ class S3Store(Store):
                         f"{failure} {attempt} times; the outcome of a write is unknown"
                     ) from e
                 log.info("%s, attempt %d/%d", failure, attempt, self.attempts)
-            # Full jitter: racers that collided once should not collide again in step.
-            await asyncio.sleep(random.uniform(0, delay))
-            delay = min(delay * 2, self.max_backoff_s)
+            await asyncio.sleep(delays.next())
         raise AssertionError("unreachable")
 
 
