@@ -154,7 +154,7 @@ def hub_permissions(role: str) -> Permissions | None:
                 *_consume(API, names.ADVISORY_STREAM),
                 *_read_kv(API, *_ALL_KV),
                 *_write_kv("", names.RUNS_BUCKET, names.SITES_BUCKET),
-                *(f"{API}.STREAM.MSG.GET.{s}" for s in work_queues),
+                *(f"{API}.STREAM.MSG.GET.{s}" for s in (*work_queues, names.EVENTS_STREAM)),
                 *(f"{API}.STREAM.MSG.DELETE.{s}" for s in work_queues),
                 f"{p}.tasks.>", f"{p}.events.>", f"{p}.dlq.>", f"{p}.control.>",
             ),

@@ -7,23 +7,17 @@ Every client command takes `--server/-s` (or `NATS_URL`) and `--json` for script
 
 from __future__ import annotations
 
-import asyncio
-import json
-import runpy
 import sys
-import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import msgspec
 import typer
-from rich.table import Table
 
-from baton.cli import client
 from baton.cli.common import (
     SERVICES,
     Connection,
     Json,
+    OwnTelemetry,
     Server,
     Site,
     app,
@@ -34,13 +28,16 @@ from baton.cli.common import (
     out,
     print_json,
     run,
+    stop_telemetry,
     with_nats,
 )
-from baton.cli.watch import divergence, watch_run
-from shared import telemetry
-from shared.bus import names
-from shared.contracts import RunRecord, RunState
-from shared.contracts.events import Diverged
+
+if TYPE_CHECKING:
+    from shared.contracts import RunRecord
+    from shared.contracts.events import Diverged
+
+# Every command imports what it needs (NATS, msgspec, rich's tables, the shared modules)
+# in its body: `baton --help` and a mistyped option answer at once (tests/cli/test_imports.py).
 
 
 @app.command()
@@ -90,6 +87,8 @@ def up(
     service as its own process — or, with --site NAME --hub URL, a site: a leaf NATS server
     that keeps working while its link to the hub is down, the site's checkpointer, and
     trainers. Ctrl-C or SIGTERM stops everything it started."""
+    import asyncio
+
     from baton.stack.embedded import StackOptions, run_stack
     from shared.config import load
 
@@ -134,11 +133,13 @@ def up(
     raise typer.Exit(asyncio.run(run_stack(opts)))
 
 
-@app.command()
+@app.command(cls=OwnTelemetry)
 def service(
     name: Annotated[str, typer.Argument(help="dispatcher, trainer, checkpointer or reaper")],
 ) -> None:
     """Run one service in the foreground (as the compose file does)."""
+    import runpy
+
     if name not in SERVICES:
         err.print(
             f"[red]error:[/red] unknown service {name!r}; choose one of {', '.join(SERVICES)}"
@@ -158,6 +159,7 @@ def submit(
     as_json: Json = False,
 ) -> None:
     """Submit a job; prints its run id once the dispatcher accepted it."""
+    from baton.cli import client
     from shared.contracts.events import Rejected
 
     spec = run(lambda: call(client.load_spec, file))
@@ -186,6 +188,11 @@ def submit(
 def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
     """Show one run's record: state, committed step, attempts, worker, digest, and whether
     a resume was found not exact."""
+    import msgspec
+    from rich.table import Table
+
+    from baton.cli import client
+    from baton.cli.watch import divergence
 
     async def get(nc: Any) -> tuple[RunRecord, list[Diverged]]:
         found = await client.record(nc, run_id)
@@ -229,6 +236,11 @@ def runs(
     as_json: Json = False,
 ) -> None:
     """List runs, oldest first."""
+    from rich.table import Table
+
+    from baton.cli import client
+    from shared.contracts import RunState
+
     wanted = {s.upper() for s in state or []}
     unknown = wanted - {s.value for s in RunState}
     if unknown:
@@ -260,6 +272,8 @@ def runs(
 @app.command()
 def watch(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
     """Follow a run live; exits 0 when it completes, 1 when it fails or is cancelled."""
+    from baton.cli.watch import watch_run
+
     ok = run(lambda: with_nats(server, lambda nc: watch_run(nc, run_id, out, as_json)))
     raise typer.Exit(0 if ok else 1)
 
@@ -272,6 +286,8 @@ def pull(
     as_json: Json = False,
 ) -> None:
     """Download and verify the newest committed checkpoint (safetensors + metadata)."""
+    from baton.cli import client
+
     url = run(lambda: call(client.store_url, store))
     info = run(lambda: client.pull(url, run_id, dest))
     if as_json:
@@ -295,6 +311,11 @@ def cancel(
     as_json: Json = False,
 ) -> None:
     """Cancel a queued or running run. A running one checkpoints before it stops."""
+    import asyncio
+
+    from baton.cli import client
+    from shared.bus import names
+
     domain = names.HUB_DOMAIN if site else None
 
     async def go(nc: Any) -> Any:
@@ -321,6 +342,12 @@ def cancel(
 @app.command()
 def workers(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
     """List live trainers from the worker registry: pool, device, current run and step."""
+    import time
+
+    from rich.table import Table
+
+    from baton.cli import client
+
     found = run(lambda: with_nats(server, client.workers))
     if as_json:
         print_json(found)
@@ -339,6 +366,8 @@ def workers(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> 
 @app.command()
 def schema() -> None:
     """Print the JSON Schema of a job spec, for submitting from any NATS client."""
+    import json
+
     from shared.contracts import job_schema
 
     sys.stdout.write(json.dumps(job_schema(), indent=2) + "\n")
@@ -366,6 +395,7 @@ def report(
 ) -> None:
     """Draw a run's history (loss per attempt, interruptions, resumes, commits) as a PNG and
     a self-contained HTML page, and print their paths."""
+    from baton.cli import client
     from baton.cli.report import collect, render
 
     async def go(nc: Any) -> tuple[Any, Any]:
@@ -418,10 +448,8 @@ from baton.cli import ops  # noqa: E402, F401  (registers the operator commands)
 
 
 def main() -> None:
-    # Traces start at `baton submit`; nothing is exported unless OTEL_EXPORTER_OTLP_ENDPOINT
-    # is set, and setting up costs no connection.
-    telemetry.setup("baton-cli")
+    # Each command sets up telemetry as it starts (`common._Command`); this flushes it.
     try:
         app()
     finally:
-        telemetry.shutdown()
+        stop_telemetry()

@@ -18,6 +18,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from baton.cli import reader
+from baton.cli.errors import CliError as CliError  # re-exported: callers catch client.CliError
 from shared import auth
 from shared.bus import names
 from shared.bus.connect import connect
@@ -26,19 +27,11 @@ from shared.checkpoint.store import open_store
 from shared.contracts import JobSpec, RunRecord, convert, decode, encode, run_id_for
 from shared.contracts.control import CancelRequest, WorkerInfo
 from shared.contracts.events import Accepted, Diverged, Event, Rejected
-from shared.errors import BatonError, ContractError, IntegrityError
+from shared.errors import ContractError, IntegrityError
 from shared.state.runs import Runs
 from shared.state.workers import live_workers
 
 CONNECT_TIMEOUT_S = 5.0
-
-
-class CliError(BatonError):
-    """Something the user can fix; printed without a traceback. `code` is the exit status."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 async def open_nats(url: str, **options: Any) -> Client:

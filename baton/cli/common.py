@@ -1,27 +1,66 @@
-"""What every `baton` command shares: the app, consoles, options, error handling."""
+"""What every `baton` command shares: the app, consoles, options, error handling.
+
+Imported by `baton --help`, so it imports nothing heavy at the top: NATS (and aiohttp
+under it), msgspec, asyncio, OpenTelemetry and the shared modules that use them are
+imported where a command first needs them. `tests/cli/test_imports.py` holds it to that.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
-import msgspec
 import typer
 from rich.console import Console
+from typer.core import TyperCommand
 
-from baton.cli import client
-from baton.cli.client import CliError
-from shared import auth
+from baton.cli.errors import CliError
 from shared.errors import BatonError
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
-app = typer.Typer(
+
+class _Command(TyperCommand):
+    """A command that sets up telemetry once its arguments have parsed, just before it
+    runs, rather than when `baton` starts: `--help` and a bad option never import
+    OpenTelemetry."""
+
+    def invoke(self, ctx: Any) -> Any:
+        from shared import telemetry
+
+        # Traces start at `baton submit`; nothing is exported unless
+        # OTEL_EXPORTER_OTLP_ENDPOINT is set, and setting up costs no connection.
+        telemetry.setup("baton-cli")
+        return super().invoke(ctx)
+
+
+class OwnTelemetry(TyperCommand):
+    """A command whose process sets up its own telemetry under its own name: `baton service
+    <name>` runs a service, which calls itself `baton-<name>` (OpenTelemetry keeps the first
+    providers installed in a process, so `baton-cli` must not come first)."""
+
+
+class Typer(typer.Typer):
+    """A `typer.Typer` whose commands are `_Command`s."""
+
+    def command(
+        self, name: str | None = None, *, cls: type[TyperCommand] | None = None, **kwargs: Any
+    ) -> Callable[[F], F]:
+        return super().command(name, cls=cls or _Command, **kwargs)
+
+
+def stop_telemetry() -> None:
+    """Flush and stop what a command's telemetry set up; nothing if none ran."""
+    if "shared.telemetry" in sys.modules:
+        from shared import telemetry
+
+        telemetry.shutdown()
+
+
+app = Typer(
     name="baton",
     help="Resumable PyTorch training on spare, unreliable GPUs.",
     no_args_is_help=True,
@@ -63,6 +102,10 @@ class Connection:
         """Credentials: `--creds` (a JWT creds file), else `--auth-file`, else NATS_USER and
         NATS_PASSWORD, else the operator's file that `baton up` wrote in ./.baton — so the
         CLI next to a stack it started just works."""
+        import ssl
+
+        from shared import auth
+
         opts: dict[str, Any] = {}
         if cls.creds:
             opts["user_credentials"] = cls.creds
@@ -79,6 +122,8 @@ class Connection:
 
 
 def run(coro: Callable[[], Awaitable[T]]) -> T:
+    import asyncio
+
     try:
         return asyncio.run(coro())  # type: ignore[arg-type]
     except CliError as exc:
@@ -96,10 +141,16 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 
 def print_json(obj: Any) -> None:
+    import json
+
+    import msgspec
+
     sys.stdout.write(json.dumps(json.loads(msgspec.json.encode(obj)), indent=2) + "\n")
 
 
 async def with_nats(server: str, fn: Callable[[Any], Awaitable[T]]) -> T:
+    from baton.cli import client
+
     nc = await client.open_nats(server, **Connection.options())
     try:
         return await fn(nc)

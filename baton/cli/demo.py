@@ -26,7 +26,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
 from baton.cli import client
-from baton.cli.client import CliError
+from baton.cli.errors import CliError
 from baton.cli.watch import describe
 from shared import auth
 from shared.contracts import JobSpec

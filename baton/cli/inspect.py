@@ -14,12 +14,12 @@ from nats.errors import ConnectionClosedError
 from nats.js.errors import NotFoundError
 
 from baton.cli import reader
-from baton.cli.client import CliError
+from baton.cli.errors import CliError
 from shared.bus import names
-from shared.bus.answer import DeadLetter
 from shared.checkpoint import retention
 from shared.checkpoint.store import open_store
 from shared.contracts import decode
+from shared.contracts.letters import DeadLetter
 
 
 class ConsumerReport(msgspec.Struct, frozen=True):
@@ -131,7 +131,8 @@ async def dlq(nc: Client) -> list[Letter]:
     except NotFoundError:
         return []
     out = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+    # An empty stream reports first_seq 0, and there is no message 0 to ask for.
+    for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
         with contextlib.suppress(NotFoundError):
             msg = await js.get_msg(names.DLQ_STREAM, seq)
             assert msg.data is not None

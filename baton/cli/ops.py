@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 
-from baton.cli import client, inspect
-from baton.cli.common import Json, Server, app, call, err, out, print_json, run, with_nats
-from baton.cli.watch import describe
-from shared.contracts.events import Event, Progress
+from baton.cli.common import Json, Server, Typer, app, call, err, out, print_json, run, with_nats
+
+if TYPE_CHECKING:
+    from baton.cli import inspect
+    from shared.contracts.events import Event
+
+# As in `baton.cli.app`: each command imports NATS, the store and rich's tables itself.
 
 Store = Annotated[str | None, typer.Option("--store", envvar="BATON_STORE", help="Store URL.")]
 DEFAULT = "nats://127.0.0.1:4222"
 
-dlq_app = typer.Typer(help="Dead letters: list, show, replay.", no_args_is_help=True)
+dlq_app = Typer(help="Dead letters: list, show, replay.", no_args_is_help=True)
 app.add_typer(dlq_app, name="dlq")
 
 
@@ -29,6 +30,10 @@ def streams(
     as_json: Json = False,
 ) -> None:
     """Baton's streams with their consumers: messages, bytes, pending, redeliveries."""
+    from rich.table import Table
+
+    from baton.cli import inspect
+
     reports = run(lambda: with_nats(server, lambda nc: inspect.streams(nc, domain)))
     if as_json:
         print_json(reports)
@@ -70,6 +75,8 @@ def streams(
 def sites(server: Server = DEFAULT, as_json: Json = False) -> None:
     """Sites the hub has heard from: link state, last greeting, and backlog (messages the
     hub has yet to take from the site's outbox, as last measured)."""
+    from rich.table import Table
+
     from shared.bus import sourcing as site_links
 
     found = run(lambda: with_nats(server, site_links.views))
@@ -113,6 +120,10 @@ def checkpoints(
     as_json: Json = False,
 ) -> None:
     """A run's committed checkpoints, newest first (pinned and final ones marked)."""
+    from rich.table import Table
+
+    from baton.cli import client, inspect
+
     url = run(lambda: call(client.store_url, store))
     if pin is not None:
         run(lambda: inspect.pin(url, run_id, pin))
@@ -140,6 +151,9 @@ def logs(
     ] = False,
 ) -> None:
     """A run's events and its entry point's stdout/stderr (as its trainers captured them)."""
+    import asyncio
+
+    from baton.cli import client, inspect
 
     async def go(nc: Any) -> None:
         await client.record(nc, run_id)  # a clear error for an unknown run
@@ -156,6 +170,9 @@ def logs(
 
 
 async def _print_events(nc: Any, run_id: str, follow: bool) -> None:
+    from baton.cli.watch import describe
+    from shared.contracts.events import Progress
+
     async for event in _events(nc, run_id, follow):
         if isinstance(event, Progress):
             continue
@@ -164,6 +181,8 @@ async def _print_events(nc: Any, run_id: str, follow: bool) -> None:
 
 
 async def _events(nc: Any, run_id: str, follow: bool) -> Any:
+    from baton.cli import client
+
     if follow:
         async for e in client.events(nc, run_id):
             yield e
@@ -176,6 +195,10 @@ async def _events(nc: Any, run_id: str, follow: bool) -> Any:
 @dlq_app.command("list")
 def dlq_list(server: Server = DEFAULT, as_json: Json = False) -> None:
     """Every dead letter with its reason."""
+    from rich.table import Table
+
+    from baton.cli import inspect
+
     letters = run(lambda: with_nats(server, inspect.dlq))
     if as_json:
         print_json(letters)
@@ -190,6 +213,8 @@ def dlq_list(server: Server = DEFAULT, as_json: Json = False) -> None:
 @dlq_app.command("show")
 def dlq_show(seq: int, server: Server = DEFAULT, as_json: Json = False) -> None:
     """One dead letter, with its original message."""
+    from baton.cli import inspect
+
     x = run(lambda: with_nats(server, lambda nc: inspect.dlq_show(nc, seq)))
     if as_json:
         print_json(x)
@@ -204,6 +229,8 @@ def dlq_show(seq: int, server: Server = DEFAULT, as_json: Json = False) -> None:
 @dlq_app.command("replay")
 def dlq_replay(seq: int, server: Server = DEFAULT) -> None:
     """Publish a dead letter's message again to its subject, and remove the letter."""
+    from baton.cli import inspect
+
     subject = run(lambda: with_nats(server, lambda nc: inspect.dlq_replay(nc, seq)))
     out.print(f"replayed #{seq} to {subject}")
 

@@ -27,7 +27,7 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from baton.cli import reader
-from baton.cli.client import CliError
+from baton.cli.errors import CliError
 from shared.bus import names
 from shared.contracts import RunRecord, decode
 from shared.contracts import events as ev
@@ -96,6 +96,16 @@ def attempts_of(events: list[Event]) -> list[Attempt]:
     hosts. An attempt ends with its own preempted/fenced/failed event or the run's end, else
     with the next `started` (its trainer died without a word); a fenced one may end later."""
     starts = [i for i, e in enumerate(events) if isinstance(e, ev.Started)]
+    out = _split(events, starts)
+    _attribute(events, starts, out)
+    for a in out:  # one still running lasts until the newest event
+        a.end_at = max(a.end_at, a.started.at, events[-1].at if a.outcome == "running" else 0)
+    return out
+
+
+def _split(events: list[Event], starts: list[int]) -> list[Attempt]:
+    """An attempt for each `started` event (at the indices `starts`), with how and when it
+    ended."""
     out: list[Attempt] = []
     rows: dict[str, int] = {}
     for n, i in enumerate(starts):
@@ -111,12 +121,18 @@ def attempts_of(events: list[Event]) -> list[Attempt]:
         elif nxt is not None:
             a.outcome, a.end_at = "died", events[nxt].at
         out.append(a)
-    by_token = {a.started.token: a for a in out}
+    return out
+
+
+def _attribute(events: list[Event], starts: list[int], attempts: list[Attempt]) -> None:
+    """Give each attempt its resume, progress, commits and last sign of life: an event
+    belongs to the attempt of its worker (a commit: of its token), else to the newest."""
+    by_token = {a.started.token: a for a in attempts}
     current: dict[str, Attempt] = {}
     latest: Attempt | None = None
     for i, e in enumerate(events):
         if isinstance(e, ev.Started):
-            latest = current[e.worker] = out[starts.index(i)]
+            latest = current[e.worker] = attempts[starts.index(i)]
             continue
         who = current.get(getattr(e, "worker", ""), latest)
         if isinstance(e, ev.CheckpointCommitted | ev.CommitRefused):
@@ -132,9 +148,6 @@ def attempts_of(events: list[Event]) -> list[Attempt]:
             who.commits.append(e)
         if e is who.end_event or isinstance(e, ev.Progress | ev.Restored | ev.CheckpointCommitted):
             who.alive_until = max(who.alive_until, e.at)
-    for a in out:  # one still running lasts until the newest event
-        a.end_at = max(a.end_at, a.started.at, events[-1].at if a.outcome == "running" else 0)
-    return out
 
 
 def _ends(s: ev.Started, e: Event) -> bool:
@@ -211,6 +224,14 @@ def _loss_axes(ax: Axes, record: RunRecord, attempts: list[Attempt]) -> None:
 def _marks(events: list[Event], attempts: list[Attempt], t0: float, scale: float
            ) -> tuple[Marks, Marks]:  # fmt: skip
     """Where interruptions and resumes happened in steps, and the run's own events in time."""
+    steps = _attempt_marks(attempts)
+    event_steps, times = _event_marks(events, t0, scale)
+    steps += event_steps
+    return [(x, _short(t), c) for x, t, c in steps], [(x, _short(t), c) for x, t, c in times]
+
+
+def _attempt_marks(attempts: list[Attempt]) -> Marks:
+    """Each attempt's resume and how it ended, in steps."""
     steps: Marks = []
     for a in attempts:
         r, w, step = a.resumed, _w(a.started.worker), a.last_step
@@ -226,6 +247,12 @@ def _marks(events: list[Event], attempts: list[Attempt], t0: float, scale: float
                 steps.append((step, f"attempt {a.started.attempt} failed: {why}", RED))
         if a.outcome == "died":
             steps.append((step, f"{w} died @{step}", RED))
+    return steps
+
+
+def _event_marks(events: list[Event], t0: float, scale: float) -> tuple[Marks, Marks]:
+    """The run's own events: in steps, and in time since `t0` (in units of `scale` s)."""
+    steps: Marks = []
     times: Marks = []
     last = 0
     for e in events:
@@ -249,7 +276,7 @@ def _marks(events: list[Event], attempts: list[Attempt], t0: float, scale: float
                 color = {"warning": AMBER, "redispatched": GREY}.get(kind_of(e), RED)
                 steps.append((last, text, color))
                 times.append((at, text, color))
-    return [(x, _short(t), c) for x, t, c in steps], [(x, _short(t), c) for x, t, c in times]
+    return steps, times
 
 
 def _place(ax: Axes, renderer: RendererBase, items: Marks, lanes: int) -> list[Bbox]:

@@ -34,6 +34,13 @@ from shared.contracts.events import Restored as RestoredEvent
 
 def describe(event: Event) -> str | None:
     """One line for the events worth a line; None for progress and routine commits."""
+    line = _attempt_line(event)
+    return line if line is not None else _run_line(event)
+
+
+def _attempt_line(event: Event) -> str | None:
+    """What happened to one attempt: it started, resumed past damage, was fenced, resumed
+    inexactly, was preempted or failed."""
     match event:
         case Started():
             return (
@@ -53,6 +60,12 @@ def describe(event: Event) -> str | None:
             return f"[yellow]preempted[/yellow] on {event.worker} after step {event.step}"
         case AttemptFailed():
             return f"[red]attempt {event.attempt} failed[/red]: {event.reason}"
+    return None
+
+
+def _run_line(event: Event) -> str | None:
+    """How the run ended, and its final checkpoint."""
+    match event:
         case Completed():
             digest = event.digest[:16]
             return f"[green]completed[/green] at step {event.step}; weights digest {digest}…"
@@ -92,16 +105,26 @@ async def watch_run(nc: Client, run_id: str, console: Console, as_json: bool) ->
     terminal run record seen during a quiet spell when that event never comes."""
     record = await client.record(nc, run_id)
     if as_json:
-        async for item in _until_end(nc, run_id):
-            if isinstance(item, RunRecord):
-                ending = {"type": "record", "record": msgspec.to_builtins(item)}
-                sys.stdout.write(json.dumps(ending) + "\n")
-                return item.state is RunState.COMPLETED
-            sys.stdout.write(json.dumps(json.loads(msgspec.json.encode(item))) + "\n")
-            sys.stdout.flush()
-            if (done := _terminal(item)) is not None:
-                return done
-        return False
+        return await _watch_as_json(nc, run_id)
+    return await _watch_with_bar(nc, run_id, record, console)
+
+
+async def _watch_as_json(nc: Client, run_id: str) -> bool:
+    """One JSON line per event, and the record as the last line if it ended the watch."""
+    async for item in _until_end(nc, run_id):
+        if isinstance(item, RunRecord):
+            ending = {"type": "record", "record": msgspec.to_builtins(item)}
+            sys.stdout.write(json.dumps(ending) + "\n")
+            return item.state is RunState.COMPLETED
+        sys.stdout.write(json.dumps(json.loads(msgspec.json.encode(item))) + "\n")
+        sys.stdout.flush()
+        if (done := _terminal(item)) is not None:
+            return done
+    return False
+
+
+async def _watch_with_bar(nc: Client, run_id: str, record: RunRecord, console: Console) -> bool:
+    """A progress bar of steps, loss and speed, with a line for each event worth one."""
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),

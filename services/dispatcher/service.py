@@ -46,9 +46,10 @@ from shared.contracts import (
     spec_hash,
 )
 from shared.contracts.control import CancelRequest, Command
-from shared.contracts.events import Accepted, Cancelled, Rejected
+from shared.contracts.events import Accepted, Rejected
 from shared.contracts.jobs import MAX_SPEC_BYTES
 from shared.errors import ContractError
+from shared.state.endings import settle
 from shared.state.lease import lease_key
 from shared.state.pools import Pools, load_table
 from shared.state.runs import Runs
@@ -217,7 +218,7 @@ class Dispatcher:
                 return msgspec.structs.replace(r, cancel_requested=req.reason)
             return None
 
-        record = await self.runs.update(req.run_id, cancel)
+        record = await settle(self.js, self.runs, req.run_id, cancel)
         if record is None:
             log.info("cancel of %s: nothing to do (no such run, or already over)", req.run_id)
         elif record.state is RunState.CANCELLED:
@@ -227,11 +228,6 @@ class Dispatcher:
                 )
                 assert queued.seq is not None
                 await self.js.delete_msg(names.TASKS_STREAM, queued.seq)
-            await emit(
-                self.js,
-                Cancelled(run_id=req.run_id, reason=req.reason),
-                msg_id=f"cancelled.{req.run_id}",
-            )
         elif record.worker:
             wake = Command(run_id=req.run_id, action="wake", reason=req.reason)
             await self.nc.publish(names.control_subject(record.worker), encode(wake))

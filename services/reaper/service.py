@@ -16,6 +16,8 @@ wall clock. No correctness depends on them, only when a run is given up.
     orphan       a heartbeat names a run its worker does not hold: a kill command to it
     deliveries   a task or submission that used up its deliveries: dead letter, FAILED
     cancel       a run asked to cancel whose trainer is gone: CANCELLED (see lost run)
+    unannounced  a run that ended without its terminal event (the writer died in between):
+                 the event published, once (`shared.state.endings`)
     garbage      checkpoint files never committed, older than `BATON_GC_AGE`: deleted
 
 Beside the sweeps, the reaper watches the sites' greetings and (re)attaches their outboxes
@@ -48,7 +50,8 @@ from shared.checkpoint.store import open_store
 from shared.config import Settings
 from shared.contracts import RunRecord, RunState, Task, encode
 from shared.contracts.control import Command, WorkerInfo
-from shared.contracts.events import Cancelled, Failed, Redispatched, RunWarning
+from shared.contracts.events import Redispatched, RunWarning
+from shared.state.endings import repair, settle
 from shared.state.lease import holder as lease_holder
 from shared.state.lease import lease_key
 from shared.state.runs import Runs
@@ -63,6 +66,7 @@ class Reaper:
         self.js: JetStreamContext = nc.jetstream()
         self.settings = settings
         self._unowned_since: dict[str, float] = {}
+        self._pending_since: dict[str, float] = {}
         self._progress: dict[str, tuple[int, float]] = {}
         self._orphan_seen: set[tuple[str, str]] = set()
         self._last_gc = float("-inf")
@@ -124,6 +128,7 @@ class Reaper:
                     redispatched.append(r.run_id)
                 await self._stall(r, workers)
         await self._orphans(workers)
+        await self._announce([r for r in records if r.state.terminal and r.announce_pending])
         await self._garbage(records)
         alive = {r.run_id for r in live}
         for table in (self._unowned_since, self._progress):
@@ -138,10 +143,7 @@ class Reaper:
         if r.deadline_at is not None and now > r.deadline_at:
             limit = r.deadline_at - r.created_at
             reason = f"hard_timeout: not finished within {limit:.0f}s"
-            if await self._end(r, RunState.FAILED, reason):
-                await emit(
-                    self.js, Failed(run_id=r.run_id, reason=reason), msg_id=f"failed.{r.run_id}"
-                )
+            await self._end(r, RunState.FAILED, reason)
             return True
         if r.soft_deadline_at is not None and now > r.soft_deadline_at:
             detail = f"running past its soft timeout of {r.soft_deadline_at - r.created_at:.0f}s"
@@ -159,9 +161,7 @@ class Reaper:
             return False
         self._unowned_since.pop(r.run_id, None)
         if r.cancel_requested is not None:
-            if await self._end(r, RunState.CANCELLED, r.cancel_requested):
-                cancelled = Cancelled(run_id=r.run_id, reason=r.cancel_requested)
-                await emit(self.js, cancelled, msg_id=f"cancelled.{r.run_id}")
+            await self._end(r, RunState.CANCELLED, r.cancel_requested)
             return False
         return await self._redispatch(r)
 
@@ -216,6 +216,25 @@ class Reaper:
                     )
         self._orphan_seen = seen
 
+    async def _announce(self, pending: list[RunRecord]) -> None:
+        """Terminal records still waiting for their event: the writer died (or lost the
+        link) between the record and the event. Its own publish may still be under way, so a
+        record is repaired only after it stayed pending for a whole lease TTL, and one that a
+        site ended only once that site's events have all arrived (its own copy may be
+        waiting in its outbox)."""
+        now = time.monotonic()
+        seen = {r.run_id for r in pending}
+        for run_id in [k for k in self._pending_since if k not in seen]:
+            del self._pending_since[run_id]
+        for r in pending:
+            since = self._pending_since.setdefault(r.run_id, now)
+            if now - since < self.settings.lease_ttl_s:
+                continue
+            if r.ending_site and not await self.sites.caught_up(r.ending_site):
+                continue
+            await repair(self.js, self.runs, r)
+            self._pending_since.pop(r.run_id, None)
+
     async def _garbage(self, records: list[RunRecord]) -> None:
         """Checkpoint files that were never committed (a fenced zombie's, a crashed
         upload's) and are older than `BATON_GC_AGE`. Not every sweep: it lists the store."""
@@ -232,15 +251,14 @@ class Reaper:
 
     # -- helpers -------------------------------------------------------------------------
 
-    async def _end(self, r: RunRecord, state: RunState, reason: str) -> bool:
+    async def _end(self, r: RunRecord, state: RunState, reason: str) -> None:
         def end(x: RunRecord) -> RunRecord | None:
             if x.state.terminal:
                 return None
             return msgspec.structs.replace(x, state=state, reason=reason)
 
-        changed = await self.runs.update(r.run_id, end)
-        if changed is None:
-            return False
+        if await settle(self.js, self.runs, r.run_id, end) is None:
+            return  # someone else ended it first
         if r.worker:  # its trainer reads the record at once and stops the child
             await self._command(r.worker, Command(run_id=r.run_id, action="wake", reason=reason))
         with contextlib.suppress(NotFoundError):
@@ -250,7 +268,6 @@ class Reaper:
             if r.state is RunState.QUEUED and queued.seq is not None:
                 await self.js.delete_msg(names.TASKS_STREAM, queued.seq)
         log.warning("%s: %s (%s)", r.run_id, state.value, reason)
-        return True
 
     async def _warn_once(self, r: RunRecord, kind: str, detail: str) -> None:
         if kind in r.warned:

@@ -88,6 +88,15 @@ class SiteWatch:
                     self._link(hello, first=False, returned=False)
                 )
 
+    async def caught_up(self, site: str) -> bool:
+        """The site greets the hub now, and the hub's events stream has sourced everything
+        the site's outbox holds: nothing the site published is still on its way."""
+        if time.monotonic() - self._heard.get(site, float("-inf")) >= sites.SILENCE_S:
+            return False
+        states = await sites.source_states(self.nc, names.EVENTS_STREAM)
+        state = states.get(sites.api_of(site))
+        return state is not None and state.active and state.lag == 0
+
     async def _on_hello(self, msg: Msg) -> None:
         try:
             hello = decode(msg.data, SiteHello)

@@ -1,16 +1,18 @@
 """One training attempt: a lease held, a child process running, its commits followed.
 
-An attempt ends in exactly one outcome; only the trainer's loop turns it into an answer to
-the task message:
+An attempt ends in exactly one verdict (`verdicts.py` holds the outcome table), decided
+once, by `_decide`, from the first of these to happen, strongest first:
 
-    COMPLETED  final checkpoint committed, run record COMPLETED      -> ack
-    CANCELLED  checkpoint committed, run record CANCELLED            -> ack
-    STOPPED    the run ended elsewhere (hard timeout): child killed   -> ack
-    PREEMPTED  stopped on SIGTERM, checkpoint committed, lease freed  -> nak(0): next worker now
-    RETRY      user code failed (or stalled), retries left            -> nak(back-off)
-    FAILED     user code failed for good, run record FAILED           -> ack
-    FENCED     someone else holds the run now                         -> nothing: the message is
-               no longer ours, and a late ack could delete the new holder's copy (docs/nats.md)
+    fenced (lease taken over, or the final commit refused)   -> FENCED
+    the run ended elsewhere (hard timeout)                   -> STOPPED
+    the reaper stopped the attempt (stall)                   -> RETRY or FAILED
+    asked to stop (cancel, SIGTERM) and the grace ran out    -> CANCELLED or PREEMPTED
+    the child exited without finishing                       -> RETRY or FAILED
+    the child stopped early after its checkpoint             -> CANCELLED or PREEMPTED
+    the child finished with its final checkpoint committed   -> COMPLETED
+
+and carried out by `verdicts.apply` while the lease is still kept, so a record write that
+waits out an outage does not lose the run.
 
 Each attempt is an `attempt` span, continuing the trace whose context the task message's
 headers carry (the dispatch), and the parent of the attempt's `commit` spans.
@@ -20,24 +22,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.errors import Error as JetStreamError
 from opentelemetry import trace
 
 from services.trainer.child_proc import Child
 from services.trainer.commits import Commits
-from services.trainer.keeper import Keeper
+from services.trainer.keeper import Keeper, Order
+from services.trainer.verdicts import Outcome, Scope, Verdict, apply
 from shared import telemetry
 from shared.bus import names
 from shared.bus.emit import emit
@@ -57,12 +55,8 @@ from shared.contracts.child import (
 )
 from shared.contracts.events import (
     AttemptFailed,
-    Cancelled,
-    Completed,
     Diverged,
     Event,
-    Failed,
-    Fenced,
     Preempted,
     Progress,
     Restored,
@@ -76,16 +70,6 @@ log = logging.getLogger("baton.trainer")
 
 FINAL_COMMIT_WAIT_S = 900.0
 LOG_TAIL_BYTES = 3000
-
-
-class Outcome(enum.Enum):
-    COMPLETED = "completed"
-    CANCELLED = "cancelled"
-    STOPPED = "stopped"
-    PREEMPTED = "preempted"
-    RETRY = "retry"
-    FAILED = "failed"
-    FENCED = "fenced"
 
 
 class Attempt:
@@ -123,7 +107,6 @@ class Attempt:
         )  # fmt: skip
         self.step = 0
         self.start_step = 0
-        self.retry_delay = 0.0
         self.log_path = Path(settings.work_dir) / "logs" / f"{self.run_id}.log"
         self.last_checkpoint: CheckpointReady | None = None
         self._began = time.monotonic()
@@ -135,9 +118,8 @@ class Attempt:
         """Set for an attempt after the run's first, until its first step is done."""
 
     async def run(self, msg: Msg) -> Outcome:
-        """Run the attempt for the task message `msg`: its `in_progress` keeps it ours, and
-        its headers carry the run's trace context."""
-        touch = msg.in_progress
+        """Run the attempt for the task message `msg` and answer it: its `in_progress` keeps
+        it ours, and its headers carry the run's trace context."""
         with telemetry.tracer.start_as_current_span(
             "attempt",
             context=telemetry.extract(msg.headers),
@@ -151,19 +133,21 @@ class Attempt:
         ) as span:
             self.commits.trace_context = trace.set_span_in_context(span)
             try:
-                outcome = await self._run(touch, span)
+                outcome = await self._run(msg, span)
             finally:
                 self.commits.close()
             span.set_attribute(telemetry.OUTCOME, outcome.value)
             return outcome
 
-    async def _run(self, touch: Callable[[], Awaitable[None]], span: trace.Span) -> Outcome:
+    async def _run(self, msg: Msg, span: trace.Span) -> Outcome:
+        scope = Scope(
+            self.js, self.runs, self.lease, msg, self.worker, self.site,
+            stop_keeping=self._stop_keeping, give_up=lambda: self.orders.fenced,
+        )  # fmt: skip
         token = self.lease.token
         record = await self.runs.update(self.run_id, self._mark_running)
-        if record is None:
-            found = await self.runs.get(self.run_id)
-            terminal = found is not None and found[0].state.terminal
-            return Outcome.STOPPED if terminal else Outcome.FENCED
+        if record is None:  # over, or someone newer holds it: the attempt never starts
+            return await apply(Verdict(Outcome.FENCED, change=_unchanged, quiet=True), scope)
         latest = await commit.read_latest(self.store, self.run_id)
         self.step = self.start_step = latest[0].step if latest else 0
         span.set_attributes({telemetry.ATTEMPT: record.attempts, telemetry.START_STEP: self.step})
@@ -181,20 +165,23 @@ class Attempt:
         )
         launch = Launch(task=self.task, token=token, worker=self.worker, store_url=self.store.url)
         self.child.send(launch)
-        self._keeping = asyncio.create_task(self.keeper.keep(touch))
+        self._keeping = asyncio.create_task(self.keeper.keep(msg.in_progress))
         background = [
             self._keeping,
             asyncio.create_task(self.child.copy_output(self.log_path, self._publish_output)),
         ]
         try:
-            return await self._follow()
+            outcome = await apply(await self._follow(), scope)
+            if outcome is Outcome.COMPLETED:
+                await self._sample_speed()
+            return outcome
         finally:
             self.child.kill()
             await self.child.wait()
             for t in background:
                 t.cancel()
             # Wait for them to end, so that nothing of this attempt (a lease renewal above
-            # all) still runs when the trainer answers the task and frees the lease.
+            # all) still runs after it.
             await asyncio.gather(*background, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -206,17 +193,13 @@ class Attempt:
             subject = names.at_site(names.logs_subject(self.run_id), self.site)
             await self.js.publish(subject, chunk, timeout=2)
 
-    async def _release(self) -> None:
-        """Stop keeping the lease, then give it up. In that order: a keeper beat after the
-        release would find the lease free and take it again, and the next worker would
-        wait out the TTL."""
+    async def _stop_keeping(self) -> None:
         self._keeping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._keeping
-        await self.lease.release()
 
-    async def _emit(self, event: Event, *, msg_id: str | None = None, attempts: int = 0) -> None:
-        await emit(self.js, event, msg_id=msg_id, attempts=attempts, site=self.site)
+    async def _emit(self, event: Event, *, attempts: int = 0) -> None:
+        await emit(self.js, event, attempts=attempts, site=self.site)
 
     def orphaned(self, reason: str) -> None:
         """The reaper saw this worker run a run it does not hold: stop at once."""
@@ -224,45 +207,44 @@ class Attempt:
 
     # -- the attempt's course ------------------------------------------------------------
 
-    async def _follow(self) -> Outcome:
-        o = self.orders
+    async def _follow(self) -> Verdict:
+        """Follow the child until something ends the attempt, then decide its verdict. A
+        cancel or a SIGTERM first asks the child to checkpoint and stop, and waits the
+        grace for it (or a stronger order, or a second signal)."""
         reader = asyncio.create_task(self._read())
-        watch = [asyncio.create_task(e.wait()) for e in (o.fenced, o.halt, o.cancel, self.stop)]
         try:
-            await asyncio.wait({reader, *watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not reader.done() and not (o.fenced.is_set() or o.halt.is_set()):
-                why = "cancelled" if o.cancel.is_set() else "preempted"
+            await _first(reader, self.orders.changed, self.stop)
+            if not reader.done() and self.orders.given in (None, Order.CANCEL):
+                why = "cancelled" if self.orders.given else "preempted"
                 log.info("%s: %s at step %d; checkpointing", self.run_id, why, self.step)
                 self.child.send(Control(action="stop"))
-                hurry = asyncio.create_task(self.hurry.wait())
-                await asyncio.wait(
-                    {reader, watch[0], watch[1], hurry},
-                    timeout=self.settings.grace_s,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                hurry.cancel()
-            if o.fenced.is_set():
-                return await self._on_fenced()
-            if o.halt.is_set():
-                self.child.kill()
-                if o.halt_is_stall:
-                    return await self._on_child_failed(-9, o.reason)
-                log.warning("%s: stopped: %s", self.run_id, o.reason)
-                return Outcome.STOPPED
-            if not reader.done():  # grace ran out, or a second signal
-                self.child.kill()
-                return await self._on_stopped_early(None)
-            finished = reader.result()
-            if finished is None:
-                return await self._on_child_failed(await self.child.wait())
-            # `Finished` comes after the child's last write, so its exit (a second or so of
-            # interpreter teardown) is not waited for: the next worker would wait with us.
-            if finished.stopped:
-                return await self._on_stopped_early(finished)
-            return await self._on_finished()
+                self.orders.changed.clear()  # from here on, set only by a stronger order
+                await _first(reader, self.orders.changed, self.hurry, timeout=self.settings.grace_s)
+            return await self._decide(reader)
         finally:
-            for t in (reader, *watch):
-                t.cancel()
+            reader.cancel()
+
+    async def _decide(self, reader: asyncio.Task[Finished | None]) -> Verdict:
+        """The verdict, strongest cause first (the module's table)."""
+        given = self.orders.given
+        if given is Order.FENCE:
+            return self._fenced(self.orders.reason)
+        if given is Order.OVER:
+            self.child.kill()
+            log.warning("%s: stopped: %s", self.run_id, self.orders.reason)
+            return Verdict(Outcome.STOPPED)
+        if given is Order.STALL:
+            return self._child_failed(-9, self.orders.reason)
+        if not reader.done():  # asked to stop, and the grace ran out (or a second signal)
+            return await self._stopped_early(None)
+        finished = reader.result()
+        if finished is None:
+            return self._child_failed(await self.child.wait())
+        # `Finished` comes after the child's last write, so its exit (a second or so of
+        # interpreter teardown) is not waited for: the next worker would wait with us.
+        if finished.stopped:
+            return await self._stopped_early(finished)
+        return await self._finished()
 
     async def _read(self) -> Finished | None:
         async for msg in self.child.messages():
@@ -285,139 +267,95 @@ class Attempt:
                 await self.commits.request(msg)
                 self.last_checkpoint = msg
             elif isinstance(msg, Divergence):
-                log.warning(
-                    "%s: not exact: %s at step %d was %s, now %s (resumed from %d)",
-                    self.run_id, msg.metric, msg.step, msg.expected, msg.got, msg.checkpoint,
-                )  # fmt: skip
-                diverged = Diverged(
-                    run_id=self.run_id, worker=self.worker, checkpoint=msg.checkpoint,
-                    step=msg.step, metric=msg.metric, expected=msg.expected, got=msg.got,
-                )  # fmt: skip
-                await self._emit(diverged)
+                await self._diverged(msg)
             elif isinstance(msg, Finished):
                 return msg
         return None
 
-    async def _on_finished(self) -> Outcome:
+    async def _diverged(self, msg: Divergence) -> None:
+        log.warning(
+            "%s: not exact: %s at step %d was %s, now %s (resumed from %d)",
+            self.run_id, msg.metric, msg.step, msg.expected, msg.got, msg.checkpoint,
+        )  # fmt: skip
+        diverged = Diverged(
+            run_id=self.run_id, worker=self.worker, checkpoint=msg.checkpoint,
+            step=msg.step, metric=msg.metric, expected=msg.expected, got=msg.got,
+        )  # fmt: skip
+        await self._emit(diverged)
+
+    # -- verdicts ------------------------------------------------------------------------
+
+    async def _finished(self) -> Verdict:
         final = self.last_checkpoint
         if final is None or not final.final:
-            return await self._on_child_failed(
-                0, "the entry point ended without its final checkpoint"
-            )
+            return self._child_failed(0, "the entry point ended without its final checkpoint")
         if not await self.commits.wait(final.token, final.step, FINAL_COMMIT_WAIT_S):
-            self.orders.fence(f"final commit at step {final.step} was refused")
-            return await self._on_fenced()
+            return self._fenced(f"final commit at step {final.step} was refused")
+        log.info("%s: completed at step %d, digest %s", self.run_id, final.step, final.digest[:16])
         done = self._spent(
             state=RunState.COMPLETED, step=final.step, digest=final.digest,
             metrics=final.metrics, worker=None, reason=None,
         )  # fmt: skip
-        if await self._record_outcome(done) is None:
-            self.orders.fence("the run record moved on")
-            return await self._on_fenced()
-        completed = Completed(
-            run_id=self.run_id, step=final.step, digest=final.digest, metrics=final.metrics
-        )
-        await self._emit(completed, msg_id=f"completed.{self.run_id}")
-        elapsed = time.monotonic() - self._began
-        if final.step > self.start_step:
-            with contextlib.suppress(Exception):  # a speed sample is not worth failing over
-                await self.pools.record(
-                    self.task.spec.pool, elapsed / (final.step - self.start_step)
-                )
-        log.info("%s: completed at step %d, digest %s", self.run_id, final.step, final.digest[:16])
-        return Outcome.COMPLETED
+        return Verdict(Outcome.COMPLETED, change=done)
 
-    async def _on_stopped_early(self, finished: Finished | None) -> Outcome:
+    async def _stopped_early(self, finished: Finished | None) -> Verdict:
         """Preempted (SIGTERM) or cancelled: the child checkpointed and returned (or was
         killed when the grace ran out)."""
+        if finished is None:
+            self.child.kill()
         last = self.last_checkpoint
         if finished is not None and last is not None:
             await self.commits.wait(last.token, last.step, self.settings.grace_s)
-        step = last.step if last else 0
-        if self.orders.cancel.is_set():
+        if self.orders.given is Order.CANCEL:
             reason = self.orders.reason
             cancelled = self._spent(state=RunState.CANCELLED, reason=reason, worker=None)
-            if await self.runs.update(self.run_id, cancelled) is not None:
-                await self._release()
-                event = Cancelled(run_id=self.run_id, reason=reason)
-                await self._emit(event, msg_id=f"cancelled.{self.run_id}")
-                return Outcome.CANCELLED
-        await self.runs.update(self.run_id, self._spent(worker=None))
-        await self._release()
-        await self._emit(Preempted(run_id=self.run_id, worker=self.worker, step=step))
+            return Verdict(Outcome.CANCELLED, change=cancelled)
+        step = last.step if last else 0
         log.info("%s: preempted; lease released after step %d", self.run_id, step)
-        return Outcome.PREEMPTED
 
-    async def _on_fenced(self) -> Outcome:
+        def preempted(r: RunRecord) -> Event:
+            return Preempted(run_id=self.run_id, worker=self.worker, step=step)
+
+        return Verdict(Outcome.PREEMPTED, change=self._spent(worker=None), event=preempted)
+
+    def _fenced(self, reason: str) -> Verdict:
         self.child.kill()
-        reason = self.orders.reason or "lease lost"
         log.warning("%s: fenced (%s); training process killed", self.run_id, reason)
         trace.get_current_span().set_attribute("baton.reason", reason)
-        fenced = Fenced(
-            run_id=self.run_id, worker=self.worker, token=self.lease.token, reason=reason
-        )
-        await self._emit(fenced)
-        return Outcome.FENCED
+        return Verdict(Outcome.FENCED, reason=reason)
 
-    async def _on_child_failed(self, code: int, why: str = "") -> Outcome:
-        tail = _tail(self.log_path)
+    def _child_failed(self, code: int, why: str = "") -> Verdict:
+        self.child.kill()
         reason = why or (
             "the entry point could not be loaded"
             if code == EXIT_BAD_LAUNCH
             else f"training process exited with code {code}"
         )
-        token = self.lease.token
-        spent = self._spent()
+        tail = _tail(self.log_path)
         trace.get_current_span().set_status(trace.StatusCode.ERROR, reason)
+        spent = self._spent()
 
         def count(r: RunRecord) -> RunRecord | None:
-            if r.state.terminal or r.token != token:
+            if r.state.terminal or r.token != self.lease.token:
                 return None
+            r = spent(r) or r
             retries = r.retries + 1
             give_up = code == EXIT_BAD_LAUNCH or retries > r.spec.limits.max_retries
-            r = spent(r) or r
             return msgspec.structs.replace(
                 r, retries=retries, stop_token=None, stop_reason=None,
                 state=RunState.FAILED if give_up else r.state,
                 reason=reason if give_up else r.reason,
             )  # fmt: skip
 
-        record = await self.runs.update(self.run_id, count)
-        if record is None:
-            return await self._on_fenced()
-        if record.state is RunState.FAILED:
-            failed = Failed(run_id=self.run_id, reason=reason, detail=tail)
-            await self._emit(failed, msg_id=f"failed.{self.run_id}")
-            return Outcome.FAILED
-        attempt_failed = AttemptFailed(
-            run_id=self.run_id, worker=self.worker, attempt=record.attempts,
-            reason=reason, detail=tail,
-        )  # fmt: skip
-        await self._emit(attempt_failed)
-        await self._release()
-        self.retry_delay = min(2.0**record.retries, 60.0)
-        return Outcome.RETRY
+        def failed(r: RunRecord) -> Event:
+            return AttemptFailed(
+                run_id=self.run_id, worker=self.worker, attempt=r.attempts, reason=reason,
+                detail=tail,
+            )  # fmt: skip
+
+        return Verdict(Outcome.RETRY, change=count, event=failed, detail=tail)
 
     # -- helpers -------------------------------------------------------------------------
-
-    async def _record_outcome(self, change: Change) -> RunRecord | None:
-        """Write the run's outcome, however long the hub stays out of reach: the final
-        checkpoint is committed (the store said so), and only the record is missing. At a
-        site whose link is down this waits for the link; the keeper keeps the lease (or
-        fences us, and then the record refuses the change)."""
-        delay = 0.5
-        while True:
-            try:
-                return await self.runs.update(self.run_id, change)
-            except (TimeoutError, NatsTimeoutError, NoRespondersError, JetStreamError) as exc:
-                if self.orders.fenced.is_set():
-                    return None
-                log.warning(
-                    "%s: recording the outcome failed (%s); retrying", self.run_id,
-                    type(exc).__name__,
-                )  # fmt: skip
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     def _mark_running(self, r: RunRecord) -> RunRecord | None:
         if r.state.terminal or (r.token or 0) > self.lease.token:
@@ -426,6 +364,14 @@ class Attempt:
             r, state=RunState.RUNNING, worker=self.worker, token=self.lease.token,
             attempts=r.attempts + 1,
         )  # fmt: skip
+
+    async def _sample_speed(self) -> None:
+        final = self.last_checkpoint
+        if final is None or final.step <= self.start_step:
+            return
+        elapsed = time.monotonic() - self._began
+        with contextlib.suppress(Exception):  # a speed sample is not worth failing over
+            await self.pools.record(self.task.spec.pool, elapsed / (final.step - self.start_step))
 
     def _spent(self, **fields: object) -> Change:
         """A record change that also books this attempt's time and cost, applied only
@@ -463,6 +409,23 @@ class Attempt:
         # Progress is best-effort: while a link is down the next one will do.
         with contextlib.suppress(Exception):
             await self._emit(event, attempts=1)
+
+
+def _unchanged(r: RunRecord) -> RunRecord | None:
+    return None
+
+
+async def _first(
+    *waits: asyncio.Task[object] | asyncio.Event, timeout: float | None = None
+) -> None:
+    """Until the first of `waits` is done or set (or `timeout`)."""
+    tasks = [w if isinstance(w, asyncio.Task) else asyncio.create_task(w.wait()) for w in waits]
+    try:
+        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w, task in zip(waits, tasks, strict=True):
+            if task is not w:
+                task.cancel()
 
 
 def _tail(path: Path) -> str:

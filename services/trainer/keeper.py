@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -30,19 +31,39 @@ log = logging.getLogger("baton.trainer")
 RETRY_S = 0.5
 
 
+class Order(enum.IntEnum):
+    """What the run record (or the lease) tells an attempt, weakest first: a stronger order
+    replaces a weaker one, never the reverse."""
+
+    CANCEL = 1
+    """The run is asked to cancel: checkpoint, then stop."""
+    STALL = 2
+    """The reaper stopped this attempt for making no progress: it counts as failed."""
+    OVER = 3
+    """The run ended elsewhere (a hard timeout): stop."""
+    FENCE = 4
+    """Someone else holds the run: stop at once and touch nothing of it."""
+
+
 class Orders:
-    """What the keeper learned; the attempt waits on these events."""
+    """The strongest order given so far; `changed` is set whenever it gets stronger."""
 
     def __init__(self) -> None:
-        self.fenced = asyncio.Event()
-        self.cancel = asyncio.Event()
-        self.halt = asyncio.Event()
+        self.given: Order | None = None
         self.reason = ""
-        self.halt_is_stall = False
+        self.changed = asyncio.Event()
+
+    def give(self, order: Order, reason: str) -> None:
+        if self.given is None or order > self.given:
+            self.given, self.reason = order, reason
+            self.changed.set()
 
     def fence(self, reason: str) -> None:
-        self.reason = self.reason or reason
-        self.fenced.set()
+        self.give(Order.FENCE, reason)
+
+    @property
+    def fenced(self) -> bool:
+        return self.given is Order.FENCE
 
 
 class Keeper:
@@ -66,7 +87,7 @@ class Keeper:
     async def keep(self, touch: Callable[[], Awaitable[None]]) -> None:
         interval = self.lease.ttl_s / 3
         wait = interval
-        while not self.orders.fenced.is_set():
+        while not self.orders.fenced:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.beat_now.wait(), wait)
             self.beat_now.clear()
@@ -97,15 +118,11 @@ class Keeper:
             return
         r = found[0]
         if r.state.terminal:
-            self.orders.reason = r.reason or f"the run is {r.state.value}"
-            self.orders.halt.set()
+            self.orders.give(Order.OVER, r.reason or f"the run is {r.state.value}")
         elif r.stop_token is not None and r.stop_token == self.lease.token:
-            self.orders.reason = r.stop_reason or "stopped by the reaper"
-            self.orders.halt_is_stall = True
-            self.orders.halt.set()
+            self.orders.give(Order.STALL, r.stop_reason or "stopped by the reaper")
         elif r.cancel_requested is not None:
-            self.orders.reason = r.cancel_requested
-            self.orders.cancel.set()
+            self.orders.give(Order.CANCEL, r.cancel_requested)
 
     async def _retake(self) -> bool:
         """After a lapse: take the lease again unless someone committed or moved the

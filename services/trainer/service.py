@@ -34,20 +34,20 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from services.trainer.attempt import Attempt, Outcome
+from services.trainer.attempt import Attempt
 from services.trainer.child_proc import Child
+from services.trainer.verdicts import Outcome, Scope, Verdict, apply
 from shared import telemetry
+from shared.backoff import Backoff, retrying
 from shared.bus import names
 from shared.bus.answer import dead_letter
 from shared.bus.connect import publish
-from shared.bus.emit import emit
 from shared.bus.service import StopSignals, pull_loop
 from shared.bus.streams import ensure_consumer, trainer_consumer
 from shared.checkpoint.store import Store, open_store
 from shared.config import Settings
 from shared.contracts import RunRecord, RunState, Task, decode, encode
 from shared.contracts.control import Command, WorkerInfo
-from shared.contracts.events import Cancelled, Failed
 from shared.errors import ContractError
 from shared.state.lease import Lease
 from shared.state.pools import Pools, load_table
@@ -144,29 +144,17 @@ class Trainer:
             # after a third of the TTL, in case the holder has died by then.
             await msg.nak(delay=self.settings.lease_ttl_s / 3)
             return
+        scope = Scope(self.js, self.runs, lease, msg, self.settings.worker_id, self.site)
         if not self.settings.allows(task.spec.entry_point):
-            await self._refuse(task, msg)
-            await lease.release()  # the run is over: nobody should wait out its TTL
-            return
-        if record.cancel_requested is not None and await self._cancel_unowned(record.run_id):
-            await msg.ack()
-            await lease.release()
-            return
-        try:
-            outcome, delay = await self._attempt(task, lease, msg)
-        except Exception:
-            # The store or the hub failed under the attempt where nothing expected it (the
-            # store down when the attempt looks up its checkpoint): the run is not at fault,
-            # and this trainer must live on. Give the run back for a later try.
-            log.exception("%s: the attempt failed outside the training process", task.run_id)
-            with contextlib.suppress(Exception):
-                await lease.release()
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=ATTEMPT_ERROR_DELAY_S)
-            return
-        await self._answer(msg, outcome, delay, lease)
+            await apply(self._refusal(task), scope)
+        elif record.cancel_requested is not None:
+            # Asked to cancel, and its trainer is gone: nothing trains it, so it is
+            # cancelled here, before any work starts.
+            await apply(Verdict(Outcome.CANCELLED, change=_cancel_unowned), scope)
+        else:
+            await self._attempt(task, lease, msg, scope)
 
-    async def _attempt(self, task: Task, lease: Lease, msg: Msg) -> tuple[Outcome, float]:
+    async def _attempt(self, task: Task, lease: Lease, msg: Msg, scope: Scope) -> None:
         child = self._spare or await Child.start(self._child_env())
         self._spare = None
         signals = (self.signals.stop, self.signals.hurry)
@@ -177,62 +165,34 @@ class Trainer:
         self.attempt = attempt
         try:
             outcome = await attempt.run(msg)
+            log.info("%s: attempt %s", task.run_id, outcome.value)
+        except Exception:
+            # The store or the hub failed under the attempt where nothing expected it (the
+            # store down when the attempt looks up its checkpoint): the run is not at fault,
+            # and this trainer must live on. Give the run back for a later try.
+            log.exception("%s: the attempt failed outside the training process", task.run_id)
+            with contextlib.suppress(Exception):
+                await apply(Verdict(Outcome.PREEMPTED, delay=ATTEMPT_ERROR_DELAY_S), scope)
         finally:
             self.attempt = None
             if not self.signals.stop.is_set():
                 self._spare = await Child.start(self._child_env())
-        return outcome, attempt.retry_delay
 
-    async def _answer(self, msg: Msg, outcome: Outcome, delay: float, lease: Lease) -> None:
-        log.info("%s: attempt %s", lease.run_id, outcome.value)
-        if outcome in (Outcome.COMPLETED, Outcome.FAILED, Outcome.CANCELLED, Outcome.STOPPED):
-            # The run record already says how it ended, so a lost ack only costs a
-            # redelivery that is acked on sight.
-            with contextlib.suppress(Exception):
-                await msg.ack_sync(timeout=5)
-            await lease.release()
-        elif outcome is Outcome.PREEMPTED:
-            await msg.nak(delay=0)
-        elif outcome is Outcome.RETRY:
-            await msg.nak(delay=delay)
-        # FENCED: the message is not ours to answer any more.
-
-    async def _refuse(self, task: Task, msg: Msg) -> None:
+    def _refusal(self, task: Task) -> Verdict:
         """An entry point outside this trainer's allow-list: the run fails here, before the
         child imports anything, because whoever may publish jobs must not be able to run
         arbitrary code on a GPU host."""
         module = task.spec.entry_point.partition(":")[0]
         allowed = ", ".join(self.settings.entry_allow)
         reason = f"entry point module {module!r} is not allowed here (allowed: {allowed})"
+        log.warning("%s: refused: %s", task.run_id, reason)
 
         def fail(r: RunRecord) -> RunRecord | None:
             if r.state.terminal:
                 return None
             return msgspec.structs.replace(r, state=RunState.FAILED, reason=reason, worker=None)
 
-        if await self.runs.update(task.run_id, fail) is not None:
-            await emit(
-                self.js, Failed(run_id=task.run_id, reason=reason),
-                msg_id=f"failed.{task.run_id}", site=self.site,
-            )  # fmt: skip
-        log.warning("%s: refused: %s", task.run_id, reason)
-        await msg.ack()
-
-    async def _cancel_unowned(self, run_id: str) -> bool:
-        """A run asked to cancel whose trainer is gone: nothing is training it, so it is
-        cancelled here, before any work starts."""
-
-        def cancel(r: RunRecord) -> RunRecord | None:
-            if r.state is not RunState.RUNNING or r.cancel_requested is None:
-                return None
-            return msgspec.structs.replace(r, state=RunState.CANCELLED, reason=r.cancel_requested)
-
-        record = await self.runs.update(run_id, cancel)
-        if record is None:
-            return False
-        event = Cancelled(run_id=run_id, reason=record.reason or "cancelled")
-        await emit(self.js, event, msg_id=f"cancelled.{run_id}", site=self.site)
-        return True
+        return Verdict(Outcome.FAILED, change=fail)
 
     async def _on_command(self, msg: Msg) -> None:
         try:
@@ -277,19 +237,22 @@ class Trainer:
         return env
 
 
+def _cancel_unowned(r: RunRecord) -> RunRecord | None:
+    if r.state is not RunState.RUNNING or r.cancel_requested is None:
+        return None
+    return msgspec.structs.replace(r, state=RunState.CANCELLED, reason=r.cancel_requested)
+
+
+UNREACHABLE = (
+    ServiceUnavailableError, NoRespondersError, TimeoutError, NatsTimeoutError, NotFoundError,
+)  # fmt: skip
+
+
 async def _until_reachable(call: Callable[[], Awaitable[None]], what: str) -> None:
-    delay = 0.5
-    while True:
-        try:
-            await call()
-            return
-        except (
-            ServiceUnavailableError, NoRespondersError, TimeoutError, NatsTimeoutError,
-            NotFoundError,
-        ) as exc:  # fmt: skip
-            log.warning("%s is not reachable (%s); retrying", what, type(exc).__name__)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+    backoff = Backoff(first=0.5, most=5.0)
+    await retrying(
+        call, retry_on=UNREACHABLE, what=f"{what} is not reachable", backoff=backoff, log=log
+    )
 
 
 def _device() -> tuple[str, str, int]:

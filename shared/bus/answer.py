@@ -16,13 +16,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from shared.bus import names
 from shared.bus.connect import publish
 from shared.contracts import encode
+from shared.contracts.letters import DeadLetter
 from shared.errors import PermanentError, TransientError
 
 log = logging.getLogger("baton.outcome")
@@ -32,18 +32,6 @@ MAX_LETTER_PAYLOAD = 512 * 1024
 """A letter carries its payload base64-encoded (4/3 the size), so a poison message near the
 1 MiB message limit would not fit in one: the publish would fail and the message would never
 be dead-lettered. The beginning is what a person reads."""
-
-
-class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
-    source: str
-    """The consumer that gave up on the message."""
-    subject: str
-    reason: str
-    payload: bytes
-    headers: dict[str, str]
-    stream_seq: int
-    delivered: int
-    at: float
 
 
 async def handle(
@@ -74,24 +62,37 @@ async def dead_letter(
 ) -> None:
     """At a site (`site`), the letter goes through the site's outbox to the hub."""
     meta = msg.metadata
-    if len(msg.data) > MAX_LETTER_PAYLOAD:
-        reason = (
-            f"{reason} (payload cut to its first {MAX_LETTER_PAYLOAD} of {len(msg.data)} bytes)"
-        )
+    await post_letter(
+        js, meta.stream, source=source, subject=msg.subject, reason=reason, payload=msg.data,
+        headers=dict(msg.headers or {}), stream_seq=meta.sequence.stream,
+        delivered=meta.num_delivered, site=site,
+    )  # fmt: skip
+
+
+async def post_letter(
+    js: JetStreamContext,
+    stream: str,
+    *,
+    source: str,
+    subject: str,
+    reason: str,
+    payload: bytes,
+    headers: dict[str, str],
+    stream_seq: int,
+    delivered: int,
+    site: str = "",
+) -> None:
+    """Copy a message of `stream` to the dead-letter stream, stored once however often this
+    is retried (its id names the message: `names.letter_id`)."""
+    if len(payload) > MAX_LETTER_PAYLOAD:
+        reason = f"{reason} (payload cut to its first {MAX_LETTER_PAYLOAD} of {len(payload)} bytes)"
     letter = DeadLetter(
-        source=source,
-        subject=msg.subject,
-        reason=reason,
-        payload=msg.data[:MAX_LETTER_PAYLOAD],
-        headers=dict(msg.headers or {}),
-        stream_seq=meta.sequence.stream,
-        delivered=meta.num_delivered,
-        at=time.time(),
-    )
+        source=source, subject=subject, reason=reason, payload=payload[:MAX_LETTER_PAYLOAD],
+        headers=headers, stream_seq=stream_seq, delivered=delivered, at=time.time(),
+    )  # fmt: skip
     await publish(
         js,
         names.at_site(names.dlq_subject(source), site),
         encode(letter),
-        # The site is part of the id: a site's and the hub's streams number alike.
-        msg_id=f"dlq.{site or names.HUB_DOMAIN}.{meta.stream}.{meta.sequence.stream}",
+        msg_id=names.letter_id(stream, stream_seq, site),
     )

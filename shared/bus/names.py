@@ -77,6 +77,12 @@ def event_subject(run_id: str, kind: str) -> str:
     return f"{PREFIX}.events.{run_id}.{kind}"
 
 
+def ending_id(kind: str, run_id: str) -> str:
+    """The one message id of a run's terminal event (`completed.<run>`): whoever publishes
+    it, the events stream stores it once within its deduplication window."""
+    return f"{kind}.{run_id}"
+
+
 def events_of_run(run_id: str) -> str:
     return f"{PREFIX}.events.{run_id}.*"
 
@@ -96,6 +102,12 @@ def logs_subject(run_id: str) -> str:
 
 def dlq_subject(source: str) -> str:
     return f"{PREFIX}.dlq.{source}"
+
+
+def letter_id(stream: str, stream_seq: int, site: str = "") -> str:
+    """The message id of a dead letter: the message it copies, where it was (a site's
+    streams and the hub's number their messages alike)."""
+    return f"dlq.{site or HUB_DOMAIN}.{stream}.{stream_seq}"
 
 
 def control_subject(worker_id: str) -> str:

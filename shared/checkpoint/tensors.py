@@ -84,27 +84,32 @@ def unflatten(tree: Tree, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(tree, list):
         return [unflatten(v, tensors) for v in tree]
     if isinstance(tree, dict):
-        if "__tensor__" in tree:
-            name = tree["__tensor__"]
-            if not isinstance(name, str) or name not in tensors:
-                raise IntegrityError(f"checkpoint metadata names tensor {name!r}, not in the file")
-            return tensors[name]
-        if "__dict__" in tree:
-            items = tree["__dict__"]
-            if not isinstance(items, list) or not all(_is_item(i) for i in items):
-                raise IntegrityError("checkpoint metadata has a malformed dict node")
-            return {k: unflatten(v, tensors) for k, v in items}
-        if "__tuple__" in tree:
-            if not isinstance(tree["__tuple__"], list):
-                raise IntegrityError("checkpoint metadata has a malformed tuple node")
-            return tuple(unflatten(v, tensors) for v in tree["__tuple__"])
-        if "__float__" in tree:
-            text = tree["__float__"]
-            if text not in ("inf", "-inf", "nan"):
-                raise IntegrityError(f"checkpoint metadata has a malformed float {text!r}")
-            return float(text)
-        raise IntegrityError(f"unknown node in checkpoint metadata: {sorted(tree)[:5]}")
+        return _unflatten_node(tree, tensors)
     return tree
+
+
+def _unflatten_node(node: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
+    """A tagged node: a tensor, a dict, a tuple or a non-finite float."""
+    if "__tensor__" in node:
+        name = node["__tensor__"]
+        if not isinstance(name, str) or name not in tensors:
+            raise IntegrityError(f"checkpoint metadata names tensor {name!r}, not in the file")
+        return tensors[name]
+    if "__dict__" in node:
+        items = node["__dict__"]
+        if not isinstance(items, list) or not all(_is_item(i) for i in items):
+            raise IntegrityError("checkpoint metadata has a malformed dict node")
+        return {k: unflatten(v, tensors) for k, v in items}
+    if "__tuple__" in node:
+        if not isinstance(node["__tuple__"], list):
+            raise IntegrityError("checkpoint metadata has a malformed tuple node")
+        return tuple(unflatten(v, tensors) for v in node["__tuple__"])
+    if "__float__" in node:
+        text = node["__float__"]
+        if text not in ("inf", "-inf", "nan"):
+            raise IntegrityError(f"checkpoint metadata has a malformed float {text!r}")
+        return float(text)
+    raise IntegrityError(f"unknown node in checkpoint metadata: {sorted(node)[:5]}")
 
 
 def declared(tree: Tree) -> dict[str, TensorSpec | None]:

@@ -60,6 +60,11 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     actual_cost: float = 0.0
     busy_s: float = 0.0
     """Seconds of training attempts so far, each measured on its trainer's own clock."""
+    announce_pending: bool = False
+    """Set with the terminal state and cleared once the terminal event is stored; a record
+    that keeps it is repaired by the reaper (`shared.state.endings`)."""
+    ending_site: str = ""
+    """The site whose outbox carries the terminal event ("" for the hub)."""
 
 
 def run_id_for(idempotency_key: str, owner: str = "") -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from baton.cli.client import CliError
+from baton.cli.errors import CliError
 from baton.cli.report import attempts_of, collect, render
 from baton.stack.natsserver import NatsServer
 from shared.bus import streams

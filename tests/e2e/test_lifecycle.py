@@ -12,7 +12,6 @@ import pytest
 
 from baton.cli import client
 from shared.bus import names
-from shared.bus.answer import DeadLetter
 from shared.checkpoint import commit, retention
 from shared.checkpoint.store import open_store
 from shared.contracts import RunState, decode, run_id_for
@@ -27,6 +26,7 @@ from shared.contracts.events import (
     RunWarning,
     Started,
 )
+from shared.contracts.letters import DeadLetter
 from shared.state.lease import Lease, is_held
 from tests.e2e.jobs import EventLog, finished, history, job, submit
 from tests.support.stack import Stack, eventually, training_processes

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
@@ -108,13 +109,31 @@ async def test_no_secret_appears_in_anything_baton_captured(
     for r in run_ids:
         assert (await finished(nc, r, timeout=60)).state is RunState.COMPLETED
 
+    secrets = _secrets(hub, site)
+    captured = await _captured(nc, hub, site, run_ids)
+    await _until(lambda: len(collector.bodies) > 0, "traces and metrics to be exported")
+    for i, body in enumerate(collector.bodies):
+        captured[f"otlp #{i}"] = body
+    _assert_no_secret_in(captured, secrets)
+
+
+def _secrets(hub: Stack, site: Site) -> dict[str, str]:
+    """What must never appear, by what it is: the S3 keys, every NATS password of the hub
+    and the site, and the lease secret."""
     secrets = {"S3 secret key": SECRET_KEY, "S3 access key": ACCESS_KEY}
     for path in (hub.root / "auth").glob("*.env"):
         secrets[f"NATS password of {path.stem}"] = _password(path)
     for path in (site.root / "auth").glob("*.env"):
         secrets[f"NATS password of {path.stem}"] = _password(path)
     secrets["lease secret"] = (hub.root / "auth" / "lease.secret").read_text().strip()
+    return secrets
 
+
+async def _captured(nc: Client, hub: Stack, site: Site, run_ids: list[str]) -> dict[str, bytes]:
+    """Everything Baton kept, by where it was found: every stream and bucket of the hub,
+    the site's outbox and checkpoint streams, every file under the hub's and the site's
+    directories (logs included) but those that hold secrets by design, and every object
+    of the runs in the store."""
     captured: dict[str, bytes] = {}
     buckets = (names.RUNS_BUCKET, names.LEASES_BUCKET, names.WORKERS_BUCKET, names.POOLS_BUCKET)
     for stream in (*names.ALL_STREAMS, *(f"KV_{b}" for b in buckets)):
@@ -130,10 +149,11 @@ async def test_no_secret_appears_in_anything_baton_captured(
         for r in run_ids:
             for key in await store.list(f"runs/{r}/"):
                 captured[f"store {key}"] = await store.get(key)
-    await _until(lambda: len(collector.bodies) > 0, "traces and metrics to be exported")
-    for i, body in enumerate(collector.bodies):
-        captured[f"otlp #{i}"] = body
+    return captured
 
+
+def _assert_no_secret_in(captured: dict[str, bytes], secrets: dict[str, str]) -> None:
+    """The search covered checkpoints and logs, and found none of `secrets`."""
     assert any(k.startswith("store ") for k in captured), "checkpoints were searched"
     assert any("logs" in k for k in captured), "logs were searched"
     leaks = [

@@ -11,9 +11,9 @@ from baton.cli import client
 from services.dispatcher.service import Dispatcher
 from shared import config
 from shared.bus import names
-from shared.bus.answer import DeadLetter
 from shared.contracts import decode, run_id_for
 from shared.contracts.events import Accepted, Event, Rejected
+from shared.contracts.letters import DeadLetter
 from shared.state.runs import Runs
 from tests.support.stack import eventually
 

@@ -24,10 +24,10 @@ from nats.aio.client import Client
 from services.dispatcher.service import Dispatcher
 from shared import config
 from shared.bus import names
-from shared.bus.answer import DeadLetter
 from shared.bus.streams import MAX_MSG_BYTES
 from shared.contracts import JobSpec, decode, run_id_for
 from shared.contracts.jobs import MAX_SPEC_BYTES
+from shared.contracts.letters import DeadLetter
 from shared.errors import ContractError
 from shared.state.runs import Runs
 

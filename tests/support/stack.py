@@ -124,13 +124,14 @@ class Stack:
         self.specs.append(spec)
         return await self.sup.start(spec)
 
-    async def add_trainer(self, name: str) -> int:
+    async def add_trainer(self, name: str, env: dict[str, str] | None = None) -> int:
         one = msgspec.structs.replace(self.opts, trainers=1)
         base = next(s for s in service_specs(one, self.nats.url) if s.name == "trainer-1")
         env = {
             **base.env,
             "BATON_WORKER_ID": name,
             "BATON_WORK_DIR": str(self.root / "work" / name),
+            **(env or {}),
         }
         return await self.add(msgspec.structs.replace(base, name=name, env=env))
 
