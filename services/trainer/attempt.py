@@ -70,6 +70,7 @@ log = logging.getLogger("baton.trainer")
 
 FINAL_COMMIT_WAIT_S = 900.0
 LOG_TAIL_BYTES = 3000
+OUTPUT_DRAIN_S = 2.0
 
 
 class Attempt:
@@ -110,7 +111,8 @@ class Attempt:
         self.log_path = Path(settings.work_dir) / "logs" / f"{self.run_id}.log"
         self.last_checkpoint: CheckpointReady | None = None
         self._began = time.monotonic()
-        self._keeping: asyncio.Task[None]
+        self._keeping: asyncio.Task[None] | None = None
+        self._copying: asyncio.Task[None] | None = None
         self._last_progress = 0.0
         self._rate: tuple[float, int] | None = None
         self._metric_attrs = {telemetry.POOL: task.spec.pool}
@@ -165,11 +167,11 @@ class Attempt:
         )
         launch = Launch(task=self.task, token=token, worker=self.worker, store_url=self.store.url)
         self.child.send(launch)
-        self._keeping = asyncio.create_task(self.keeper.keep(msg.in_progress))
-        background = [
-            self._keeping,
-            asyncio.create_task(self.child.copy_output(self.log_path, self._publish_output)),
-        ]
+        keeping = self._keeping = asyncio.create_task(self.keeper.keep(msg.in_progress))
+        copying = self._copying = asyncio.create_task(
+            self.child.copy_output(self.log_path, self._publish_output)
+        )
+        background = [keeping, copying]
         try:
             outcome = await apply(await self._follow(), scope)
             if outcome is Outcome.COMPLETED:
@@ -193,7 +195,16 @@ class Attempt:
             subject = names.at_site(names.logs_subject(self.run_id), self.site)
             await self.js.publish(subject, chunk, timeout=2)
 
+    async def _output_copied(self) -> None:
+        """Until the exited child's last output is in its log file (the tail a failure
+        reports), or a moment has passed: a grandchild holding the pipe open must not keep
+        the verdict waiting."""
+        if self._copying is not None:
+            await asyncio.wait({self._copying}, timeout=OUTPUT_DRAIN_S)
+
     async def _stop_keeping(self) -> None:
+        if self._keeping is None:  # the attempt never started
+            return
         self._keeping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._keeping
@@ -234,12 +245,16 @@ class Attempt:
             log.warning("%s: stopped: %s", self.run_id, self.orders.reason)
             return Verdict(Outcome.STOPPED)
         if given is Order.STALL:
+            self.child.kill()
+            await self._output_copied()
             return self._child_failed(-9, self.orders.reason)
         if not reader.done():  # asked to stop, and the grace ran out (or a second signal)
             return await self._stopped_early(None)
         finished = reader.result()
         if finished is None:
-            return self._child_failed(await self.child.wait())
+            code = await self.child.wait()
+            await self._output_copied()
+            return self._child_failed(code)
         # `Finished` comes after the child's last write, so its exit (a second or so of
         # interpreter teardown) is not waited for: the next worker would wait with us.
         if finished.stopped:
@@ -304,11 +319,19 @@ class Attempt:
         if finished is None:
             self.child.kill()
         last = self.last_checkpoint
-        if finished is not None and last is not None:
-            await self.commits.wait(last.token, last.step, self.settings.grace_s)
+        # The record's step follows commits as their events arrive; a commit heard of only
+        # from the store (or whose event is still being handled) is written here.
+        kept: dict[str, object] = {}
+        grace = self.settings.grace_s
+        if (
+            finished is not None
+            and last is not None
+            and await self.commits.wait(last.token, last.step, grace)
+        ):
+            kept = {"step": last.step}
         if self.orders.given is Order.CANCEL:
             reason = self.orders.reason
-            cancelled = self._spent(state=RunState.CANCELLED, reason=reason, worker=None)
+            cancelled = self._spent(state=RunState.CANCELLED, reason=reason, worker=None, **kept)
             return Verdict(Outcome.CANCELLED, change=cancelled)
         step = last.step if last else 0
         log.info("%s: preempted; lease released after step %d", self.run_id, step)
@@ -316,7 +339,8 @@ class Attempt:
         def preempted(r: RunRecord) -> Event:
             return Preempted(run_id=self.run_id, worker=self.worker, step=step)
 
-        return Verdict(Outcome.PREEMPTED, change=self._spent(worker=None), event=preempted)
+        spent = self._spent(worker=None, **kept)
+        return Verdict(Outcome.PREEMPTED, change=spent, event=preempted)
 
     def _fenced(self, reason: str) -> Verdict:
         self.child.kill()
@@ -342,7 +366,7 @@ class Attempt:
             retries = r.retries + 1
             give_up = code == EXIT_BAD_LAUNCH or retries > r.spec.limits.max_retries
             return msgspec.structs.replace(
-                r, retries=retries, stop_token=None, stop_reason=None,
+                r, retries=retries, stop_token=None, stop_reason=None, worker=None,
                 state=RunState.FAILED if give_up else r.state,
                 reason=reason if give_up else r.reason,
             )  # fmt: skip

@@ -124,8 +124,9 @@ class Commits:
         fut = self._future(token, step)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            left = deadline - time.monotonic()
             with contextlib.suppress(TimeoutError):
-                return await asyncio.wait_for(asyncio.shield(fut), POLL_STORE_S)
+                return await asyncio.wait_for(asyncio.shield(fut), min(POLL_STORE_S, left))
             with contextlib.suppress(Exception):  # the store may be down too; ask again
                 latest = await commit.read_latest(self.store, self.run_id)
                 if latest is not None:
