@@ -29,6 +29,7 @@ from baton.cli.common import (
     print_json,
     run,
     stop_telemetry,
+    traced,
     with_nats,
 )
 
@@ -449,6 +450,7 @@ from baton.cli import ops  # noqa: E402, F401  (registers the operator commands)
 
 def main() -> None:
     # Each command sets up telemetry as it starts (`common._Command`); this flushes it.
+    traced()
     try:
         app()
     finally:

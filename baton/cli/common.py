@@ -26,15 +26,27 @@ F = TypeVar("F", bound=Callable[..., Any])
 class _Command(TyperCommand):
     """A command that sets up telemetry once its arguments have parsed, just before it
     runs, rather than when `baton` starts: `--help` and a bad option never import
-    OpenTelemetry."""
+    OpenTelemetry. Only in the `baton` process itself (`traced()`): a program that calls
+    the app in-process (a test's CliRunner) keeps its own providers, which OpenTelemetry
+    would not let it install after ours."""
 
     def invoke(self, ctx: Any) -> Any:
-        from shared import telemetry
+        if _tracing:
+            from shared import telemetry
 
-        # Traces start at `baton submit`; nothing is exported unless
-        # OTEL_EXPORTER_OTLP_ENDPOINT is set, and setting up costs no connection.
-        telemetry.setup("baton-cli")
+            # Traces start at `baton submit`; nothing is exported unless
+            # OTEL_EXPORTER_OTLP_ENDPOINT is set, and setting up costs no connection.
+            telemetry.setup("baton-cli")
         return super().invoke(ctx)
+
+
+_tracing = False
+
+
+def traced() -> None:
+    """Called by `baton`'s entry point: its commands set up the CLI's telemetry."""
+    global _tracing
+    _tracing = True
 
 
 class OwnTelemetry(TyperCommand):

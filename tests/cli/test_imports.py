@@ -56,6 +56,8 @@ def test_baton_service_leaves_telemetry_to_the_service() -> None:
         "import sys\n"
         "from typer.testing import CliRunner\n"
         "from baton.cli.app import app\n"
+        "from baton.cli.common import traced\n"
+        "traced()  # as `baton` itself runs its commands\n"
         "CliRunner().invoke(app, ['service', 'no-such-service'])\n"
         "from shared import telemetry\n"
         "print(telemetry._installed is None)\n"
