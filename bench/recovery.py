@@ -1,5 +1,11 @@
-"""Recovery time at the default lease TTL: SIGKILL -> first resumed step, and
-SIGTERM -> first resumed step, on the real stack (nats-server, services as processes).
+"""Recovery time at the default lease TTL on the real stack (nats-server, services as
+processes), signal -> first resumed step:
+
+    SIGKILL, supervised   the trainer process killed, restarted by its supervisor as under
+                          `baton up`: its successor hands the run over at once
+    SIGKILL, unsupervised the trainer killed and not restarted (a host gone): the run waits
+                          for the task's redelivery
+    SIGTERM               preemption: checkpoint, release, nak
 
     .venv/bin/python -m bench.recovery [--ttl 10] [--rounds 2]
 
@@ -38,8 +44,14 @@ async def one(stack: Stack, sig: int, key: str) -> float:
     await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 50, 60, "step 50")
     at_signal = time.time()
     stack.signal(first.worker, sig)
+    again = await log.wait_for(
+        lambda e: isinstance(e, Started) and e.token > first.token, 120, "the next attempt"
+    )
+    assert isinstance(again, Started)
     resumed = await log.wait_for(
-        lambda e: isinstance(e, Progress) and e.worker != first.worker, 120, "resume"
+        lambda e: isinstance(e, Progress) and e.worker == again.worker and e.at >= again.at,
+        120,
+        "its first step",
     )
     await finished(nc, run_id, timeout=120)
     log.close()
@@ -47,12 +59,19 @@ async def one(stack: Stack, sig: int, key: str) -> float:
 
 
 async def main(ttl: int, rounds: int) -> None:
-    results: dict[str, list[float]] = {"SIGKILL": [], "SIGTERM": []}
+    cases = (
+        ("SIGKILL, supervised", signal.SIGKILL, True),
+        ("SIGKILL, unsupervised", signal.SIGKILL, False),
+        ("SIGTERM", signal.SIGTERM, False),
+    )
+    results: dict[str, list[float]] = {name: [] for name, _, _ in cases}
     for r in range(rounds):
-        for name, sig in (("SIGKILL", signal.SIGKILL), ("SIGTERM", signal.SIGTERM)):
+        for name, sig, supervised in cases:
             with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
-                stack = Stack(Path(tmp) / "s", trainers=2, lease_ttl=ttl)
-                await stack.start()
+                stack = Stack(Path(tmp) / "s", trainers=0, lease_ttl=ttl)
+                await stack.start(("dispatcher", "checkpointer", "reaper"))
+                for trainer in ("t1", "t2"):
+                    await stack.add_trainer(trainer, restart=supervised)
                 try:
                     results[name].append(await one(stack, sig, f"{name}-{r}"))
                 finally:

@@ -271,9 +271,14 @@ def _event_marks(events: list[Event], t0: float, scale: float) -> tuple[Marks, M
             case ev.Completed():
                 steps.append((e.step, f"completed @{e.step}", GREEN))
                 times.append((at, "completed", GREEN))
-            case ev.RunWarning() | ev.Redispatched() | ev.Failed() | ev.Cancelled() | ev.Rejected():
+            case (
+                ev.RunWarning() | ev.Redispatched() | ev.HandedOver() | ev.Failed()
+                | ev.Cancelled() | ev.Rejected()
+            ):  # fmt: skip
                 text = f"{kind_of(e)}: {e.kind if isinstance(e, ev.RunWarning) else e.reason}"
-                color = {"warning": AMBER, "redispatched": GREY}.get(kind_of(e), RED)
+                color = {"warning": AMBER, "redispatched": GREY, "handed_over": ORANGE}.get(
+                    kind_of(e), RED
+                )
                 steps.append((last, text, color))
                 times.append((at, text, color))
     return steps, times

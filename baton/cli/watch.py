@@ -22,6 +22,7 @@ from shared.contracts.events import (
     Event,
     Failed,
     Fenced,
+    HandedOver,
     Preempted,
     Rejected,
     Started,
@@ -60,6 +61,8 @@ def _attempt_line(event: Event) -> str | None:
             return f"[yellow]preempted[/yellow] on {event.worker} after step {event.step}"
         case AttemptFailed():
             return f"[red]attempt {event.attempt} failed[/red]: {event.reason}"
+        case HandedOver():
+            return f"[yellow]handed over[/yellow] from {event.worker}: {event.reason}"
     return None
 
 

@@ -36,18 +36,22 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from services.trainer.attempt import Attempt
 from services.trainer.child_proc import Child
+from services.trainer.claim import WorkDir
 from services.trainer.verdicts import Outcome, Scope, Verdict, apply
 from shared import telemetry
 from shared.backoff import Backoff, retrying
 from shared.bus import names
 from shared.bus.answer import dead_letter
 from shared.bus.connect import publish
+from shared.bus.emit import emit
 from shared.bus.service import StopSignals, pull_loop
 from shared.bus.streams import ensure_consumer, trainer_consumer
 from shared.checkpoint.store import Store, open_store
 from shared.config import Settings
 from shared.contracts import RunRecord, RunState, Task, decode, encode
 from shared.contracts.control import Command, WorkerInfo
+from shared.contracts.events import HandedOver
+from shared.contracts.tasks import Claim
 from shared.errors import ContractError
 from shared.state.lease import Lease
 from shared.state.pools import Pools, load_table
@@ -76,8 +80,12 @@ class Trainer:
         self.attempt: Attempt | None = None
         self.device = _device()
         self._spare: Child | None = None
+        self.workdir = WorkDir(Path(settings.work_dir))
 
     async def start(self) -> None:
+        # First of all: a predecessor under this identity that still lives keeps the lock,
+        # and one that died left the lock to us (`claim.py`).
+        self.workdir.lock()
         consumer = trainer_consumer(
             self.settings.pool, self.settings.ack_wait_s, self.settings.max_deliver
         )
@@ -87,8 +95,33 @@ class Trainer:
             lambda: ensure_consumer(self.hub, names.TASKS_STREAM, consumer), "the hub's streams"
         )
         self.runs = await Runs.open(self.hub, self.settings.hub_api)
+        if (claim := self.workdir.left_behind()) is not None:
+            await self._hand_over(claim)
         self._spare = await Child.start(self._child_env())
         await self.nc.subscribe(names.control_subject(self.settings.worker_id), cb=self._on_command)
+
+    async def _hand_over(self, claim: Claim) -> None:
+        """This worker's predecessor died during an attempt: free its lease and make its task
+        deliverable now, instead of after the lease TTL and the task's AckWait."""
+        lease = Lease(
+            self.hub, claim.run_id, self.settings.worker_id, self.settings.lease_ttl_s,
+            api_prefix=self.settings.hub_api, key=claim.lease_key,
+        )  # fmt: skip
+        freed = await lease.abandon(claim.token)
+        # A delivery answered (or redelivered) since ignores the nak.
+        await self.nc.publish(claim.reply, b"-NAK")
+        await self.nc.flush()
+        self.workdir.let_go()
+        log.warning(
+            "%s: this worker's previous process died holding it (token %d); %s",
+            claim.run_id, claim.token, "handed over" if freed else "its lease was gone already",
+        )  # fmt: skip
+        if freed:
+            event = HandedOver(
+                run_id=claim.run_id, worker=self.settings.worker_id, token=claim.token,
+                reason="its trainer process died (its successor on the host found the claim)",
+            )  # fmt: skip
+            await emit(self.js, event, site=self.site)
 
     async def on_reconnect(self) -> None:
         # Tell the running attempt to touch its task and renew its lease at once: the
@@ -115,6 +148,7 @@ class Trainer:
                 self._spare.kill()
                 await self._spare.wait()
             await self.store.close()
+            self.workdir.unlock()
 
     async def on_task(self, msg: Msg) -> None:
         if msg.metadata.num_delivered > 1:
@@ -152,7 +186,14 @@ class Trainer:
             # cancelled here, before any work starts.
             await apply(Verdict(Outcome.CANCELLED, change=_cancel_unowned), scope)
         else:
-            await self._attempt(task, lease, msg, scope)
+            claim = Claim(
+                run_id=task.run_id, lease_key=lease.key, token=lease.token, reply=msg.reply
+            )
+            self.workdir.hold(claim)
+            try:
+                await self._attempt(task, lease, msg, scope)
+            finally:
+                self.workdir.let_go()
 
     async def _attempt(self, task: Task, lease: Lease, msg: Msg, scope: Scope) -> None:
         child = self._spare or await Child.start(self._child_env())

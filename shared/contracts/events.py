@@ -110,6 +110,15 @@ class Preempted(_Event, tag="preempted", frozen=True):
     step: int
 
 
+class HandedOver(_Event, tag="handed_over", frozen=True):
+    """The trainer holding the run is certainly dead (its successor on the same host found
+    what it held): its lease was freed and its task made deliverable at once."""
+
+    worker: str
+    token: int
+    reason: str
+
+
 class Redispatched(_Event, tag="redispatched", frozen=True):
     dispatch: int
     reason: str
@@ -140,6 +149,7 @@ Event = (
     | AttemptFailed
     | Fenced
     | Preempted
+    | HandedOver
     | Redispatched
     | RunWarning
     | Cancelled

@@ -21,3 +21,15 @@ class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     """The run's key in the leases bucket, when the hub keys leases by a secret
     (`shared.state.lease.lease_key`): only a trainer handed this task can name — and so write —
     the run's lease. None: the run id is the key."""
+
+
+class Claim(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What a trainer holds while an attempt runs, kept in its work directory for the next
+    process under its worker identity (`services/trainer/claim.py`)."""
+
+    run_id: Annotated[str, Meta(pattern=RUN_ID)]
+    lease_key: str
+    token: int
+    """The lease's fencing token when the attempt took it."""
+    reply: str
+    """The task delivery's reply subject: a nak sent there redelivers the task now."""

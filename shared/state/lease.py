@@ -103,6 +103,22 @@ class Lease:
                 return
             self.revision = entry.revision
 
+    async def abandon(self, token: int) -> bool:
+        """Free the lease that a dead predecessor under this worker identity took at
+        `token`: only while it still names this worker and that token. The acquiring write
+        is the token itself (its value names token 0); every renewal writes the token."""
+        kv = await self._js.key_value(names.LEASES_BUCKET)
+        try:
+            entry = await kv.get(self.key)
+        except (KeyNotFoundError, KeyDeletedError):
+            return False  # lapsed already
+        held = json.loads(entry.value or b"{}")
+        named = held.get("token") or entry.revision
+        if held.get("worker") != self.worker or named != token:
+            return False
+        assert entry.revision is not None
+        return await self._writer.delete(self.key, expected=entry.revision)
+
     async def _write(self, expected: int) -> int | None:
         value = encode({"worker": self.worker, "token": self.token})
         return await self._writer.put(self.key, value, expected=expected, ttl_s=self.ttl_s)

@@ -117,14 +117,18 @@ class Stack:
 
         await eventually(declared, 30, "services to declare their streams")
 
-    async def add(self, spec: ServiceSpec) -> int:
+    async def add(self, spec: ServiceSpec, *, restart: bool = False) -> int:
+        """Start a service; `restart`: as `baton up` does, restart it when it dies (tests
+        mostly want a killed service to stay dead)."""
         spec = msgspec.structs.replace(
-            spec, restart=False, cwd=str(Path(__file__).resolve().parents[2])
+            spec, restart=restart, cwd=str(Path(__file__).resolve().parents[2])
         )
         self.specs.append(spec)
         return await self.sup.start(spec)
 
-    async def add_trainer(self, name: str, env: dict[str, str] | None = None) -> int:
+    async def add_trainer(
+        self, name: str, env: dict[str, str] | None = None, *, restart: bool = False
+    ) -> int:
         one = msgspec.structs.replace(self.opts, trainers=1)
         base = next(s for s in service_specs(one, self.nats.url) if s.name == "trainer-1")
         env = {
@@ -133,7 +137,7 @@ class Stack:
             "BATON_WORK_DIR": str(self.root / "work" / name),
             **(env or {}),
         }
-        return await self.add(msgspec.structs.replace(base, name=name, env=env))
+        return await self.add(msgspec.structs.replace(base, name=name, env=env), restart=restart)
 
     def pid(self, name: str) -> int:
         pid = self.sup.pid(name)

@@ -1,0 +1,66 @@
+"""A trainer known to be dead hands its run over at once, not after its lease TTL."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from shared.contracts import RunState
+from shared.contracts.events import (
+    CheckpointCommitted,
+    HandedOver,
+    Redispatched,
+    Started,
+)
+from tests.e2e.jobs import EventLog, finished, job, submit
+from tests.support.stack import Stack
+
+# Far longer than any wait below: a run that resumes within them was not waiting for its
+# lease to lapse (TTL) or its task to be redelivered (AckWait, 1.5 × TTL).
+TTL = 60
+WITHIN = 30.0
+
+
+async def test_a_trainer_killed_under_its_supervisor_hands_its_run_over_at_once(
+    tmp_path: Path,
+) -> None:
+    s = Stack(tmp_path / "stack", trainers=0, lease_ttl=TTL)
+    try:
+        await s.start(("dispatcher", "checkpointer", "reaper"))
+        await s.add_trainer("t1", restart=True)  # as under `baton up`
+        nc = await s.client()
+        spec = job(
+            entry_point="tests.support.workloads:paced", total_steps=160,
+            checkpoint={"every_steps": 20}, config={"pace": 0.03},
+        )  # fmt: skip
+        run_id = await submit(nc, spec)
+        log = EventLog(nc, run_id)
+        first = await log.wait_for(lambda e: isinstance(e, Started), 60, "the first attempt")
+        assert isinstance(first, Started)
+        await log.wait_for(
+            lambda e: isinstance(e, CheckpointCommitted) and e.step >= 40, 60, "a commit at 40"
+        )
+        s.signal("t1", signal.SIGKILL)
+
+        handed = await log.wait_for(lambda e: isinstance(e, HandedOver), WITHIN, "hand-over")
+        assert isinstance(handed, HandedOver)
+        assert (handed.worker, handed.token) == ("t1", first.token)
+        second = await log.wait_for(
+            lambda e: isinstance(e, Started) and e.token > first.token, WITHIN, "the resume"
+        )
+        assert isinstance(second, Started) and second.start_step >= 40
+        record = await finished(nc, run_id, 120)
+        assert record.state is RunState.COMPLETED and record.attempts == 2
+        # Handed over, not found lost: no re-dispatch, and the order is kill → hand-over →
+        # the next attempt.
+        assert not log.of(Redispatched)
+        order = [e for e in log.events if isinstance(e, Started | HandedOver)]
+        assert [type(e).__name__ for e in order] == ["Started", "HandedOver", "Started"]
+        log.close()
+
+        reference = await submit(
+            nc, job(**{**spec.__struct_fields_dict__(), "idempotency_key": "ref"})
+        )
+        assert (await finished(nc, reference, 120)).digest == record.digest
+    finally:
+        await s.stop()
