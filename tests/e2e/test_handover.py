@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from pathlib import Path
+
+import msgspec
 
 from shared.contracts import RunState
 from shared.contracts.events import (
     CheckpointCommitted,
     HandedOver,
+    Progress,
     Redispatched,
     Started,
 )
@@ -30,7 +34,7 @@ async def test_a_trainer_killed_under_its_supervisor_hands_its_run_over_at_once(
         await s.add_trainer("t1", restart=True)  # as under `baton up`
         nc = await s.client()
         spec = job(
-            entry_point="tests.support.workloads:paced", total_steps=160,
+            entry_point="tests.support.workloads:paced", total_steps=240,
             checkpoint={"every_steps": 20}, config={"pace": 0.03},
         )  # fmt: skip
         run_id = await submit(nc, spec)
@@ -40,6 +44,16 @@ async def test_a_trainer_killed_under_its_supervisor_hands_its_run_over_at_once(
         await log.wait_for(
             lambda e: isinstance(e, CheckpointCommitted) and e.step >= 40, 60, "a commit at 40"
         )
+        # Silent but alive (SIGSTOP), well within the TTL: it keeps its lock, so its run.
+        s.signal("t1", signal.SIGSTOP)
+        await asyncio.sleep(3)  # the length of the fault, not a wait for something
+        s.signal("t1", signal.SIGCONT)
+        at = max(e.step for e in log.of(Progress))
+        await log.wait_for(
+            lambda e: isinstance(e, CheckpointCommitted) and e.step > at, 60, "a commit after"
+        )
+        assert len(log.of(Started)) == 1 and not log.of(HandedOver)
+
         s.signal("t1", signal.SIGKILL)
 
         handed = await log.wait_for(lambda e: isinstance(e, HandedOver), WITHIN, "hand-over")
@@ -58,9 +72,7 @@ async def test_a_trainer_killed_under_its_supervisor_hands_its_run_over_at_once(
         assert [type(e).__name__ for e in order] == ["Started", "HandedOver", "Started"]
         log.close()
 
-        reference = await submit(
-            nc, job(**{**spec.__struct_fields_dict__(), "idempotency_key": "ref"})
-        )
+        reference = await submit(nc, msgspec.structs.replace(spec, idempotency_key="ref"))
         assert (await finished(nc, reference, 120)).digest == record.digest
     finally:
         await s.stop()
