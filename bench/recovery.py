@@ -73,7 +73,8 @@ async def main(ttl: int, rounds: int) -> None:
                 for trainer in ("t1", "t2"):
                     await stack.add_trainer(trainer, restart=supervised)
                 try:
-                    results[name].append(await one(stack, sig, f"{name}-{r}"))
+                    key = f"{name.replace(' ', '').replace(',', '-')}-{r}"
+                    results[name].append(await one(stack, sig, key))
                 finally:
                     await stack.stop()
     print(f"lease TTL {ttl}s (task AckWait {Settings(lease_ttl_s=ttl).ack_wait_s:.0f}s)")

@@ -144,7 +144,7 @@ class Attempt:
     async def _run(self, msg: Msg, span: trace.Span) -> Outcome:
         scope = Scope(
             self.js, self.runs, self.lease, msg, self.worker, self.site,
-            stop_keeping=self._stop_keeping, give_up=lambda: self.orders.fenced,
+            stop_keeping=self._stop_keeping, give_up=self._give_up_writing,
         )  # fmt: skip
         token = self.lease.token
         record = await self.runs.update(self.run_id, self._mark_running)
@@ -194,6 +194,12 @@ class Attempt:
         with contextlib.suppress(Exception):
             subject = names.at_site(names.logs_subject(self.run_id), self.site)
             await self.js.publish(subject, chunk, timeout=2)
+
+    def _give_up_writing(self) -> bool:
+        """Stop retrying the verdict's record write through an outage once it no longer
+        matters (fenced: the run is someone else's) or may not take longer (a second
+        signal: the host is going away, and the run is recovered as a dead trainer's is)."""
+        return self.orders.fenced or self.hurry.is_set()
 
     async def _output_copied(self) -> None:
         """Until the exited child's last output is in its log file (the tail a failure
