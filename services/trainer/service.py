@@ -89,12 +89,14 @@ class Trainer:
         consumer = trainer_consumer(
             self.settings.pool, self.settings.ack_wait_s, self.settings.max_deliver
         )
-        # The hub's services declare the streams (a trainer may not: least privilege); a
-        # trainer that starts first, or at a site whose link is down, waits for them.
-        await _until_reachable(
-            lambda: ensure_consumer(self.hub, names.TASKS_STREAM, consumer), "the hub's streams"
-        )
-        self.runs = await Runs.open(self.hub, self.settings.hub_api)
+        # The hub's services declare the streams and buckets (a trainer may not: least
+        # privilege); a trainer that starts first, or at a site whose link is down, waits
+        # for them — for the buckets too, which the dispatcher declares after the streams.
+        async def declared() -> None:
+            await ensure_consumer(self.hub, names.TASKS_STREAM, consumer)
+            self.runs = await Runs.open(self.hub, self.settings.hub_api)
+
+        await _until_reachable(declared, "the hub's streams and buckets")
         if (claim := self.workdir.left_behind()) is not None:
             await self._hand_over(claim)
         self._spare = await Child.start(self._child_env())
