@@ -169,10 +169,14 @@ async def test_cancel_a_queued_and_a_running_run(tmp_path: Path) -> None:
         record = await finished(nc, queued, timeout=20)
         assert record.state is RunState.CANCELLED and record.reason == "not needed"
         await log_of_queued.wait_for(lambda e: isinstance(e, Cancelled), 10, "cancelled")
-        info = await nc.jetstream().stream_info(
-            names.TASKS_STREAM, subjects_filter=names.task_subject("default", queued)
-        )
-        assert not info.state.subjects, "a cancelled queued run's task is removed"
+
+        async def task_removed() -> bool:  # after the ending is announced
+            info = await nc.jetstream().stream_info(
+                names.TASKS_STREAM, subjects_filter=names.task_subject("default", queued)
+            )
+            return not info.state.subjects
+
+        await eventually(task_removed, 10, "the cancelled queued run's task to be removed")
         log_of_queued.close()
 
         await s.add_trainer("t1")

@@ -163,6 +163,18 @@ class Rig:
             (self.stop, self.hurry), self.beat_now,
         )  # fmt: skip
 
+    async def running_slowly(self, run_id: str) -> tuple[Attempt, asyncio.Task[Outcome]]:
+        """A slow run (no periodic checkpoints) whose attempt has done its first step."""
+        await self.submit(
+            run_id, PACED, 500, checkpoint={"every_steps": None}, config={**SMALL, "pace": 0.05}
+        )
+        msg = await self.fetch(5)
+        assert msg is not None, "the task must be delivered"
+        attempt = await self.attempt(msg)
+        running = self.launch(attempt, msg)
+        await self.stepped(run_id)
+        return attempt, running
+
     def launch(self, attempt: Attempt, msg: Msg) -> asyncio.Task[Outcome]:
         """Run `attempt` in the background (cancelled at teardown if a test fails first)."""
         task = asyncio.create_task(attempt.run(msg))
@@ -305,14 +317,7 @@ async def test_completed_writes_the_result_releases_the_lease_and_acks(rig: Rig)
 
 async def test_cancelled_checkpoints_then_ends_the_run_and_acks(rig: Rig) -> None:
     run_id = "rcancel"
-    await rig.submit(
-        run_id, PACED, 500, checkpoint={"every_steps": None}, config={**SMALL, "pace": 0.05}
-    )
-    msg = await rig.fetch(5)
-    assert msg is not None, "the task must be delivered"
-    attempt = await rig.attempt(msg)
-    running = rig.launch(attempt, msg)
-    await rig.stepped(run_id)
+    attempt, running = await rig.running_slowly(run_id)
 
     def ask(r: RunRecord) -> RunRecord:
         return msgspec.structs.replace(r, cancel_requested="cancelled by the test")
@@ -382,14 +387,7 @@ async def test_stopped_when_the_run_ended_elsewhere_changes_nothing_and_acks(rig
 
 async def test_preempted_checkpoints_releases_and_naks_for_at_once(rig: Rig) -> None:
     run_id = "rpreempt"
-    await rig.submit(
-        run_id, PACED, 500, checkpoint={"every_steps": None}, config={**SMALL, "pace": 0.05}
-    )
-    msg = await rig.fetch(5)
-    assert msg is not None, "the task must be delivered"
-    attempt = await rig.attempt(msg)
-    running = rig.launch(attempt, msg)
-    await rig.stepped(run_id)
+    attempt, running = await rig.running_slowly(run_id)
 
     rig.stop.set()  # SIGTERM
     outcome = await asyncio.wait_for(running, ATTEMPT_S)
