@@ -141,7 +141,9 @@ async def test_an_attempt_that_starts_while_the_store_is_down_waits_for_it(
 ) -> None:
     nc = await s3_stack.client()
     pid = s3_stack.pid("trainer-1")
-    seaweed.stop()
+    # In a thread, as above: waiting for the server blocks, and a blocked loop misses the
+    # client's NATS pings (a disconnect, then a timed-out request, seen under load).
+    await asyncio.to_thread(seaweed.stop)
     try:
         run_id = await submit(nc, job(entry_point="tests.support.workloads:paced", total_steps=40))
 
@@ -151,6 +153,6 @@ async def test_an_attempt_that_starts_while_the_store_is_down_waits_for_it(
         await eventually(gave_back, 30, "the trainer to give the run back")
         assert s3_stack.pid("trainer-1") == pid, "the trainer must outlive a store outage"
     finally:
-        seaweed.start()
+        await asyncio.to_thread(seaweed.start)
     record = await finished(nc, run_id, timeout=60)
     assert record.state is RunState.COMPLETED and record.retries == 0, record
