@@ -3,8 +3,8 @@ processes), signal -> first resumed step:
 
     SIGKILL, supervised   the trainer process killed, restarted by its supervisor as under
                           `baton up`: its successor hands the run over at once
-    SIGKILL, unsupervised the trainer killed and not restarted (a host gone): the run waits
-                          for the task's redelivery
+    SIGKILL, unsupervised the trainer killed and not restarted (a host gone): the reaper
+                          hands the run over when its lease expires
     SIGTERM               preemption: checkpoint, release, nak
 
     .venv/bin/python -m bench.recovery [--ttl 10] [--rounds 2]
@@ -77,13 +77,14 @@ async def main(ttl: int, rounds: int) -> None:
                     results[name].append(await one(stack, sig, key))
                 finally:
                     await stack.stop()
-    print(f"lease TTL {ttl}s (task AckWait {Settings(lease_ttl_s=ttl).ack_wait_s:.0f}s)")
+    ack_wait = Settings(lease_ttl_s=ttl).ack_wait_s
+    print(f"lease TTL {ttl}s (task AckWait {ack_wait:.0f}s)")
     for name, values in results.items():
         median = statistics.median(values)
         runs = ", ".join(f"{v:.2f}" for v in values)
         print(
             f"{name} -> first resumed step: median {median:.2f}s (runs: {runs});"
-            f" ratio to TTL {median / ttl:.2f}"
+            f" ratio to TTL {median / ttl:.2f}, to AckWait {median / ack_wait:.2f}"
         )
 
 

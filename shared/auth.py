@@ -156,6 +156,8 @@ def hub_permissions(role: str) -> Permissions | None:
                 *_write_kv("", names.RUNS_BUCKET, names.SITES_BUCKET),
                 *(f"{API}.STREAM.MSG.GET.{s}" for s in (*work_queues, names.EVENTS_STREAM)),
                 *(f"{API}.STREAM.MSG.DELETE.{s}" for s in work_queues),
+                # Naks a task delivery whose holder's lease expired (`shared.state.handover`).
+                f"$JS.ACK.{names.TASKS_STREAM}.>",
                 f"{p}.tasks.>", f"{p}.events.>", f"{p}.dlq.>", f"{p}.control.>",
             ),
             subscribe=(inbox, names.HELLO_ALL),

@@ -16,6 +16,8 @@ wall clock. No correctness depends on them, only when a run is given up.
     orphan       a heartbeat names a run its worker does not hold: a kill command to it
     deliveries   a task or submission that used up its deliveries: dead letter, FAILED
     cancel       a run asked to cancel whose trainer is gone: CANCELLED (see lost run)
+    lapse        (not a sweep: a watch) a lease expired while its run was RUNNING: the
+                 run's task is delivered again now, not after its AckWait (`lapses.py`)
     unannounced  a run that ended without its terminal event (the writer died in between):
                  the event published, once (`shared.state.endings`)
     garbage      checkpoint files never committed, older than `BATON_GC_AGE`: deleted
@@ -37,6 +39,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from services.reaper.deliveries import on_advisory
+from services.reaper.lapses import Lapses
 from services.reaper.sites import SiteWatch
 from shared.auth import lease_secret
 from shared.bus import names
@@ -72,6 +75,7 @@ class Reaper:
         self._last_gc = float("-inf")
         self.store = open_store(settings.store_url)
         self.runs: Runs
+        self.lapses: Lapses
         self.sites = SiteWatch(nc, self.js)
         self.lease_secret = lease_secret()
 
@@ -87,6 +91,8 @@ class Reaper:
         await ensure(self.js)
         await ensure_consumer(self.js, names.ADVISORY_STREAM, reaper_consumer())
         self.runs = await Runs.open(self.js)
+        self.lapses = Lapses(self.nc, self.js, self.runs, self.lease_secret)
+        await self.lapses.start()
         await self.sites.start()
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -103,6 +109,7 @@ class Reaper:
             await asyncio.gather(advisories, self._sweeping(stop))
         finally:
             await self.sites.stop()
+            await self.lapses.stop()
 
     async def _sweeping(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -118,6 +118,8 @@ class Attempt:
         self._metric_attrs = {telemetry.POOL: task.spec.pool}
         self._recovering = False
         """Set for an attempt after the run's first, until its first step is done."""
+        self._delivery: str | None = None
+        """The task delivery this attempt answers, written into the record for a hand-over."""
 
     async def run(self, msg: Msg) -> Outcome:
         """Run the attempt for the task message `msg` and answer it: its `in_progress` keeps
@@ -147,6 +149,7 @@ class Attempt:
             stop_keeping=self._stop_keeping, give_up=self._give_up_writing,
         )  # fmt: skip
         token = self.lease.token
+        self._delivery = msg.reply
         record = await self.runs.update(self.run_id, self._mark_running)
         if record is None:  # over, or someone newer holds it: the attempt never starts
             return await apply(Verdict(Outcome.FENCED, change=_unchanged, quiet=True), scope)
@@ -392,7 +395,7 @@ class Attempt:
             return None
         return msgspec.structs.replace(
             r, state=RunState.RUNNING, worker=self.worker, token=self.lease.token,
-            attempts=r.attempts + 1,
+            attempts=r.attempts + 1, delivery=self._delivery,
         )  # fmt: skip
 
     async def _sample_speed(self) -> None:

@@ -7,11 +7,11 @@ OOM, a crash), and not before. So a trainer that gets the lock knows its predece
 not silent, not cut off: gone.
 
 While an attempt runs, the trainer keeps a claim there (`claim.json`: the run, its lease key
-and token, the task delivery's reply subject), removed when the attempt is over. A successor
-that finds a claim hands the run over at once (`Trainer.start`): it frees the lease if the
-lease still names this worker and that token, and naks the delivery, so JetStream redelivers
-the task now instead of after its AckWait — and whichever trainer gets it resumes from the
-run's last commit, seconds after the kill instead of a TTL.
+and token), removed when the attempt is over. A successor that finds a claim hands the run
+over at once (`Trainer.start`): it frees the lease if the lease still names this worker and
+that token, and naks the attempt's task delivery (`shared.state.handover`), so JetStream
+delivers the task again now instead of after its AckWait — and whichever trainer gets it
+resumes from the run's last commit, seconds after the kill instead of a TTL.
 
 Why the shortcut is safe: the holder is dead, so it renews nothing and commits nothing. Its
 training process dies with it (a parent-death signal); and were one to survive, it would be a

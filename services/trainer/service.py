@@ -43,16 +43,15 @@ from shared.backoff import Backoff, retrying
 from shared.bus import names
 from shared.bus.answer import dead_letter
 from shared.bus.connect import publish
-from shared.bus.emit import emit
 from shared.bus.service import StopSignals, pull_loop
 from shared.bus.streams import ensure_consumer, trainer_consumer
 from shared.checkpoint.store import Store, open_store
 from shared.config import Settings
 from shared.contracts import RunRecord, RunState, Task, decode, encode
 from shared.contracts.control import Command, WorkerInfo
-from shared.contracts.events import HandedOver
 from shared.contracts.tasks import Claim
 from shared.errors import ContractError
+from shared.state.handover import hand_over
 from shared.state.lease import Lease
 from shared.state.pools import Pools, load_table
 from shared.state.runs import Runs
@@ -110,20 +109,16 @@ class Trainer:
             api_prefix=self.settings.hub_api, key=claim.lease_key,
         )  # fmt: skip
         freed = await lease.abandon(claim.token)
-        # A delivery answered (or redelivered) since ignores the nak.
-        await self.nc.publish(claim.reply, b"-NAK")
-        await self.nc.flush()
+        reason = "its trainer process died (its successor on the host found the claim)"
+        handed = await hand_over(
+            self.nc, self.js, self.runs, claim.run_id, claim.token, reason, site=self.site
+        )
         self.workdir.let_go()
         log.warning(
-            "%s: this worker's previous process died holding it (token %d); %s",
-            claim.run_id, claim.token, "handed over" if freed else "its lease was gone already",
+            "%s: this worker's previous process died holding it (token %d); lease %s, task %s",
+            claim.run_id, claim.token, "freed" if freed else "gone already",
+            "handed over" if handed else "answered or handed over already",
         )  # fmt: skip
-        if freed:
-            event = HandedOver(
-                run_id=claim.run_id, worker=self.settings.worker_id, token=claim.token,
-                reason="its trainer process died (its successor on the host found the claim)",
-            )  # fmt: skip
-            await emit(self.js, event, site=self.site)
 
     async def on_reconnect(self) -> None:
         # Tell the running attempt to touch its task and renew its lease at once: the
@@ -188,9 +183,7 @@ class Trainer:
             # cancelled here, before any work starts.
             await apply(Verdict(Outcome.CANCELLED, change=_cancel_unowned), scope)
         else:
-            claim = Claim(
-                run_id=task.run_id, lease_key=lease.key, token=lease.token, reply=msg.reply
-            )
+            claim = Claim(run_id=task.run_id, lease_key=lease.key, token=lease.token)
             self.workdir.hold(claim)
             try:
                 await self._attempt(task, lease, msg, scope)

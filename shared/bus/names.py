@@ -83,6 +83,12 @@ def ending_id(kind: str, run_id: str) -> str:
     return f"{kind}.{run_id}"
 
 
+def handover_id(run_id: str, token: int) -> str:
+    """The message id of a run's hand-over from the attempt holding `token`: an attempt is
+    handed over once, whoever notices its death first."""
+    return f"handed_over.{run_id}.{token}"
+
+
 def events_of_run(run_id: str) -> str:
     return f"{PREFIX}.events.{run_id}.*"
 

@@ -31,6 +31,7 @@ log = logging.getLogger("baton.streams")
 
 DAY_S = 86400.0
 DUPLICATE_WINDOW_S = 120.0
+LEASE_MARKER_TTL_S = 1.0
 MAX_MSG_BYTES = 1024 * 1024
 
 
@@ -118,8 +119,14 @@ def kv_configs() -> list[KeyValueConfig]:
         # No bucket TTL: each lease carries its own per-message TTL, enforced by the
         # server's clock, so lease expiry never depends on clocks agreeing across hosts.
         # Direct gets too: trainers may read a lease only by naming its key (`shared.auth`).
+        # A lease that expires leaves a marker for a second (the shortest the server
+        # allows): the event the reaper hands a run over on (`services/reaper/lapses.py`).
         KeyValueConfig(
-            bucket=names.LEASES_BUCKET, history=1, description="Run leases", direct=True
+            bucket=names.LEASES_BUCKET,
+            history=1,
+            description="Run leases",
+            direct=True,
+            limit_marker_ttl=LEASE_MARKER_TTL_S,
         ),
         KeyValueConfig(bucket=names.WORKERS_BUCKET, history=1, description="Trainer heartbeats"),
         KeyValueConfig(bucket=names.POOLS_BUCKET, history=1, description="Measured pool speeds"),
@@ -254,6 +261,12 @@ async def _ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> None:
             f", allow_msg_ttl={info.config.allow_msg_ttl}; expected history={config.history}"
             ", allow_msg_ttl=True. Delete it or point Baton at a fresh server."
         )
+    marker_ttl = config.limit_marker_ttl
+    if marker_ttl and info.config.subject_delete_marker_ttl != marker_ttl:
+        # A bucket declared before expiry markers were used: the server turns them on in
+        # place, keeping every key.
+        log.warning("bucket %s gains expiry markers; updating", config.bucket)
+        await js.update_stream(replace(info.config, subject_delete_marker_ttl=marker_ttl))
 
 
 def _differences(wanted: Any, actual: Any) -> list[str]:

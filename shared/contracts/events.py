@@ -111,8 +111,9 @@ class Preempted(_Event, tag="preempted", frozen=True):
 
 
 class HandedOver(_Event, tag="handed_over", frozen=True):
-    """The trainer holding the run is certainly dead (its successor on the same host found
-    what it held): its lease was freed and its task made deliverable at once."""
+    """The attempt holding the run (`token`) is dead, and its task was made deliverable at
+    once instead of after its AckWait (`shared.state.handover`): its trainer's successor on
+    the same host found what it held, or its lease expired (`reason` says which)."""
 
     worker: str
     token: int

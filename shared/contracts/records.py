@@ -37,6 +37,10 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     """Failures of user code so far; compared with `spec.limits.max_retries`."""
     worker: str | None = None
     token: int | None = None
+    delivery: str | None = None
+    """The reply subject of the task delivery that the attempt holding `token` answers, while
+    `worker` is set: whoever learns that attempt is dead naks it, so the task is delivered
+    again at once instead of after its AckWait (`shared.state.handover`)."""
     step: int = 0
     """Step of the newest committed checkpoint."""
     digest: str | None = None

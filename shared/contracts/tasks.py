@@ -30,6 +30,5 @@ class Claim(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     run_id: Annotated[str, Meta(pattern=RUN_ID)]
     lease_key: str
     token: int
-    """The lease's fencing token when the attempt took it."""
-    reply: str
-    """The task delivery's reply subject: a nak sent there redelivers the task now."""
+    """The lease's fencing token when the attempt took it; the run record keeps the task
+    delivery that the attempt holding it answers (`shared.state.handover`)."""

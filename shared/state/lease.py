@@ -10,6 +10,11 @@ JetStream domain.
 Revisions of one stream only grow, so a lease taken over after expiry always carries a
 higher token than the one it replaces — which is what the store's pointer CAS orders by.
 
+A lease that expires leaves, for a second, a marker the server writes in its place (the
+bucket's `limit_marker_ttl`): an entry with no value, which nats-py's `get` returns like a
+value. Every read here counts an empty entry as no lease. The marker is what the reaper
+watches to hand a run over the moment its lease lapses (`services/reaper/lapses.py`).
+
 With a lease secret (`BATON_LEASE_SECRET`, hub services only), a run's lease lives under a
 key derived from it (`lease_key`), which the dispatcher hands out in the run's tasks. A
 trainer may only read and write leases by exact key (`shared.auth`): it cannot list them,
@@ -39,6 +44,12 @@ def lease_key(run_id: str, secret: bytes | None) -> str:
     if not secret:
         return run_id
     return f"{run_id}.{hmac.new(secret, run_id.encode(), hashlib.sha256).hexdigest()[:32]}"
+
+
+def run_of_key(key: str, secret: bytes | None) -> str | None:
+    """The run whose lease lives under `key`, or None if `key` is no run's lease key."""
+    run_id = key.rpartition(".")[0] if secret else key
+    return run_id if run_id and lease_key(run_id, secret) == key else None
 
 
 class Lease:
@@ -128,12 +139,14 @@ class Lease:
         marker's revision if it was released, None if someone holds it."""
         kv = await self._js.key_value(names.LEASES_BUCKET)
         try:
-            await kv.get(self.key)
+            entry = await kv.get(self.key)
         except (KeyDeletedError, KeyNotFoundError) as exc:
             # nats-py reports a released key (a delete marker) as KeyNotFoundError carrying
             # the marker's entry; a create must name that revision to pass the CAS.
-            entry = getattr(exc, "entry", None)
-            return int(entry.revision) if entry is not None and entry.revision else 0
+            marker = getattr(exc, "entry", None)
+            return int(marker.revision) if marker is not None and marker.revision else 0
+        if not entry.value and entry.revision:
+            return int(entry.revision)  # the server's expiry marker (see the module's docstring)
         return None
 
 
@@ -144,6 +157,8 @@ async def holder(js: JetStreamContext, key: str) -> str | None:
         entry = await kv.get(key)
     except (KeyNotFoundError, KeyDeletedError):
         return None
+    if not entry.value:
+        return None  # the server's expiry marker (see the module's docstring)
     try:
         return str(json.loads(entry.value or b"{}").get("worker", "?"))
     except ValueError:

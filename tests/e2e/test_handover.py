@@ -76,3 +76,49 @@ async def test_a_trainer_killed_under_its_supervisor_hands_its_run_over_at_once(
         assert (await finished(nc, reference, 120)).digest == record.digest
     finally:
         await s.stop()
+
+
+async def test_a_trainer_gone_without_a_word_hands_its_run_over_when_its_lease_expires(
+    tmp_path: Path,
+) -> None:
+    """A host lost: the trainer and whatever supervised it die together, and nobody on that
+    host is left to say so. The run is handed over when the lease expires, by the reaper
+    watching the leases — not when the task's AckWait (1.5 × TTL) would deliver it again."""
+    s = Stack(tmp_path / "stack", trainers=0, lease_ttl=4)
+    try:
+        await s.start(("dispatcher", "checkpointer", "reaper"))
+        await s.add_trainer("t1")  # no supervisor: nothing restarts it
+        nc = await s.client()
+        spec = job(
+            entry_point="tests.support.workloads:paced", total_steps=200,
+            checkpoint={"every_steps": 20}, config={"pace": 0.03},
+        )  # fmt: skip
+        run_id = await submit(nc, spec)
+        log = EventLog(nc, run_id)
+        first = await log.wait_for(lambda e: isinstance(e, Started), 60, "the first attempt")
+        assert isinstance(first, Started)
+        await s.add_trainer("t2")  # idle until the run is handed over
+        await log.wait_for(
+            lambda e: isinstance(e, CheckpointCommitted) and e.step >= 40, 60, "a commit at 40"
+        )
+        s.signal("t1", signal.SIGKILL)
+
+        handed = await log.wait_for(lambda e: isinstance(e, HandedOver), 60, "hand-over")
+        assert isinstance(handed, HandedOver) and "lease expired" in handed.reason
+        assert (handed.worker, handed.token) == ("t1", first.token)
+        second = await log.wait_for(
+            lambda e: isinstance(e, Started) and e.token > first.token, 60, "the resume"
+        )
+        assert isinstance(second, Started) and second.worker == "t2" and second.start_step >= 40
+        record = await finished(nc, run_id, 120)
+        assert record.state is RunState.COMPLETED and record.attempts == 2
+        # The order proves the hand-over did not wait for the AckWait: the task came back
+        # because the reaper handed it over, after the kill and before the next attempt.
+        order = [e for e in log.events if isinstance(e, Started | HandedOver | Redispatched)]
+        assert [type(e).__name__ for e in order] == ["Started", "HandedOver", "Started"]
+        log.close()
+
+        reference = await submit(nc, msgspec.structs.replace(spec, idempotency_key="ref"))
+        assert (await finished(nc, reference, 120)).digest == record.digest
+    finally:
+        await s.stop()

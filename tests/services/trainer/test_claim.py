@@ -16,7 +16,7 @@ from shared.errors import ConfigError
 from shared.state.lease import Lease, is_held
 
 REPO = Path(__file__).resolve().parents[3]
-CLAIMED = Claim(run_id="r1", lease_key="r1.k", token=7, reply="$JS.ACK.x")
+CLAIMED = Claim(run_id="r1", lease_key="r1.k", token=7)
 
 
 def test_a_live_holder_keeps_the_directory(tmp_path: Path) -> None:
@@ -37,7 +37,7 @@ def test_a_killed_holder_leaves_the_directory_and_its_claim(tmp_path: Path) -> N
             "from services.trainer.claim import WorkDir\n"
             "from shared.contracts.tasks import Claim\n"
             "w = WorkDir(Path(sys.argv[1])); w.lock()\n"
-            "w.hold(Claim(run_id='r1', lease_key='r1.k', token=7, reply='$JS.ACK.x'))\n"
+            "w.hold(Claim(run_id='r1', lease_key='r1.k', token=7))\n"
             "print('holding', flush=True); time.sleep(600)\n",
             str(tmp_path),
         ],

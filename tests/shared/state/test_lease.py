@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from nats.aio.client import Client
 
+from shared.bus import names
 from shared.state.lease import Lease, is_held
 from tests.support.stack import eventually
 
@@ -67,3 +69,26 @@ async def test_release_frees_the_lease_after_a_renewal_it_did_not_hear_of(
     stale_b.revision = 1
     await stale_b.release()  # someone else's lease is never released
     assert await is_held(js, "run4")
+
+
+async def test_an_expiry_marker_counts_as_no_lease(declared: Client) -> None:
+    """The server leaves a marker where a lease expired; while it lives, every read must see
+    no holder, and a new holder's create must pass its CAS."""
+    nc = declared
+    js = nc.jetstream()
+    # The marker lives a second in production; long enough here that it is surely there.
+    stream = f"KV_{names.LEASES_BUCKET}"
+    config = (await js.stream_info(stream)).config
+    await js.update_stream(replace(config, subject_delete_marker_ttl=60.0))
+    a, b = Lease(js, "run3", "a", ttl_s=1), Lease(js, "run3", "b", ttl_s=30)
+    assert await a.acquire()
+
+    async def marker() -> int | None:
+        msg = await js.get_last_msg(stream, f"$KV.{names.LEASES_BUCKET}.run3")
+        return msg.seq if (msg.headers or {}).get("Nats-Marker-Reason") == "MaxAge" else None
+
+    seq = await eventually(marker, 10, "the expiry marker")
+    assert not await is_held(js, "run3")
+    assert await b.acquire(), "a create must name the marker's revision"
+    assert b.token > seq > a.token
+    assert not await a.renew()
