@@ -3,4 +3,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
+# The dashboard's tests drive a real headless browser: Chromium from Debian's packages
+# (never a browser downloaded at run time).
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing Chromium from the distribution's packages (for the dashboard's tests)" >&2
+    apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 \
+           && apt-get install -y -q --no-install-recommends chromium >/dev/null; }
+  else
+    echo "Chromium is missing: install it (Debian/Ubuntu: apt-get install chromium)" >&2
+    exit 1
+  fi
+fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

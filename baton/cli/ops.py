@@ -246,3 +246,35 @@ def _size(n: int) -> str:
 
 def _when(at: float) -> str:
     return datetime.datetime.fromtimestamp(at).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@app.command()
+def ui(
+    host: Annotated[
+        str, typer.Option(help="Address to listen on: loopback unless you say otherwise.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free one).")] = 8650,
+    server: Server = DEFAULT,
+    store: Store = None,
+) -> None:
+    """Serve the live dashboard — runs, a run's loss and timeline, workers, sites, streams,
+    dead letters — until Ctrl-C. It logs in to NATS as the CLI does (the operator)."""
+    from baton.cli import client
+    from baton.cli.errors import CliError
+    from baton.ui import server as dashboard
+
+    try:  # the store only lists checkpoints: without one, the rest still works
+        url: str | None = client.store_url(store)
+    except CliError:
+        url = None
+    if not dashboard.loopback(host):
+        err.print(
+            f"[yellow]listening on {host}: whoever reaches it sees every run and may replay "
+            "dead letters and pin checkpoints; the dashboard has no login of its own[/yellow]"
+        )
+
+    def ready(address: str) -> None:
+        out.print(f"Baton dashboard on {address}  (Ctrl-C to stop)")
+        sys.stdout.flush()
+
+    run(lambda: with_nats(server, lambda nc: dashboard.serve(nc, url, host, port, ready)))

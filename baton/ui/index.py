@@ -1,0 +1,154 @@
+"""The dashboard's view of every run: one summary per run, kept current by watching the runs
+bucket, so listing a page reads nothing from NATS however long the history is.
+
+The watch delivers each run's newest record once when it starts, then every change as it is
+written. A summary is a few hundred bytes (no spec, no metrics), so a history of 100,000
+runs holds tens of megabytes here, and a page is a slice of an index sorted by creation —
+its cost is the page, not the history. Every change also goes to the browsers following the
+list (`live.Fanout`), each numbered by the bucket's stream sequence so that a browser that
+reconnects is sent exactly what changed since the last change it saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from baton.cli.inspect import as_json
+from baton.ui.live import Fanout
+from shared.bus import names
+from shared.contracts import RunRecord, RunState, decode
+from shared.errors import ContractError
+
+log = logging.getLogger("baton.ui")
+
+MAX_PAGE = 200
+
+
+class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What the runs list shows of a run."""
+
+    run_id: str
+    name: str
+    state: RunState
+    step: int
+    """The newest committed checkpoint's step."""
+    total_steps: int
+    attempts: int
+    worker: str | None
+    pool: str
+    owner: str
+    site: str
+    created_at: float
+    updated_at: float
+    seq: int
+    """The runs bucket's stream sequence of the record this summary was made from."""
+
+    @classmethod
+    def of(cls, r: RunRecord, seq: int) -> RunSummary:
+        return cls(
+            run_id=r.run_id, name=r.spec.name, state=r.state, step=r.step,
+            total_steps=r.spec.total_steps, attempts=r.attempts, worker=r.worker,
+            pool=r.spec.pool, owner=r.run_id.rpartition(".")[0], site=r.ending_site,
+            created_at=r.created_at, updated_at=r.updated_at, seq=seq,
+        )  # fmt: skip
+
+
+class Filter(msgspec.Struct, frozen=True, kw_only=True):
+    state: str = ""
+    pool: str = ""
+    owner: str = ""
+    site: str = ""
+
+    def admits(self, s: RunSummary) -> bool:
+        return (
+            (not self.state or s.state.value == self.state.upper())
+            and (not self.pool or s.pool == self.pool)
+            and (not self.owner or s.owner == self.owner)
+            and (not self.site or s.site == self.site)
+        )
+
+
+@dataclass
+class Page:
+    runs: list[RunSummary]
+    next: str | None
+    """The cursor of the next (older) page, None on the last one."""
+    total: int
+    """Runs in the index, all filters aside."""
+
+
+@dataclass
+class RunIndex:
+    js: JetStreamContext
+    fanout: Fanout
+    runs: dict[str, RunSummary] = field(default_factory=dict)
+    _order: list[tuple[float, str]] = field(default_factory=list)  # (-created_at, run_id)
+    _task: asyncio.Task[None] | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def start(self) -> None:
+        kv = await self.js.key_value(names.RUNS_BUCKET)
+        watcher = await kv.watchall()
+        self._task = asyncio.create_task(self._follow(watcher))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
+        try:
+            async for entry in watcher:
+                if entry is None:  # the end of what was stored when the watch began
+                    self.ready.set()
+                    continue
+                if not entry.value or entry.revision is None:
+                    continue  # a record deleted by hand: the list keeps what it knew
+                try:
+                    record = decode(entry.value, RunRecord)
+                except ContractError as exc:
+                    log.warning("unreadable run record %s: %s", entry.key, exc)
+                    continue
+                self._put(RunSummary.of(record, entry.revision))
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+
+    def _put(self, s: RunSummary) -> None:
+        if s.run_id not in self.runs:
+            bisect.insort(self._order, (-s.created_at, s.run_id))
+        self.runs[s.run_id] = s
+        self.fanout.publish("run", as_json(s), s.seq)
+
+    def page(self, where: Filter, after: str | None, limit: int) -> Page:
+        """Up to `limit` runs admitted by `where`, newest first, older than the cursor
+        `after` (a previous page's `next`)."""
+        limit = max(1, min(limit, MAX_PAGE))
+        start = 0
+        if after:
+            at, _, run_id = after.partition(":")
+            start = bisect.bisect_right(self._order, (-float(at), run_id))
+        out: list[RunSummary] = []
+        i = start
+        for i in range(start, len(self._order)):
+            s = self.runs[self._order[i][1]]
+            if where.admits(s):
+                out.append(s)
+                if len(out) == limit:
+                    break
+        more = len(out) == limit and i + 1 < len(self._order)
+        cursor = f"{out[-1].created_at!r}:{out[-1].run_id}" if more and out else None
+        return Page(runs=out, next=cursor, total=len(self.runs))
+
+    def since(self, seq: int) -> list[RunSummary]:
+        """Summaries changed after the bucket's stream sequence `seq`, oldest change first."""
+        return sorted((s for s in self.runs.values() if s.seq > seq), key=lambda s: s.seq)
