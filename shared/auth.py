@@ -156,6 +156,9 @@ def hub_permissions(role: str) -> Permissions | None:
                 *_write_kv("", names.RUNS_BUCKET, names.SITES_BUCKET),
                 *(f"{API}.STREAM.MSG.GET.{s}" for s in (*work_queues, names.EVENTS_STREAM)),
                 *(f"{API}.STREAM.MSG.DELETE.{s}" for s in work_queues),
+                # Reads a finished run's events for its goodput (`services/reaper/accounts.py`).
+                f"{API}.CONSUMER.CREATE.{names.EVENTS_STREAM}.>",
+                f"{API}.CONSUMER.DELETE.{names.EVENTS_STREAM}.>",
                 # Naks a task delivery whose holder's lease expired (`shared.state.handover`).
                 f"$JS.ACK.{names.TASKS_STREAM}.>",
                 f"{p}.tasks.>", f"{p}.events.>", f"{p}.dlq.>", f"{p}.control.>",

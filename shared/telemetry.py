@@ -53,6 +53,7 @@ ATTEMPT = "baton.attempt"
 START_STEP = "baton.start_step"
 OUTCOME = "baton.outcome"
 POOL = "baton.pool"
+CATEGORY = "baton.category"
 
 # A ProxyTracer: it follows whatever provider `setup()` installs later, so modules may hold
 # it from import time on.
@@ -109,7 +110,19 @@ LEASE_RENEW_FAILURES = _meter.create_counter(
     unit="{renewal}",
     description="Lease renewals that lost their CAS or could not reach NATS.",
 )
-
+RUN_SECONDS = _meter.create_counter(
+    "baton.run.seconds",
+    unit="s",
+    description="Wall time of finished runs, by goodput category (`baton.category`:"
+    " productive, queued, startup, restore, checkpoint, wasted, recovery, other);"
+    " productive over the sum is the fleet's goodput. Exported by the reaper as runs end.",
+)
+RUN_GOODPUT = _meter.create_histogram(
+    "baton.run.goodput",
+    unit="1",
+    description="Each finished run's goodput: productive seconds over its wall time.",
+    explicit_bucket_boundaries_advisory=[0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0],
+)
 _installed: tuple[TracerProvider, MeterProvider] | None = None
 
 

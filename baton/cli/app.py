@@ -35,7 +35,7 @@ from baton.cli.common import (
 
 if TYPE_CHECKING:
     from shared.contracts import RunRecord
-    from shared.contracts.events import Diverged
+    from shared.contracts.events import Event
 
 # Every command imports what it needs (NATS, msgspec, rich's tables, the shared modules)
 # in its body: `baton --help` and a mistyped option answer at once (tests/cli/test_imports.py).
@@ -193,15 +193,22 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
     from rich.table import Table
 
     from baton.cli import client
+    from baton.cli.goodput import describe
     from baton.cli.watch import divergence
+    from shared.contracts.events import Diverged
+    from shared.history.goodput import goodput as spent_of
 
-    async def get(nc: Any) -> tuple[RunRecord, list[Diverged]]:
-        found = await client.record(nc, run_id)
-        return found, await client.divergences(nc, run_id)
+    async def get(nc: Any) -> tuple[RunRecord, list[Event]]:
+        return await client.record(nc, run_id), await client.history(nc, run_id)
 
-    record, diverged = run(lambda: with_nats(server, get))
+    record, events = run(lambda: with_nats(server, get))
+    diverged = [e for e in events if isinstance(e, Diverged)]
+    spent = spent_of(events)
     if as_json:
-        print_json({**msgspec.to_builtins(record), "diverged": msgspec.to_builtins(diverged)})
+        print_json({
+            **msgspec.to_builtins(record), "diverged": msgspec.to_builtins(diverged),
+            "goodput": spent.as_dict() if spent else None,
+        })  # fmt: skip
         return
     exact = "-"
     if diverged:
@@ -221,6 +228,7 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
         ("loss", fmt(record.metrics.get("loss"))),
         ("digest", record.digest or "-"),
         ("exact", exact),
+        ("goodput", describe(spent) if spent else "-"),
         ("reason", record.reason or "-"),
     ]:
         t.add_row(f"[bold]{k}[/bold]", v)
@@ -445,6 +453,7 @@ def connection(
     Connection.tls_cert, Connection.tls_key = tlscert, tlskey
 
 
+from baton.cli import goodput as _goodput  # noqa: E402, F401  (registers its command)
 from baton.cli import ops  # noqa: E402, F401  (registers the operator commands)
 
 

@@ -6,10 +6,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import html
-import itertools
 import json
 import math
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,8 @@ from shared.contracts import RunRecord, decode
 from shared.contracts import events as ev
 from shared.contracts.events import Event, kind_of
 from shared.errors import ContractError
+from shared.history.goodput import goodput
+from shared.history.timeline import Attempt, attempts_of
 
 # Attempt colours avoid the red/orange/green that mark failures, preemptions and resumes.
 PALETTE = ["#1f77b4", "#9467bd", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#393b79"]
@@ -67,93 +67,8 @@ async def collect(nc: Client, run_id: str, idle_s: float = 1.0) -> list[Event]:
         await sub.unsubscribe()
 
 
-@dataclass
-class Attempt:
-    index: int
-    row: int  # on the timeline: one per worker, in order of first appearance
-    color: str
-    started: ev.Started
-    outcome: str = "running"
-    end_at: float = 0.0
-    alive_until: float = 0.0  # last sign of life; before end_at when the lease had to lapse
-    end_event: Event | None = None
-    resumed: ev.Restored | None = None
-    steps: list[int] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    commits: list[ev.CheckpointCommitted] = field(default_factory=list)
-
-    @property
-    def first_step(self) -> int:
-        return self.resumed.step if self.resumed else self.started.start_step
-
-    @property
-    def last_step(self) -> int:
-        return max([self.first_step, *self.steps, *(c.step for c in self.commits)])
-
-
-def attempts_of(events: list[Event]) -> list[Attempt]:
-    """Split the history into attempts, by stream order, never by the clocks of different
-    hosts. An attempt ends with its own preempted/fenced/failed event or the run's end, else
-    with the next `started` (its trainer died without a word); a fenced one may end later."""
-    starts = [i for i, e in enumerate(events) if isinstance(e, ev.Started)]
-    out = _split(events, starts)
-    _attribute(events, starts, out)
-    for a in out:  # one still running lasts until the newest event
-        a.end_at = max(a.end_at, a.started.at, events[-1].at if a.outcome == "running" else 0)
-    return out
-
-
-def _split(events: list[Event], starts: list[int]) -> list[Attempt]:
-    """An attempt for each `started` event (at the indices `starts`), with how and when it
-    ended."""
-    out: list[Attempt] = []
-    rows: dict[str, int] = {}
-    for n, i in enumerate(starts):
-        s = events[i]
-        assert isinstance(s, ev.Started)
-        row, color = rows.setdefault(s.worker, len(rows)), PALETTE[n % len(PALETTE)]
-        a = Attempt(n, row, color, s, end_at=s.at, alive_until=s.at)
-        nxt = next((j for j in starts if j > i), None)
-        own = next((j for j in range(i + 1, len(events)) if _ends(s, events[j])), None)
-        if own is not None and (nxt is None or own < nxt or isinstance(events[own], ev.Fenced)):
-            a.end_event, a.end_at = events[own], events[own].at
-            a.outcome = kind_of(events[own]).removeprefix("attempt_")
-        elif nxt is not None:
-            a.outcome, a.end_at = "died", events[nxt].at
-        out.append(a)
-    return out
-
-
-def _attribute(events: list[Event], starts: list[int], attempts: list[Attempt]) -> None:
-    """Give each attempt its resume, progress, commits and last sign of life: an event
-    belongs to the attempt of its worker (a commit: of its token), else to the newest."""
-    by_token = {a.started.token: a for a in attempts}
-    current: dict[str, Attempt] = {}
-    latest: Attempt | None = None
-    for i, e in enumerate(events):
-        if isinstance(e, ev.Started):
-            latest = current[e.worker] = attempts[starts.index(i)]
-            continue
-        who = current.get(getattr(e, "worker", ""), latest)
-        if isinstance(e, ev.CheckpointCommitted | ev.CommitRefused):
-            who = by_token.get(e.token, who)
-        if who is None:
-            continue
-        if isinstance(e, ev.Restored) and who.resumed is None:
-            who.resumed = e
-        elif isinstance(e, ev.Progress):  # nan leaves a gap in the curve
-            who.steps.append(e.step)
-            who.losses.append(e.metrics.get("loss", math.nan))
-        elif isinstance(e, ev.CheckpointCommitted):
-            who.commits.append(e)
-        if e is who.end_event or isinstance(e, ev.Progress | ev.Restored | ev.CheckpointCommitted):
-            who.alive_until = max(who.alive_until, e.at)
-
-
-def _ends(s: ev.Started, e: Event) -> bool:
-    run_over = isinstance(e, ev.Completed | ev.Failed | ev.Cancelled)
-    mine = isinstance(e, ev.Preempted | ev.AttemptFailed | ev.Fenced) and e.worker == s.worker
-    return run_over or (mine and getattr(e, "token", s.token) == s.token)  # fenced has one
+def _color(a: Attempt) -> str:
+    return PALETTE[a.index % len(PALETTE)]
 
 
 def render(record: RunRecord, events: list[Event], out_dir: Path) -> tuple[Path, Path]:
@@ -167,8 +82,10 @@ def render(record: RunRecord, events: list[Event], out_dir: Path) -> tuple[Path,
     fig = Figure(figsize=(14, 9), dpi=100, layout="constrained")  # no pyplot: no GUI, no globals
     loss_ax, time_ax = fig.subplots(2, 1, height_ratios=[3, 2])
     digest = f"digest {record.digest[:12]}…" if record.digest else "no digest"
+    spent = goodput(events)
+    share = f"  ·  goodput {100 * spent.goodput:.1f}%" if spent else ""
     fig.suptitle(f"{record.run_id}  ·  {_short(record.spec.name, 40)}  ·  {record.state.value}  ·  "
-                 f"{digest}  ·  {record.attempts} attempt{'s' * (record.attempts != 1)}",
+                 f"{digest}  ·  {record.attempts} attempt{'s' * (record.attempts != 1)}{share}",
                  fontsize=15, fontweight="bold", parse_math=False)  # fmt: skip
     t0 = min((e.at for e in events), default=0.0)
     span = max((e.at for e in events), default=0.0) - t0
@@ -189,17 +106,16 @@ def render(record: RunRecord, events: list[Event], out_dir: Path) -> tuple[Path,
 def _loss_axes(ax: Axes, record: RunRecord, attempts: list[Attempt]) -> None:
     ax.set_xlim(0, max([record.spec.total_steps, *(a.last_step for a in attempts)]) * 1.01)
     for a in attempts:
-        ax.plot(a.steps, a.losses, color=a.color, lw=2, label=f"attempt {a.started.attempt} · "
+        ax.plot(a.steps, a.losses, color=_color(a), lw=2, label=f"attempt {a.started.attempt} · "
                 f"{_w(a.started.worker)} · token {a.started.token}")  # fmt: skip
         xs = [c.step for c in a.commits]  # out of the layout: an empty unclipped line sits at 0,0
-        ax.plot(xs, [0.0] * len(xs), "|", color=a.color, ms=14, mew=2.5, in_layout=False,
+        ax.plot(xs, [0.0] * len(xs), "|", color=_color(a), ms=14, mew=2.5, in_layout=False,
                 transform=ax.get_xaxis_transform(), clip_on=False)  # fmt: skip
     handles, _ = ax.get_legend_handles_labels()
     handles.append(Line2D([], [], ls="", marker="|", ms=14, mew=2.5, color=GREY,
                           label="checkpoint committed"))  # fmt: skip
     # Steps an attempt computed past where the next one resumed were thrown away.
-    redone = [(b.resumed.step, a.last_step) for a, b in itertools.pairwise(attempts)
-              if b.resumed is not None and a.last_step > b.resumed.step]  # fmt: skip
+    redone = [a.redone for a in attempts if a.redone is not None]
     for first, last in redone:
         ax.axvspan(first, last, color=RED, alpha=0.08, lw=0)
     if redone:
@@ -323,7 +239,7 @@ def _time_axes(ax: Axes, attempts: list[Attempt], t0: float, scale: float, unit:
     for a in attempts:
         start, alive, end = ((t - t0) / scale for t in (a.started.at, a.alive_until, a.end_at))
         solid = alive if a.outcome == "died" else end
-        ax.barh(a.row, solid - start, left=start, height=0.5, color=a.color, alpha=0.85)
+        ax.barh(a.row, solid - start, left=start, height=0.5, color=_color(a), alpha=0.85)
         if a.outcome == "died":  # the lease had to lapse before anyone could take over
             ax.barh(a.row, end - alive, left=alive, height=0.5, color="none", ec=RED,
                     hatch="//", lw=1, alpha=0.7)  # fmt: skip
@@ -416,6 +332,15 @@ def _html(record: RunRecord, events: list[Event], image: bytes) -> str:
         tds = "".join(f"<td>{esc(c)}</td>" for c in cells)
         rows.append(f'<tr class="{esc(kind_of(e))}">{tds}</tr>')
     title = esc(f"{record.run_id} · {record.spec.name} · {record.state.value}")
+    spent = goodput(events)
+    shares = "".join(
+        f"<tr><th>{esc(c)}</th><td>{v:.2f} s</td><td>{100 * v / spent.wall_s:.1f} %</td></tr>"
+        for c, v in spent.seconds().items()
+    ) if spent and spent.wall_s > 0 else ""
+    summary = (
+        f"<h2>Goodput {100 * spent.goodput:.1f} % of {spent.wall_s:.1f} s "
+        f"({spent.steps_redone} steps redone)</h2><table>{shares}</table>" if spent else ""
+    )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Baton report {title}</title>
 <style>body {{ font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1450px; }}
@@ -426,6 +351,7 @@ td {{ font-family: ui-monospace, monospace; white-space: pre-wrap; word-break: b
 .fenced, .attempt_failed, .failed, .commit_refused, .diverged {{ background: #fdecea; }}</style>
 </head><body><h1>{title}</h1>
 <img alt="loss and attempts" src="data:image/png;base64,{base64.b64encode(image).decode()}">
+{summary}
 <h2>Run record</h2><table>{rec}</table>
 <h2>Events ({len(rows)}; progress omitted; times are each publisher's own clock)</h2>
 <table><tr>{"".join(f"<th>{h}</th>" for h in HEADERS)}</tr>

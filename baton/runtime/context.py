@@ -112,11 +112,13 @@ class RunContext:
                 raise ValueError(f"restore(): {name!r} is the same object as {seen[id(obj)]!r}")
             seen[id(obj)] = name
         self._slots = [slot_for(name, obj) for name, obj in registered.items()]
+        began = time.monotonic()
         manifest, damaged, rows = asyncio.run(self._find_checkpoint())
         if manifest is not None:
             self._load(manifest)
+        took = time.monotonic() - began
         self._witness.resumed(self.step, rows)
-        self._send(Loaded(step=self.step, damaged=damaged))
+        self._send(Loaded(step=self.step, damaged=damaged, took_s=took))
         return self.step
 
     def data_loader(

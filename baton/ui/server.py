@@ -37,7 +37,7 @@ from baton.cli import inspect
 from baton.cli.errors import CliError
 from baton.cli.inspect import as_json
 from baton.ui import views
-from baton.ui.index import Filter, RunIndex
+from baton.ui.index import MAX_PAGE, Filter, RunIndex
 from baton.ui.live import Fanout, Heartbeats, sse, with_keepalive
 from shared.errors import BatonError
 
@@ -55,6 +55,7 @@ class Dashboard:
         self.store_url = store_url
         self.token = secrets.token_urlsafe(24)
         self.reads = views.Reads()
+        self.goodputs = views.Goodputs(nc, self.reads)
         self.fanout = Fanout()
         self.index = RunIndex(nc.jetstream(), self.fanout)
         self.beats = Heartbeats(nc.jetstream(), self.fanout)
@@ -82,6 +83,7 @@ class Dashboard:
                 Route("/", self.page),
                 Route("/api/meta", self.meta),
                 Route("/api/runs", self.runs),
+                Route("/api/goodput", self.goodput),
                 Route("/api/live", self.live),
                 Route("/api/runs/{run_id}", self.run),
                 Route("/api/runs/{run_id}/live", self.run_live),
@@ -119,6 +121,14 @@ class Dashboard:
         return JSONResponse(
             {"runs": as_json(page.runs), "next": page.next, "total": page.total}
         )
+
+    async def goodput(self, request: Request) -> Response:
+        """Goodput of the finished runs named in `runs` (comma-separated, at most a page):
+        the list asks for its rows' once it has shown them, so a page costs its rows."""
+        wanted = [r for r in request.query_params.get("runs", "").split(",") if r][:MAX_PAGE]
+        finished = [r for r in wanted if (s := self.index.runs.get(r)) and s.state.terminal]
+        found = await asyncio.gather(*(self.goodputs.of(r) for r in finished))
+        return JSONResponse(dict(zip(finished, found, strict=True)))
 
     async def live(self, request: Request) -> Response:
         """Run summaries as they change, and heartbeats. A browser that reconnects names the

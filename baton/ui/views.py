@@ -18,12 +18,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from baton.cli import inspect, reader
-from baton.cli.report import attempts_of
 from shared.bus import names, sourcing
 from shared.contracts import RunRecord, decode
 from shared.contracts import events as ev
 from shared.contracts.events import Event, kind_of
 from shared.errors import ContractError
+from shared.history.goodput import goodput
+from shared.history.timeline import attempts_of
 from shared.state.runs import Runs
 from shared.state.workers import live_workers
 
@@ -85,21 +86,21 @@ def run_view(record: RunRecord, events: list[Event], seq: int) -> dict[str, Any]
     """A run page: the record, its attempts on a timeline, the marks on it, loss curves."""
     attempts = attempts_of(events) if events else []
     rows = []
-    for i, a in enumerate(attempts):
-        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
-        redone = (nxt.first_step, a.last_step) if nxt and nxt.first_step < a.last_step else None
+    for a in attempts:
         rows.append({
             "index": a.index, "attempt": a.started.attempt, "worker": a.started.worker,
             "token": a.started.token, "row": a.row, "outcome": a.outcome,
             "start": a.started.at, "end": a.end_at, "alive_until": a.alive_until,
             "first_step": a.first_step, "last_step": a.last_step,
-            "resumed_from": a.resumed.step if a.resumed else None, "redone": redone,
+            "resumed_from": a.resumed.step if a.resumed else None, "redone": a.redone,
             "commits": [c.step for c in a.commits],
             "loss": _thin(a.steps, a.losses),
         })  # fmt: skip
+    spent = goodput(events)
     return {
         "seq": seq,
         "record": _record(record),
+        "goodput": spent.as_dict() if spent else None,
         "attempts": rows,
         "marks": [_mark(e) for e in events if _marked(e)],
         "now": time.time(),
@@ -139,6 +140,28 @@ def _record(r: RunRecord) -> dict[str, Any]:
         "entry_point": r.spec.entry_point,
     }  # fmt: skip
     return out
+
+
+class Goodputs:
+    """Finished runs' goodput, computed once: it cannot change any more."""
+
+    def __init__(self, nc: Client, reads: Reads, keep: int = 10_000) -> None:
+        self.nc = nc
+        self.reads = reads
+        self.keep = keep
+        self._done: dict[str, dict[str, Any] | None] = {}
+
+    async def of(self, run_id: str) -> dict[str, Any] | None:
+        if run_id in self._done:
+            return self._done[run_id]
+        async with RunEvents(self.nc, run_id, self.reads) as history:
+            spent = goodput(history.events)
+        found = spent.as_dict() if spent else None
+        if spent is not None and spent.finished:
+            if len(self._done) >= self.keep:
+                self._done.pop(next(iter(self._done)))
+            self._done[run_id] = found
+        return found
 
 
 async def run_record(nc: Client, run_id: str, reads: Reads) -> RunRecord | None:

@@ -21,6 +21,7 @@ wall clock. No correctness depends on them, only when a run is given up.
     unannounced  a run that ended without its terminal event (the writer died in between):
                  the event published, once (`shared.state.endings`)
     garbage      checkpoint files never committed, older than `BATON_GC_AGE`: deleted
+    goodput      a run seen running that has ended: its goodput exported (`accounts.py`)
 
 Beside the sweeps, the reaper watches the sites' greetings and (re)attaches their outboxes
 to the hub's streams (`sites.py`).
@@ -38,6 +39,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from services.reaper.accounts import Accounts
 from services.reaper.deliveries import on_advisory
 from services.reaper.lapses import Lapses
 from services.reaper.sites import SiteWatch
@@ -78,6 +80,7 @@ class Reaper:
         self.lapses: Lapses
         self.sites = SiteWatch(nc, self.js)
         self.lease_secret = lease_secret()
+        self.accounts = Accounts(self.js)
 
     async def on_reconnect(self) -> None:
         # Pull consumers resume by themselves once NATS is back. The hub's sources may not:
@@ -137,6 +140,7 @@ class Reaper:
         await self._orphans(workers)
         await self._announce([r for r in records if r.state.terminal and r.announce_pending])
         await self._garbage(records)
+        await self.accounts.sweep(records)
         alive = {r.run_id for r in live}
         for table in (self._unowned_since, self._progress):
             for run_id in [k for k in table if k not in alive]:

@@ -118,6 +118,8 @@ class Attempt:
         self._metric_attrs = {telemetry.POOL: task.spec.pool}
         self._recovering = False
         """Set for an attempt after the run's first, until its first step is done."""
+        self._stall_s = 0.0
+        """Seconds the training loop was blocked by this attempt's checkpoints so far."""
         self._delivery: str | None = None
         """The task delivery this attempt answers, written into the record for a hand-over."""
 
@@ -275,8 +277,9 @@ class Attempt:
             if isinstance(msg, Loaded):
                 self.step = msg.step
                 restored = Restored(
-                    run_id=self.run_id, worker=self.worker, step=msg.step, damaged=msg.damaged
-                )
+                    run_id=self.run_id, worker=self.worker, step=msg.step, damaged=msg.damaged,
+                    restore_s=msg.took_s,
+                )  # fmt: skip
                 await self._emit(restored)
             elif isinstance(msg, StepDone):
                 self.step = msg.step
@@ -286,6 +289,7 @@ class Attempt:
                 await self._progress(msg)
             elif isinstance(msg, CheckpointReady):
                 telemetry.CHECKPOINT_STALL.record(msg.stall_s, self._metric_attrs)
+                self._stall_s += msg.stall_s
                 size = sum(f.size for f in msg.files)
                 telemetry.CHECKPOINT_BYTES.record(size, self._metric_attrs)
                 await self.commits.request(msg)
@@ -437,7 +441,7 @@ class Attempt:
             telemetry.STEPS_PER_SECOND.set(rate, attrs)
         event = Progress(
             run_id=self.run_id, step=msg.step, total_steps=self.task.spec.total_steps,
-            metrics=msg.metrics, steps_per_s=rate, worker=self.worker,
+            metrics=msg.metrics, steps_per_s=rate, worker=self.worker, stall_s=self._stall_s,
         )  # fmt: skip
         # Progress is best-effort: while a link is down the next one will do.
         with contextlib.suppress(Exception):

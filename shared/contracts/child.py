@@ -46,6 +46,8 @@ class Loaded(_Msg, tag="loaded", frozen=True):
 
     step: int
     damaged: list[int] = []
+    took_s: float = 0.0
+    """Seconds spent finding, reading and loading it (0 for a fresh start)."""
 
 
 class StepDone(_Msg, tag="step", frozen=True):

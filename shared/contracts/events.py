@@ -42,6 +42,8 @@ class Restored(_Event, tag="restored", frozen=True):
     worker: str
     step: int
     damaged: list[int] = []
+    restore_s: float = 0.0
+    """Seconds the training process spent finding, reading and loading the checkpoint."""
 
 
 class Progress(_Event, tag="progress", frozen=True):
@@ -50,6 +52,8 @@ class Progress(_Event, tag="progress", frozen=True):
     metrics: dict[str, float] = {}
     steps_per_s: float = 0.0
     worker: str = ""
+    stall_s: float = 0.0
+    """Seconds this attempt's training loop has been blocked by checkpoints so far."""
 
 
 class CheckpointCommitted(_Event, tag="checkpoint_committed", frozen=True):

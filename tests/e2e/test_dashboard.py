@@ -92,6 +92,11 @@ async def test_a_run_appears_moves_and_shows_its_kill_and_resume_without_a_reloa
     await expect(page.locator("#loss-legend .series")).to_have_count(2)
     await expect(page.locator("#run-state .state")).to_have_text("COMPLETED", timeout=120_000)
     assert await page.evaluate("window.batonLoss.series.length") == 3  # x and two attempts
+    # Its goodput, once it is over: the share and where the rest went (steps redone).
+    await expect(page.locator("#goodput-share")).to_contain_text("%", timeout=WAIT_MS)
+    await expect(page.locator('#goodput [data-category="wasted"]')).to_have_count(1)
+    await page.locator("header a[data-view=runs]").click()
+    await expect(row.locator(".goodput-cell")).to_contain_text("%", timeout=WAIT_MS)
     assert await page.evaluate("window.sameDocument") is True, "the page was reloaded"
     record = await finished(nc, run_id, 60)
     assert record.attempts == 2

@@ -1,4 +1,5 @@
-"""A trainer known to be dead hands its run over at once, not after its lease TTL."""
+"""A dead trainer's run is handed over at once when its death is certain, and when its lease
+expires when it is not — never after the AckWait; and a run killed once accounts its goodput."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import signal
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from shared.contracts import RunState
 from shared.contracts.events import (
@@ -16,7 +18,8 @@ from shared.contracts.events import (
     Redispatched,
     Started,
 )
-from tests.e2e.jobs import EventLog, finished, job, submit
+from shared.history.goodput import goodput
+from tests.e2e.jobs import EventLog, finished, history, job, submit
 from tests.support.stack import Stack
 
 # Far longer than any wait below: a run that resumes within them was not waiting for its
@@ -98,8 +101,13 @@ async def test_a_trainer_gone_without_a_word_hands_its_run_over_when_its_lease_e
         first = await log.wait_for(lambda e: isinstance(e, Started), 60, "the first attempt")
         assert isinstance(first, Started)
         await s.add_trainer("t2")  # idle until the run is handed over
-        await log.wait_for(
+        commit = await log.wait_for(
             lambda e: isinstance(e, CheckpointCommitted) and e.step >= 40, 60, "a commit at 40"
+        )
+        assert isinstance(commit, CheckpointCommitted)
+        # Some steps past the commit, so that they have to be redone.
+        await log.wait_for(
+            lambda e: isinstance(e, Progress) and e.step >= commit.step + 12, 60, "steps after it"
         )
         s.signal("t1", signal.SIGKILL)
 
@@ -120,5 +128,19 @@ async def test_a_trainer_gone_without_a_word_hands_its_run_over_when_its_lease_e
 
         reference = await submit(nc, msgspec.structs.replace(spec, idempotency_key="ref"))
         assert (await finished(nc, reference, 120)).digest == record.digest
+
+        # Its goodput adds up: the categories sum to its wall time, and the time wasted is
+        # the steps redone at the step time of the same job run without a fault.
+        spent = goodput(await history(nc, run_id))
+        clean = goodput(await history(nc, reference))
+        assert spent is not None and clean is not None and spent.finished
+        assert sum(spent.seconds().values()) == pytest.approx(spent.wall_s)
+        assert abs(spent.other_s) < 0.01 * spent.wall_s, spent
+        redone = spent.steps_redone
+        assert redone >= 12, spent
+        step_s = clean.productive_s / spec.total_steps
+        assert spent.wasted_s == pytest.approx(redone * step_s, rel=0.35), (spent, step_s)
+        assert spent.recovery_s > 1.0 and clean.recovery_s == 0 and clean.wasted_s == 0
+        assert spent.goodput < clean.goodput
     finally:
         await s.stop()

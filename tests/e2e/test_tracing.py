@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client
-from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import HistogramDataPoint
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -25,24 +25,14 @@ from baton.stack.natsserver import NatsServer
 from services.checkpointer.service import Checkpointer
 from services.dispatcher.service import Dispatcher
 from services.trainer.service import Trainer
-from shared import config, telemetry
+from shared import config
 from shared.bus.connect import connect
 from shared.bus.service import StopSignals
 from shared.contracts import JobSpec, RunState, convert
 from shared.contracts.events import Accepted
 from tests.e2e.jobs import finished
+from tests.support.otel import metric_points, sinks
 from tests.support.stack import eventually
-
-_sinks: tuple[InMemorySpanExporter, InMemoryMetricReader] | None = None
-
-
-def sinks() -> tuple[InMemorySpanExporter, InMemoryMetricReader]:
-    """The process's global providers can be installed once only: do it on first use."""
-    global _sinks
-    if _sinks is None:
-        _sinks = InMemorySpanExporter(), InMemoryMetricReader()
-        telemetry.setup("baton-test", span_exporter=_sinks[0], metric_reader=_sinks[1])
-    return _sinks
 
 
 class Services:
@@ -129,17 +119,6 @@ async def finished_spans(exporter: InMemorySpanExporter, attempts: int) -> list[
             return spans
         await asyncio.sleep(0.1)
     raise AssertionError(f"fewer than {attempts} attempt spans: {[s.name for s in spans]}")
-
-
-def metric_points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
-    data = reader.get_metrics_data()
-    assert data is not None
-    return {
-        m.name: list(m.data.data_points)
-        for rm in data.resource_metrics
-        for sm in rm.scope_metrics
-        for m in sm.metrics
-    }
 
 
 def one(spans: list[ReadableSpan], name: str) -> ReadableSpan:

@@ -122,7 +122,7 @@ function viewRuns() {
       h("td", { class: "step-cell" }, progress(s.step, s.total_steps)),
       h("td", { class: "num" }, s.attempts),
       h("td", {}, s.worker ?? "—"),
-      h("td", { class: "num" }, s.goodput == null ? "—" : `${(100 * s.goodput).toFixed(1)}%`),
+      h("td", { class: "num goodput-cell" }, "—"),
       h("td", {}, s.pool),
       h("td", { class: "num", title: new Date(s.created_at * 1000).toISOString() }, age(s.created_at)));
   }
@@ -142,13 +142,24 @@ function viewRuns() {
     older.disabled = !next;
     newer.disabled = !cursors.length && !after;
     count.textContent = `${page.total} runs in all`;
+    fillGoodput(page.runs.filter((s) => ["COMPLETED", "FAILED", "CANCELLED"].includes(s.state)).map((s) => s.run_id));
+  }
+
+  async function fillGoodput(runIds) {
+    if (!runIds.length) return;
+    const found = await getJSON(`/api/goodput?runs=${runIds.map(encodeURIComponent).join(",")}`);
+    for (const [runId, g] of Object.entries(found)) {
+      const cell = body.querySelector(`tr[data-run="${CSS.escape(runId)}"] .goodput-cell`);
+      if (cell && g) { cell.textContent = `${(100 * g.goodput).toFixed(1)}%`; cell.title = breakdown(g); }
+    }
   }
 
   load();
   return listen((kind, s) => {
     if (kind !== "run") return;
     const old = body.querySelector(`tr[data-run="${CSS.escape(s.run_id)}"]`);
-    if (old) { old.replaceWith(row(s)); return; }
+    const ended = ["COMPLETED", "FAILED", "CANCELLED"].includes(s.state);
+    if (old) { old.replaceWith(row(s)); if (ended) fillGoodput([s.run_id]); return; }
     // A new run belongs at the top of the first page.
     if (after === null && admits(s)) {
       body.querySelector(".empty")?.closest("tr")?.remove();
@@ -168,9 +179,11 @@ function viewRun(runId) {
   const marks = h("div", { class: "marks card", id: "marks" });
   const ckpts = h("div", { id: "checkpoints" });
   const logs = h("pre", { class: "logs", id: "logs" });
+  const spent = h("div", { class: "card", id: "goodput" });
   main.replaceChildren(
     h("h1", {}, h("a", { href: "#/runs" }, "Runs"), " / ", runId),
     facts,
+    h("h2", {}, "Goodput"), spent,
     h("h2", {}, "Loss per step"), h("div", { class: "card" }, chartBox, legend),
     h("h2", {}, "Timeline"), h("div", { class: "card" }, timeline), marks,
     h("h2", {}, "Checkpoints"), ckpts,
@@ -183,6 +196,7 @@ function viewRun(runId) {
   views.addEventListener("view", (e) => {
     const view = JSON.parse(e.data);
     drawFacts(facts, view);
+    drawGoodput(spent, view.goodput);
     chart = drawLoss(chartBox, legend, view, chart);
     drawTimeline(timeline, view);
     drawMarks(marks, view);
@@ -197,6 +211,26 @@ function viewRun(runId) {
     if (follow) logs.scrollTop = logs.scrollHeight;
   });
   return () => { views.close(); output.close(); chart?.destroy(); };
+}
+
+const GOODPUT_COLOURS = {
+  productive: "#2ca02c", queued: "#9ca3af", startup: "#60a5fa", restore: "#a78bfa",
+  checkpoint: "#fbbf24", wasted: "#ef4444", recovery: "#f97316", other: "#e5e7eb",
+};
+
+function breakdown(g) {
+  return Object.keys(GOODPUT_COLOURS).map((c) => `${c} ${g[`${c}_s`].toFixed(1)}s`).join(" · ");
+}
+
+function drawGoodput(box, g) {
+  if (!g) { box.replaceChildren(); return; }
+  const bar = h("div", { class: "goodput" }, Object.entries(GOODPUT_COLOURS).map(([c, colour]) =>
+    h("span", { title: `${c}: ${g[`${c}_s`].toFixed(2)}s`, dataset: { category: c },
+      style: `width:${g.wall_s > 0 ? (100 * Math.max(0, g[`${c}_s`])) / g.wall_s : 0}%;background:${colour}` })));
+  const legend = h("div", { class: "legend" }, Object.entries(GOODPUT_COLOURS).map(([c, colour]) =>
+    h("span", {}, h("i", { style: `background:${colour}` }), `${c} ${g[`${c}_s`].toFixed(1)}s`)));
+  box.replaceChildren(h("div", {}, h("b", { id: "goodput-share" }, `${(100 * g.goodput).toFixed(1)}%`),
+    ` of ${dur(g.wall_s)} productive${g.steps_redone ? ` · ${g.steps_redone} steps redone` : ""}`), bar, legend);
 }
 
 function drawFacts(box, view) {
