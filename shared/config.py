@@ -31,8 +31,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`BATON_WORKER_ID`: a trainer's stable name; defaults to `<host>-<pid>`."""
     lease_ttl_s: int = 10
     """`BATON_LEASE_TTL`: whole seconds a lease lives without renewal (server clock). Renewed
-    every third of it. A link cut shorter than about two thirds of it costs nothing; a
-    SIGKILLed trainer's run is picked up again after about 1.5× it (the task's AckWait)."""
+    every third of it. A link cut shorter than about two thirds of it costs nothing; the run
+    of a trainer that died unseen (its host gone) is handed over when its lease expires, and
+    at once when a supervisor restarts the trainer."""
     grace_s: float = 30.0
     """`BATON_GRACE`: seconds a preempted (SIGTERMed) trainer gets to checkpoint and commit."""
     work_dir: str = "./.baton/work"
@@ -50,6 +51,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`BATON_SWEEP_INTERVAL`: seconds between the reaper's sweeps; 0 means TTL/2."""
     gc_age_s: float = 3600.0
     """`BATON_GC_AGE`: uncommitted checkpoint files older than this are garbage."""
+    dispatch_concurrency: int = 64
+    """`BATON_DISPATCH_CONCURRENCY`: submissions the dispatcher handles at once (each waits
+    on a few round trips to NATS, so they overlap); 1 handles them one at a time."""
     heartbeat_s: float = 2.0
     """`BATON_HEARTBEAT`: seconds between a trainer's heartbeats in the worker registry."""
     pools_file: str = ""
@@ -105,6 +109,9 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             sweep_interval_s=_float(env, "BATON_SWEEP_INTERVAL", 0.0, allow_zero=True),
             gc_age_s=_float(env, "BATON_GC_AGE", d.gc_age_s),
             heartbeat_s=_float(env, "BATON_HEARTBEAT", d.heartbeat_s),
+            dispatch_concurrency=_int(
+                env, "BATON_DISPATCH_CONCURRENCY", d.dispatch_concurrency, minimum=1
+            ),
             pools_file=env.get("BATON_POOLS_FILE", ""),
             site=_site(env.get("BATON_SITE", "")),
             hub_domain=env.get("BATON_HUB_DOMAIN", d.hub_domain),

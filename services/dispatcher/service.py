@@ -87,7 +87,12 @@ class Dispatcher:
                 names.DISPATCHER_CONSUMER,
                 stop,
                 lambda msg: handle(self.js, msg, "dispatcher", self.on_submission),
-                batch=10,
+                # Each submission waits on a few round trips (record, task, event): many at
+                # once keep the connection busy. Safe because the run id and the KV create
+                # make the record once, and the task's message id makes it once, whichever
+                # copy of a submission gets there first.
+                batch=self.settings.dispatch_concurrency,
+                concurrency=self.settings.dispatch_concurrency,
             ),
             pull_loop(
                 self.js,

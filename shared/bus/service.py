@@ -108,11 +108,23 @@ async def pull_loop(
     stop: asyncio.Event,
     handle: Callable[[Msg], Awaitable[None]],
     batch: int = 1,
+    concurrency: int = 1,
 ) -> None:
     """Fetch and handle messages until `stop` is set. A fetch that fails because the link
-    is down is retried: the pull subscription works again once NATS is back."""
+    is down is retried: the pull subscription works again once NATS is back.
+
+    With `concurrency` above 1, up to that many messages of a fetched batch are handled at
+    once, for handlers that spend their time waiting on round trips. Each message is still
+    answered by its own handler, so a stop lets the batch in hand finish, and nothing is
+    answered that was not handled."""
     sub = await js.pull_subscribe_bind(durable, stream)
     delays = Backoff(first=0.2, most=5.0)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(msg: Msg) -> None:
+        async with gate:
+            await handle(msg)
+
     try:
         while not stop.is_set():
             try:
@@ -125,8 +137,11 @@ async def pull_loop(
                     await asyncio.wait_for(stop.wait(), delays.next())
                 continue
             delays.reset()
-            for msg in msgs:
-                await handle(msg)
+            if concurrency <= 1:
+                for msg in msgs:
+                    await handle(msg)
+            else:
+                await asyncio.gather(*(gated(m) for m in msgs))
     finally:
         with contextlib.suppress(Exception):  # the connection may be closing already
             await sub.unsubscribe()

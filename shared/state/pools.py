@@ -9,12 +9,14 @@ CAS), which overrides the guess from then on.
 
 from __future__ import annotations
 
+import time
 import tomllib
 from pathlib import Path
 
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
 
 from shared.bus import names
 from shared.bus.kvwrite import KvWriter
@@ -22,6 +24,7 @@ from shared.contracts import convert, decode, encode
 from shared.errors import ConfigError
 
 EWMA_WEIGHT = 0.3
+SPEED_FRESH_S = 5.0
 
 
 class Pool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -57,18 +60,31 @@ class Pools:
         self.js = js
         self.table = table
         self._writer = KvWriter(js, names.POOLS_BUCKET, api_prefix)
+        self._kv: KeyValue | None = None
+        self._speeds: dict[str, tuple[float | None, float]] = {}  # pool -> (s/step, read at)
 
     def rate(self, pool: str) -> float:
         return self.table.pools.get(pool, Pool()).rate_per_hour
 
     async def seconds_per_step(self, pool: str) -> float | None:
-        kv = await self.js.key_value(names.POOLS_BUCKET)
+        """The measured speed (else the configured guess), read at most every
+        `SPEED_FRESH_S`: an estimate changes with each completed run, slowly, and the
+        dispatcher asks once per submission."""
+        now = time.monotonic()
+        cached = self._speeds.get(pool)
+        if cached is not None and now - cached[1] < SPEED_FRESH_S:
+            return cached[0]
+        if self._kv is None:
+            self._kv = await self.js.key_value(names.POOLS_BUCKET)
         try:
-            entry = await kv.get(pool)
+            entry = await self._kv.get(pool)
         except KeyNotFoundError:
-            return self.table.pools.get(pool, Pool()).seconds_per_step
-        assert entry.value is not None
-        return decode(entry.value, Measured).seconds_per_step
+            speed = self.table.pools.get(pool, Pool()).seconds_per_step
+        else:
+            assert entry.value is not None
+            speed = decode(entry.value, Measured).seconds_per_step
+        self._speeds[pool] = (speed, now)
+        return speed
 
     async def record(self, pool: str, seconds_per_step: float) -> None:
         """Fold one completed run's measured speed into the pool's average."""
