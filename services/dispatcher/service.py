@@ -185,7 +185,10 @@ class Dispatcher:
         )
         verb = "re-accepted" if duplicate else "accepted"
         trace.get_current_span().set_attribute(telemetry.OUTCOME, verb)
-        log.info("%s %s (%s) on pool %s", verb, run_id, spec.name, spec.pool)
+        # One line per new run would be most of the log at thousands of submissions a
+        # second (and a sixth of the dispatcher's time): new runs at DEBUG, repeats at INFO.
+        level = logging.INFO if duplicate else logging.DEBUG
+        log.log(level, "%s %s (%s) on pool %s", verb, run_id, spec.name, spec.pool)
 
     async def _budget(self, run_id: str, spec: JobSpec) -> tuple[float | None, float | None]:
         """The estimated cost, and the hard timeout the budget allows (docs/architecture.md,

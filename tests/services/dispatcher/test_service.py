@@ -11,6 +11,7 @@ from baton.cli import client
 from services.dispatcher.service import Dispatcher
 from shared import config
 from shared.bus import names
+from shared.bus.streams import ensure
 from shared.contracts import decode, run_id_for
 from shared.contracts.events import Accepted, Event, Rejected
 from shared.contracts.letters import DeadLetter
@@ -173,3 +174,52 @@ async def test_same_key_with_a_different_spec_is_rejected(nc: Client) -> None:
     assert found is not None and found[0].spec.total_steps == 10
     stop.set()
     await asyncio.gather(*tasks)
+
+
+async def test_one_batch_handled_at_once_keeps_every_guarantee(nc: Client) -> None:
+    """Copies of one submission, a poison message, a conflicting spec and other jobs, all
+    waiting before the dispatcher starts, so that its first fetch takes them as one batch
+    and handles them at once."""
+    await ensure(nc.jetstream())  # the streams, before any dispatcher serves
+    runs = await Runs.open(nc.jetstream())
+    same = json.dumps({**GOOD, "idempotency_key": "same"}).encode()
+    for i in range(20):
+        await submit(nc, same, f"same-{i}")
+    await submit(nc, b'{"name": "t", "entry_', "poison")
+    other_spec = json.dumps({**GOOD, "total_steps": 99, "idempotency_key": "same"}).encode()
+    await submit(nc, other_spec, "x")
+    others = [f"other-{i}" for i in range(20)]
+    for key in others:
+        await submit(nc, json.dumps({**GOOD, "idempotency_key": key}).encode(), key)
+    stop, tasks = await start_dispatchers(nc)
+
+    async def drained() -> bool:
+        return (await nc.jetstream().stream_info(names.SUBMIT_STREAM)).state.messages == 0
+
+    await eventually(drained, 20, "every submission answered")
+    run_id = run_id_for("same")
+    answers = await eventually(
+        lambda: _answers(nc, run_id, 21), 10, "an answer to each copy of the same job"
+    )
+    accepted = [e for e in answers if isinstance(e, Accepted)]
+    rejected = [e for e in answers if isinstance(e, Rejected)]
+    assert sum(not e.duplicate for e in accepted) == 1 and len(accepted) == 20
+    assert len(rejected) == 1 and "different job spec" in rejected[0].reason
+    assert await tasks_for(nc, run_id) == 1
+    found = await runs.get(run_id)
+    assert found is not None and found[0].spec.total_steps == 10
+    for key in others:
+        assert await tasks_for(nc, run_id_for(key)) == 1
+    letters = await nc.jetstream().stream_info(names.DLQ_STREAM)
+    assert letters.state.messages == 2  # the poison and the conflicting spec, each once
+    poison = await eventually(
+        lambda: events_of(nc, run_id_for("poison")), 10, "the poison's rejection"
+    )
+    assert isinstance(poison[0], Rejected) and "malformed JSON" in poison[0].reason
+    stop.set()
+    await asyncio.gather(*tasks)
+
+
+async def _answers(nc: Client, run_id: str, count: int) -> list[Event] | None:
+    evs = [e for e in await events_of(nc, run_id) if isinstance(e, Accepted | Rejected)]
+    return evs if len(evs) >= count else None
