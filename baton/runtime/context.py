@@ -58,7 +58,11 @@ class RunContext:
         store_url: str,
         spool: Path,
         send: Callable[[FromChild], None],
+        launched_at: float | None = None,
     ) -> None:
+        self._launched_at = time.monotonic() if launched_at is None else launched_at
+        """When the training process was handed the task (monotonic): the entry point's own
+        set-up is what passes between it and `restore()`."""
         self.run_id = task.run_id
         self.spec = task.spec
         self.config: dict[str, Any] = dict(task.spec.config)
@@ -118,7 +122,8 @@ class RunContext:
             self._load(manifest)
         took = time.monotonic() - began
         self._witness.resumed(self.step, rows)
-        self._send(Loaded(step=self.step, damaged=damaged, took_s=took))
+        setup = max(0.0, began - self._launched_at)
+        self._send(Loaded(step=self.step, damaged=damaged, took_s=took, setup_s=setup))
         return self.step
 
     def data_loader(

@@ -278,7 +278,7 @@ class Attempt:
                 self.step = msg.step
                 restored = Restored(
                     run_id=self.run_id, worker=self.worker, step=msg.step, damaged=msg.damaged,
-                    restore_s=msg.took_s,
+                    restore_s=msg.took_s, setup_s=msg.setup_s,
                 )  # fmt: skip
                 await self._emit(restored)
             elif isinstance(msg, StepDone):

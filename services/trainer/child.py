@@ -1,10 +1,11 @@
 """The training child process: runs one attempt of one run's entry point.
 
-Started by the trainer as `python -m services.trainer.child CTL_IN CTL_OUT`, where the two
-numbers are inherited pipe descriptors: the trainer's commands come in on one, progress and
-finished checkpoints go out on the other. stdout and stderr stay the user's, captured by the
-trainer as the run's log. The trainer sets a parent-death signal on this process, so it can
-never outlive a trainer that was SIGKILLed.
+Forked by the trainer's zygote (`zygote.py`: `python -m services.trainer.child --zygote FD`,
+which has imported torch once), or started as `python -m services.trainer.child CTL_IN CTL_OUT`
+when there is none. CTL_IN and CTL_OUT are pipe descriptors: the trainer's commands come in
+on one, progress and finished checkpoints go out on the other. stdout and stderr stay the
+user's, captured by the trainer as the run's log. Every training process has a parent-death
+signal set, so it can never outlive a trainer (or zygote) that was SIGKILLed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +29,19 @@ EXIT_ORPHANED = 70
 
 
 def main(argv: list[str]) -> int:
-    ctl_in = os.fdopen(int(argv[1]), "rb", buffering=0)
-    ctl_out = os.fdopen(int(argv[2]), "wb", buffering=0)
+    if argv[1] == "--zygote":
+        from services.trainer.zygote import serve
+
+        _warm_up()
+        return serve(int(argv[2]), run)
+    _warm_up()
+    return run(int(argv[1]), int(argv[2]))
+
+
+def run(ctl_in_fd: int, ctl_out_fd: int) -> int:
+    """One attempt: wait for the `Launch`, run the entry point, report how it ended."""
+    ctl_in = os.fdopen(ctl_in_fd, "rb", buffering=0)
+    ctl_out = os.fdopen(ctl_out_fd, "wb", buffering=0)
     out_lock = threading.Lock()
 
     def send(msg: FromChild) -> None:
@@ -36,10 +49,10 @@ def main(argv: list[str]) -> int:
         with out_lock:
             ctl_out.write(line)
 
-    _warm_up()
     launch = decode(ctl_in.readline(), Launch)
     spec = launch.task.spec
     _configure_torch(spec.deterministic, spec.seed)
+    launched_at = time.monotonic()  # from here on, the time is the entry point's
     try:
         entry = load_entry_point(spec.entry_point)
     except Exception as exc:
@@ -47,7 +60,7 @@ def main(argv: list[str]) -> int:
         return EXIT_BAD_LAUNCH
 
     spool = Path(os.environ.get("BATON_SPOOL", "./.baton/spool")) / launch.task.run_id
-    ctx = RunContext(launch.task, launch.token, launch.store_url, spool, send)
+    ctx = RunContext(launch.task, launch.token, launch.store_url, spool, send, launched_at)
     threading.Thread(target=_listen, args=(ctl_in, ctx), daemon=True).start()
     try:
         entry(ctx)
@@ -88,9 +101,10 @@ def _listen(ctl_in: Any, ctx: RunContext) -> None:
 
 
 def _warm_up() -> None:
-    """Pay torch's one-off costs while this child is the trainer's spare, before a run
-    is handed to it: the first `use_deterministic_algorithms` call alone takes over a
-    second (it imports more of torch), which a takeover would otherwise wait for."""
+    """Pay torch's one-off costs before any run is handed over — once, in the trainer's
+    zygote, whose forks inherit them: the first `use_deterministic_algorithms` call alone
+    takes over a second (it imports more of torch), which a takeover would otherwise wait
+    for."""
     import torch
 
     torch.use_deterministic_algorithms(False)

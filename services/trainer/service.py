@@ -35,7 +35,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from services.trainer.attempt import Attempt
-from services.trainer.child_proc import Child
+from services.trainer.child_proc import Zygote
 from services.trainer.claim import WorkDir
 from services.trainer.verdicts import Outcome, Scope, Verdict, apply
 from shared import telemetry
@@ -78,7 +78,8 @@ class Trainer:
         self.beat_now = asyncio.Event()
         self.attempt: Attempt | None = None
         self.device = _device()
-        self._spare: Child | None = None
+        self.zygote = Zygote(self._child_env())
+        """Forks each attempt's training process from one that imported torch already."""
         self.workdir = WorkDir(Path(settings.work_dir))
 
     async def start(self) -> None:
@@ -98,7 +99,7 @@ class Trainer:
         await _until_reachable(declared, "the hub's streams and buckets")
         if (claim := self.workdir.left_behind()) is not None:
             await self._hand_over(claim)
-        self._spare = await Child.start(self._child_env())
+        await self.zygote.start()
         await self.nc.subscribe(names.control_subject(self.settings.worker_id), cb=self._on_command)
 
     async def _hand_over(self, claim: Claim) -> None:
@@ -126,7 +127,7 @@ class Trainer:
         self.beat_now.set()
 
     async def close(self) -> None:
-        return None  # serve() already stopped the spare child and closed the store
+        return None  # serve() already stopped the zygote and closed the store
 
     async def serve(self, stop: asyncio.Event) -> None:
         """`stop` is the first signal; attempts also see the second (`hurry`)."""
@@ -141,9 +142,7 @@ class Trainer:
             )
         finally:
             heartbeat.cancel()
-            if self._spare is not None:
-                self._spare.kill()
-                await self._spare.wait()
+            await self.zygote.stop()
             await self.store.close()
             self.workdir.unlock()
 
@@ -191,8 +190,7 @@ class Trainer:
                 self.workdir.let_go()
 
     async def _attempt(self, task: Task, lease: Lease, msg: Msg, scope: Scope) -> None:
-        child = self._spare or await Child.start(self._child_env())
-        self._spare = None
+        child = await self.zygote.fork()
         signals = (self.signals.stop, self.signals.hurry)
         attempt = Attempt(
             self.nc, self.settings, self.store, self.runs, self.pools, task, lease, child,
@@ -211,8 +209,6 @@ class Trainer:
                 await apply(Verdict(Outcome.PREEMPTED, delay=ATTEMPT_ERROR_DELAY_S), scope)
         finally:
             self.attempt = None
-            if not self.signals.stop.is_set():
-                self._spare = await Child.start(self._child_env())
 
     def _refusal(self, task: Task) -> Verdict:
         """An entry point outside this trainer's allow-list: the run fails here, before the

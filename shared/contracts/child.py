@@ -48,6 +48,9 @@ class Loaded(_Msg, tag="loaded", frozen=True):
     damaged: list[int] = []
     took_s: float = 0.0
     """Seconds spent finding, reading and loading it (0 for a fresh start)."""
+    setup_s: float = 0.0
+    """Seconds the entry point took before it called `restore()`: importing its module and
+    its own set-up (building the model, opening data)."""
 
 
 class StepDone(_Msg, tag="step", frozen=True):

@@ -44,6 +44,9 @@ class Restored(_Event, tag="restored", frozen=True):
     damaged: list[int] = []
     restore_s: float = 0.0
     """Seconds the training process spent finding, reading and loading the checkpoint."""
+    setup_s: float = 0.0
+    """Seconds the entry point's own code took before `restore()` (its imports, building
+    the model): the user's part of starting an attempt."""
 
 
 class Progress(_Event, tag="progress", frozen=True):

@@ -31,7 +31,7 @@ from shared.contracts.events import (
 )
 from tests.e2e.jobs import EventLog, finished, job, submit
 from tests.support.proxy import Proxy
-from tests.support.stack import Stack, alive, children_of, eventually
+from tests.support.stack import Stack, alive, attempt_processes, children_of, eventually
 
 PACED = "tests.support.workloads:paced"
 
@@ -99,7 +99,7 @@ async def test_sigterm_loses_no_step_and_hands_over_at_once(two: Stack) -> None:
     log = EventLog(nc, run_id)
     first = await log.wait_for(lambda e: isinstance(e, Started), 30, "start")
     assert isinstance(first, Started)
-    # Late enough that the other trainer has its spare child warm again after the reference.
+    # Late enough that the other trainer is idle again after the reference.
     await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 60, 30, "step 60")
     two.signal(first.worker, signal.SIGTERM)
     pre = await log.wait_for(lambda e: isinstance(e, Preempted), 30, "preemption")
@@ -138,7 +138,7 @@ async def test_a_zombie_is_fenced_and_its_commit_refused(two: Stack) -> None:
         lambda e: isinstance(e, CheckpointCommitted) and e.step >= 20, 30, "a commit"
     )
     zombie = two.pid(first.worker)
-    family = children_of(zombie)
+    family = attempt_processes(zombie)
     os.kill(
         zombie, signal.SIGSTOP
     )  # its training child goes on, writing checkpoints nobody commits

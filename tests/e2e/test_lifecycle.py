@@ -124,7 +124,7 @@ async def test_a_run_past_its_hard_deadline_fails_and_its_child_stops(lifecycle:
     assert log.of(Started), "the run was training when its deadline passed"
 
     async def child_gone() -> bool:
-        return len(training_processes(lifecycle.root)) <= 1  # only the warm spare is left
+        return len(training_processes(lifecycle.root)) <= 1  # only the zygote is left
 
     await eventually(child_gone, 15, "the training process to stop")
     log.close()

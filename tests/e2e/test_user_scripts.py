@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def three(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     """One trainer for the reference, one for the victim, one idle to take the victim over.
-    Shared by the module's tests: starting a stack costs each trainer a spare training
+    Shared by the module's tests: starting a stack costs each trainer a zygote training
     process that imports torch, ~6 s of CPU apiece. Every test leaves three idle trainers."""
     s = Stack(tmp_path_factory.mktemp("user-scripts") / "stack", trainers=3, lease_ttl=3)
     await s.start()
@@ -106,7 +106,7 @@ async def kill_and_compare(
             await _all_dead(family, f"{attempt.worker} and its training process")
 
             heir = await _next_attempt(log, token)
-            # Replaced only now, so that the run goes to a trainer whose spare training
+            # Replaced only now, so that the run goes to a trainer whose zygote training
             # process is warm, not to one still importing torch.
             await stack.add_trainer(f"{name}-{i + 1}")
             missing -= 1

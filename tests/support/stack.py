@@ -203,6 +203,19 @@ def alive(pid: int) -> bool:
         return False
 
 
+def attempt_processes(trainer_pid: int) -> list[int]:
+    """A trainer's training processes (and what they spawned), without its zygote, which
+    lives as long as the trainer does (services/trainer/zygote.py)."""
+    def zygote(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return b"--zygote" in f.read()
+        except FileNotFoundError:
+            return False
+
+    return [p for p in children_of(trainer_pid) if not zygote(p)]
+
+
 def children_of(pid: int) -> list[int]:
     """Every descendant of `pid` (read from /proc), for asserting no process is left."""
     kids: dict[int, list[int]] = {}

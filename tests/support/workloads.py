@@ -3,6 +3,7 @@ ones. Imported by real trainer child processes, like any user's code."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -61,8 +62,21 @@ def kill_trainer(ctx: RunContext) -> None:
     ctx.restore(model=model)
     for step in ctx.steps():
         if step == 2:
-            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(_trainer_pid(), signal.SIGKILL)
         time.sleep(0.01)
+
+
+def _trainer_pid() -> int:
+    """The trainer above this training process (its parent is the trainer's zygote)."""
+    pid = os.getppid()
+    while pid > 1:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        if b"services.trainer" in argv:
+            return pid
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    raise RuntimeError("no trainer above this process")
 
 
 def chatty(ctx: RunContext) -> None:

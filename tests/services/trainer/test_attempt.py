@@ -370,7 +370,7 @@ async def test_stopped_when_the_run_ended_elsewhere_changes_nothing_and_acks(rig
     outcome = await asyncio.wait_for(running, ATTEMPT_S)
 
     assert outcome is Outcome.STOPPED, outcome
-    assert attempt.child.proc.returncode == -9, "the child is killed, not asked to checkpoint"
+    assert attempt.child.returncode == -9, "the child is killed, not asked to checkpoint"
     record, after = await rig.record(run_id)
     assert after == revision and record == ended, f"the record changed: {record}"
     assert (record.state, record.reason) == (RunState.FAILED, "hard_timeout: test"), record
@@ -514,7 +514,7 @@ async def test_fenced_kills_the_child_and_touches_neither_lease_nor_message(
     outcome = await asyncio.wait_for(running, ATTEMPT_S)
 
     assert outcome is Outcome.FENCED, outcome
-    assert attempt.child.proc.returncode == -9, "a fenced attempt kills its child at once"
+    assert attempt.child.returncode == -9, "a fenced attempt kills its child at once"
     record, after = await rig.record(run_id)
     assert after == revision and record == ours, f"the record changed: {record}"
     assert (record.state, record.worker, record.token) == (
