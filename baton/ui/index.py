@@ -11,9 +11,7 @@ reconnects is sent exactly what changed since the last change it saw.
 
 from __future__ import annotations
 
-import asyncio
 import bisect
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -22,7 +20,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from baton.cli.inspect import as_json
-from baton.ui.live import Fanout
+from baton.ui.live import Fanout, Following
 from shared.bus import names
 from shared.contracts import RunRecord, RunState, decode
 from shared.errors import ContractError
@@ -91,37 +89,19 @@ class RunIndex:
     fanout: Fanout
     runs: dict[str, RunSummary] = field(default_factory=dict)
     _order: list[tuple[float, str]] = field(default_factory=list)  # (-created_at, run_id)
-    _task: asyncio.Task[None] | None = None
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    following: Following = field(init=False)
 
-    async def start(self) -> None:
-        kv = await self.js.key_value(names.RUNS_BUCKET)
-        watcher = await kv.watchall()
-        self._task = asyncio.create_task(self._follow(watcher))
+    def __post_init__(self) -> None:
+        self.following = Following(self.js, names.RUNS_BUCKET, self._entry)
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
+    def _entry(self, entry: KeyValue.Entry) -> None:
+        assert entry.value is not None and entry.revision is not None
         try:
-            async for entry in watcher:
-                if entry is None:  # the end of what was stored when the watch began
-                    self.ready.set()
-                    continue
-                if not entry.value or entry.revision is None:
-                    continue  # a record deleted by hand: the list keeps what it knew
-                try:
-                    record = decode(entry.value, RunRecord)
-                except ContractError as exc:
-                    log.warning("unreadable run record %s: %s", entry.key, exc)
-                    continue
-                self._put(RunSummary.of(record, entry.revision))
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()  # type: ignore[no-untyped-call]
+            record = decode(entry.value, RunRecord)
+        except ContractError as exc:
+            log.warning("unreadable run record %s: %s", entry.key, exc)
+            return
+        self._put(RunSummary.of(record, entry.revision))
 
     def _put(self, s: RunSummary) -> None:
         if s.run_id not in self.runs:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from nats.js import JetStreamContext
@@ -81,17 +81,23 @@ class Fanout:
             self._queues.discard(q)
 
 
-class Heartbeats:
-    """The trainers' heartbeats, as they are written, for every browser that follows them."""
+class Following:
+    """A KV bucket followed from the values it holds on: `on_entry` gets each value as it is
+    written (deletions and expiries are skipped); `ready` is set once the values stored when
+    the watch began have all been handed over."""
 
-    def __init__(self, js: JetStreamContext, fanout: Fanout) -> None:
+    def __init__(
+        self, js: JetStreamContext, bucket: str, on_entry: Callable[[KeyValue.Entry], None]
+    ) -> None:
         self.js = js
-        self.fanout = fanout
+        self.bucket = bucket
+        self.on_entry = on_entry
+        self.ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        kv = await self.js.key_value(names.WORKERS_BUCKET)
-        watcher = await kv.watchall(include_history=False)
+        kv = await self.js.key_value(self.bucket)
+        watcher = await kv.watchall()
         self._task = asyncio.create_task(self._follow(watcher))
 
     async def stop(self) -> None:
@@ -103,13 +109,23 @@ class Heartbeats:
     async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
         try:
             async for entry in watcher:
-                if entry is None or not entry.value:
-                    continue  # the end of the initial values; an expired heartbeat
-                try:
-                    info = decode(entry.value, WorkerInfo)
-                except ContractError:
-                    continue
-                self.fanout.publish("worker", as_json(info))
+                if entry is None:  # the end of what was stored when the watch began
+                    self.ready.set()
+                elif entry.value and entry.revision is not None:
+                    self.on_entry(entry)
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()  # type: ignore[no-untyped-call]
+
+
+class Heartbeats:
+    """The trainers' heartbeats, as they are written, for every browser that follows them."""
+
+    def __init__(self, js: JetStreamContext, fanout: Fanout) -> None:
+        self.fanout = fanout
+        self.following = Following(js, names.WORKERS_BUCKET, self._beat)
+
+    def _beat(self, entry: KeyValue.Entry) -> None:
+        assert entry.value is not None
+        with contextlib.suppress(ContractError):
+            self.fanout.publish("worker", as_json(decode(entry.value, WorkerInfo)))

@@ -61,10 +61,11 @@ class Dashboard:
         self.beats = Heartbeats(nc.jetstream(), self.fanout)
 
     async def start(self) -> None:
+        runs, beats = self.index.following, self.beats.following
         try:
-            await self.index.start()
-            await asyncio.wait_for(self.index.ready.wait(), INDEX_TIMEOUT_S)
-            await self.beats.start()
+            await runs.start()
+            await asyncio.wait_for(runs.ready.wait(), INDEX_TIMEOUT_S)
+            await beats.start()
         except (NatsError, TimeoutError) as exc:
             await self.stop()
             raise CliError(
@@ -74,8 +75,8 @@ class Dashboard:
             ) from None
 
     async def stop(self) -> None:
-        await self.beats.stop()
-        await self.index.stop()
+        await self.beats.following.stop()
+        await self.index.following.stop()
 
     def app(self) -> Starlette:
         return Starlette(

@@ -93,7 +93,7 @@ def run_view(record: RunRecord, events: list[Event], seq: int) -> dict[str, Any]
             "start": a.started.at, "end": a.end_at, "alive_until": a.alive_until,
             "first_step": a.first_step, "last_step": a.last_step,
             "resumed_from": a.resumed.step if a.resumed else None, "redone": a.redone,
-            "commits": [c.step for c in a.commits],
+            "commits": [(c.step, c.at) for c in a.commits],
             "loss": _thin(a.steps, a.losses),
         })  # fmt: skip
     spent = goodput(events)

@@ -89,6 +89,7 @@ async def test_a_run_appears_moves_and_shows_its_kill_and_resume_without_a_reloa
     await expect(page.locator('#marks tr[data-kind="handed_over"]')).to_have_count(1)
     await expect(page.locator('#marks tr[data-kind="restored"]')).to_have_count(2)
     await expect(page.locator("#timeline rect[data-attempt]")).to_have_count(2)
+    assert await page.locator("#timeline rect[data-commit]").count() >= 3  # 20, 40, 60
     await expect(page.locator("#loss-legend .series")).to_have_count(2)
     await expect(page.locator("#run-state .state")).to_have_text("COMPLETED", timeout=120_000)
     assert await page.evaluate("window.batonLoss.series.length") == 3  # x and two attempts

@@ -323,6 +323,12 @@ function drawTimeline(box, view) {
     const title = document.createElementNS(ns, "title");
     title.textContent = `attempt ${a.attempt} on ${a.worker}: ${a.outcome}, steps ${a.first_step}–${a.last_step}, ${dur(a.end - a.start)}`;
     bar.append(title);
+    for (const [step, at] of a.commits) { // each committed checkpoint, where it landed
+      const tick = el("rect", { x: x(at) - 1, y: y - 3, width: 2, height: rowH - 2, fill: "#111827", "data-commit": step });
+      const what = document.createElementNS(ns, "title");
+      what.textContent = `checkpoint ${step} committed at +${dur(at - t0)}`;
+      tick.append(what);
+    }
     if (a.alive_until < a.end) {
       el("rect", { x: x(a.alive_until), y, width: Math.max(1, x(a.end) - x(a.alive_until)), height: rowH - 8, fill: "#fff", "fill-opacity": 0.6 });
     }
