@@ -168,7 +168,7 @@ class Dashboard:
                     yield sse("view", views.run_view(record, history.events, history.seq))
                     await history.more(timeout=3600)
                     await asyncio.sleep(VIEW_EVERY_S)  # coalesce a burst into one view
-                    await history.more(timeout=0)
+                    await history.more(timeout=0.01)
 
         return _events(stream())
 

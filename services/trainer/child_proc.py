@@ -132,6 +132,7 @@ class Zygote:
         self._exits: dict[int, asyncio.Future[int]] = {}
         self._listening: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        self._ready = asyncio.Event()
 
     async def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -143,8 +144,18 @@ class Zygote:
         theirs.close()
         self._sock = ours
         self._forked = asyncio.Queue()
+        self._ready = asyncio.Event()
         reader, self._writer = await asyncio.open_unix_connection(sock=ours)
         self._listening = asyncio.create_task(self._listen(reader))
+
+    async def warm(self) -> None:
+        """Wait until the zygote has imported torch (started again if it died): a trainer
+        takes no task, and so holds no lease, while its next attempt could not start."""
+        async with self._lock:
+            if self._proc is None or self._proc.returncode is not None:
+                await self.stop()
+                await self.start()
+        await self._ready.wait()
 
     async def fork(self) -> Child:
         """A new training process, forked from the warm zygote; one started from scratch if
@@ -192,6 +203,9 @@ class Zygote:
         with contextlib.suppress(ConnectionError):
             while line := await reader.readline():
                 word, *args = line.decode().split()
+                if word == "ready":
+                    self._ready.set()
+                    continue
                 pid = int(args[0])
                 if word == "forked":
                     exited = self._exits[pid] = loop.create_future()

@@ -133,6 +133,9 @@ class Trainer:
         """`stop` is the first signal; attempts also see the second (`hurry`)."""
         heartbeat = asyncio.create_task(self._heartbeat())
         try:
+            # No task before an attempt could start at once: a task taken now would hold
+            # its lease while torch imports, and could lapse before the first renewal.
+            await self.zygote.warm()
             await pull_loop(
                 self.hub,
                 names.TASKS_STREAM,
@@ -165,6 +168,7 @@ class Trainer:
         if record.state.terminal:
             await msg.ack()  # a duplicate of a run that is already over
             return
+        await self.zygote.warm()  # restarted if it died: before the lease, not after
         lease = Lease(
             self.hub, task.run_id, self.settings.worker_id, self.settings.lease_ttl_s,
             api_prefix=self.settings.hub_api, key=task.lease_key,

@@ -11,7 +11,8 @@ The protocol, on a Unix socket pair with the trainer (bytes, never pickle):
 
     trainer -> zygote   b"fork\\n" with three descriptors (SCM_RIGHTS): the child's control
                         pipe in, its control pipe out, and its stdout/stderr
-    zygote -> trainer   b"forked <pid>\\n"           after each fork, in order
+    zygote -> trainer   b"ready\\n"                  once, when torch is imported
+                        b"forked <pid>\\n"           after each fork, in order
                         b"exited <pid> <code>\\n"    when a child ends (code < 0: a signal)
 
 A forked child leads its own session (the trainer kills its process group) and dies with the
@@ -34,7 +35,8 @@ FORK = b"fork"
 
 
 def serve(sock_fd: int, run: Callable[[int, int], int]) -> int:
-    """Fork a child running `run(ctl_in, ctl_out)` for each request, until the trainer goes."""
+    """Fork a child running `run(ctl_in, ctl_out)` for each request, until the trainer goes.
+    Called once torch is imported (`child.main`)."""
     sock = socket.socket(fileno=sock_fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -43,6 +45,7 @@ def serve(sock_fd: int, run: Callable[[int, int], int]) -> int:
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
+    sock.sendall(b"ready\n")
     while True:
         for key, _ in sel.select():
             if key.fileobj is sock:
