@@ -15,7 +15,10 @@ does not know. The hops:
 a service must still mint span ids and forward the context, or the next process would
 start a new trace. Export happens only when `OTEL_EXPORTER_OTLP_ENDPOINT` is set (OTLP over
 HTTP/protobuf, the other standard `OTEL_EXPORTER_OTLP_*` variables apply); without it no
-exporter exists, so nothing is sent and nothing can fail or log.
+exporter exists, so nothing is sent and nothing can fail or log. On a hot path a service
+that exports nothing opens no span at all (`consumer_span`): it forwards the context it
+received as it is, so the next process's spans hang off the nearest span that is exported,
+and the trace stays whole.
 
 Metric instruments are created once, here, from the global meter. Before `setup()` runs (or
 in a process that never calls it, like the CLI) they are the API's proxies and cost nothing;
@@ -24,10 +27,12 @@ once a MeterProvider is installed the proxies forward to it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
+from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
@@ -124,6 +129,8 @@ RUN_GOODPUT = _meter.create_histogram(
     explicit_bucket_boundaries_advisory=[0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0],
 )
 _installed: tuple[TracerProvider, MeterProvider] | None = None
+_exporting = False
+"""Whether spans go anywhere: an exporter or an in-process sink was set up."""
 
 
 def setup(
@@ -143,8 +150,10 @@ def setup(
     resource = Resource.create({SERVICE_NAME: service_name})
     tracer_provider = TracerProvider(resource=resource)
     readers: list[MetricReader] = []
+    global _exporting
     if span_exporter is not None:
         tracer_provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+        _exporting = True
     if metric_reader is not None:
         readers.append(metric_reader)
     if os.environ.get(ENDPOINT_ENV):
@@ -155,6 +164,7 @@ def setup(
 
         # Batched, so a slow collector never blocks the event loop that keeps a lease.
         tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        _exporting = True
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     trace.set_tracer_provider(tracer_provider)
@@ -173,6 +183,28 @@ def shutdown() -> None:
     tracer_provider.force_flush(FLUSH_TIMEOUT_MS)
     tracer_provider.shutdown()
     meter_provider.shutdown(timeout_millis=FLUSH_TIMEOUT_MS)
+
+
+@contextlib.contextmanager
+def consumer_span(
+    name: str, headers: Mapping[str, str] | None, attributes: Mapping[str, str]
+) -> Iterator[trace.Span]:
+    """The span of a message's handling, continuing the trace in its headers — or, when
+    this process exports no spans, no span: the received context made current, so that
+    `inject()` forwards it unchanged. A span per message costs the dispatcher an eighth of
+    its time at thousands of submissions a second, for a span nobody would see."""
+    context = extract(headers)
+    if not _exporting:
+        token = otel_context.attach(context)
+        try:
+            yield trace.get_current_span()
+        finally:
+            otel_context.detach(token)
+        return
+    with tracer.start_as_current_span(
+        name, context=context, kind=trace.SpanKind.CONSUMER, attributes=attributes
+    ) as span:
+        yield span
 
 
 def inject(

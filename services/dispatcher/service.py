@@ -105,12 +105,8 @@ class Dispatcher:
 
     async def on_submission(self, msg: Msg) -> None:
         # A rejection propagates out of the span, which records it as an error.
-        with telemetry.tracer.start_as_current_span(
-            "dispatch",
-            context=telemetry.extract(msg.headers),
-            kind=trace.SpanKind.CONSUMER,
-            attributes={"messaging.destination.name": msg.subject},
-        ):
+        attributes = {"messaging.destination.name": msg.subject}
+        with telemetry.consumer_span("dispatch", msg.headers, attributes):
             await self._on_submission(msg)
 
     async def _on_submission(self, msg: Msg) -> None:

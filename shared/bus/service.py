@@ -113,17 +113,20 @@ async def pull_loop(
     """Fetch and handle messages until `stop` is set. A fetch that fails because the link
     is down is retried: the pull subscription works again once NATS is back.
 
-    With `concurrency` above 1, up to that many messages of a fetched batch are handled at
-    once, for handlers that spend their time waiting on round trips. Each message is still
-    answered by its own handler, so a stop lets the batch in hand finish, and nothing is
-    answered that was not handled."""
+    With `concurrency` above 1, up to that many messages are handled at once, for handlers
+    that spend their time waiting on round trips; the next batch is fetched while they run.
+    Each message is still answered by its own handler, and a stop waits for those under way:
+    nothing fetched is left unhandled but what its AckWait gives back."""
     sub = await js.pull_subscribe_bind(durable, stream)
     delays = Backoff(first=0.2, most=5.0)
     gate = asyncio.Semaphore(concurrency)
+    running: set[asyncio.Task[None]] = set()
 
     async def gated(msg: Msg) -> None:
-        async with gate:
+        try:
             await handle(msg)
+        finally:
+            gate.release()
 
     try:
         while not stop.is_set():
@@ -140,8 +143,14 @@ async def pull_loop(
             if concurrency <= 1:
                 for msg in msgs:
                     await handle(msg)
-            else:
-                await asyncio.gather(*(gated(m) for m in msgs))
+                continue
+            for msg in msgs:
+                await gate.acquire()  # waits while `concurrency` messages are in hand
+                task = asyncio.create_task(gated(msg))
+                running.add(task)
+                task.add_done_callback(running.discard)
     finally:
+        if running:  # handled to the end, also when the loop itself was cancelled
+            await asyncio.gather(*running, return_exceptions=True)
         with contextlib.suppress(Exception):  # the connection may be closing already
             await sub.unsubscribe()
