@@ -107,7 +107,7 @@ async def pair(root: Path, site: str, *, linked: bool) -> AsyncIterator[Pair]:
         stack.push_async_callback(proxy.stop)
         await proxy.start()
         leaf = NatsServer(
-            root / "leaf", server_name=site, domain=site, extra_config=leaf_fragment(proxy.ws_url)
+            root / "leaf", server_name=site, domain=site, extra_config=leaf_fragment([proxy.ws_url])
         )
         stack.push_async_callback(leaf.stop)
         await leaf.start()

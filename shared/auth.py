@@ -112,8 +112,10 @@ _FLOW = ["$JS.FC.>"]
 """Flow-control replies of push consumers (ordered consumers, `keys()`)."""
 _ALL_KV = (
     names.RUNS_BUCKET, names.LEASES_BUCKET, names.WORKERS_BUCKET, names.POOLS_BUCKET,
-    names.SITES_BUCKET,
+    names.SITES_BUCKET, names.LIVE_BUCKET,
 )  # fmt: skip
+_GET_ARCHIVED = f"{API}.DIRECT.GET.{names.ARCHIVE_STREAM}.>"
+"""Reading an ended run's record by its run id (`shared.state.archive`)."""
 
 
 def hub_permissions(role: str) -> Permissions | None:
@@ -129,7 +131,8 @@ def hub_permissions(role: str) -> Permissions | None:
             publish=(
                 *_DECLARE, f"{API}.STREAM.UPDATE.*", *_FLOW,
                 *_consume(API, names.SUBMIT_STREAM), *_consume(API, names.CANCEL_STREAM),
-                *_read_kv(API, *_ALL_KV), *_write_kv("", names.RUNS_BUCKET),
+                *_read_kv(API, *_ALL_KV), *_write_kv("", names.RUNS_BUCKET, names.LIVE_BUCKET),
+                _GET_ARCHIVED,
                 f"{API}.STREAM.MSG.GET.{names.TASKS_STREAM}",
                 f"{API}.STREAM.MSG.DELETE.{names.TASKS_STREAM}",
                 f"{p}.tasks.>", f"{p}.events.>", f"{p}.dlq.>", f"{p}.control.>",
@@ -153,7 +156,9 @@ def hub_permissions(role: str) -> Permissions | None:
                 *_DECLARE, f"{API}.STREAM.UPDATE.*", *_FLOW,
                 *_consume(API, names.ADVISORY_STREAM),
                 *_read_kv(API, *_ALL_KV),
-                *_write_kv("", names.RUNS_BUCKET, names.SITES_BUCKET),
+                *_write_kv("", names.RUNS_BUCKET, names.SITES_BUCKET, names.LIVE_BUCKET),
+                # Retires ended runs into the archive (`shared.state.runs`).
+                _GET_ARCHIVED, f"{p}.archive.>",
                 *(f"{API}.STREAM.MSG.GET.{s}" for s in (*work_queues, names.EVENTS_STREAM)),
                 *(f"{API}.STREAM.MSG.DELETE.{s}" for s in work_queues),
                 # Reads a finished run's events for its goodput (`services/reaper/accounts.py`).
@@ -188,6 +193,7 @@ def submitter_permissions(user: str, site: str = "") -> Permissions:
             submit, cancel, f"{api}.INFO", *_FLOW,
             f"{api}.STREAM.INFO.KV_{names.RUNS_BUCKET}",
             f"{api}.DIRECT.GET.KV_{names.RUNS_BUCKET}.$KV.{names.RUNS_BUCKET}.{user}.>",
+            f"{api}.DIRECT.GET.{names.ARCHIVE_STREAM}.{names.archive_subject(user)}.>",
             f"{api}.CONSUMER.CREATE.{names.EVENTS_STREAM}.*.{own_events}",
             f"{api}.CONSUMER.DELETE.{names.EVENTS_STREAM}.*",
             f"{api}.CONSUMER.CREATE.{names.LOGS_STREAM}.*.{own_logs}",

@@ -66,6 +66,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`BATON_HUB_DOMAIN`: the hub's JetStream domain, as a site reaches it."""
     log_level: str = "INFO"
     """`BATON_LOG_LEVEL`: a service's logging level (`DEBUG`, `INFO`, `WARNING`…)."""
+    replicas: int = 1
+    """`BATON_REPLICAS`: servers of the hub's cluster that keep each stream and bucket; 3 on
+    a three-node hub (`baton up --hub-nodes 3` sets it), at most the cluster's size."""
+    retain_ended_s: float = 86400.0
+    """`BATON_RETAIN_ENDED`: seconds an ended run's record stays in the runs bucket after
+    the reaper archived it; afterwards it is read from the archive (`baton status`,
+    `baton runs --all`), which no sweep reads."""
 
     @property
     def hub_api(self) -> str | None:
@@ -116,6 +123,8 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             site=_site(env.get("BATON_SITE", "")),
             hub_domain=env.get("BATON_HUB_DOMAIN", d.hub_domain),
             log_level=env.get("BATON_LOG_LEVEL", d.log_level),
+            replicas=_int(env, "BATON_REPLICAS", d.replicas, minimum=1),
+            retain_ended_s=_float(env, "BATON_RETAIN_ENDED", d.retain_ended_s),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

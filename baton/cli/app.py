@@ -62,7 +62,10 @@ def up(
         str | None, typer.Option(help="Run a site of this name (a leaf of --hub) instead.")
     ] = None,
     hub: Annotated[
-        str | None, typer.Option(help="A site's hub: its WebSocket URL, ws://… or wss://….")
+        str | None,
+        typer.Option(
+            help="A site's hub: its WebSocket URL, ws://… or wss://… (each node's, a,b,c)."
+        ),
     ] = None,
     store: Annotated[
         str | None,
@@ -83,34 +86,43 @@ def up(
             "DATA_DIR/auth/site-NAME.env."
         ),
     ] = None,
+    hub_nodes: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=7,
+            help="The hub as a cluster of this many nats-servers (3 survives the loss of "
+            "any one); node N on PORT+N-1, WS_PORT+N-1, routes on PORT+2000+N-1.",
+        ),
+    ] = 1,
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=5,
+            help="Copies of each stream and bucket. [default: the nodes, up to 3]",
+        ),
+    ] = None,
 ) -> None:
     """Run the whole stack on this machine: NATS with JetStream, a file:// store, and every
     service as its own process — or, with --site NAME --hub URL, a site: a leaf NATS server
     that keeps working while its link to the hub is down, the site's checkpointer, and
-    trainers. Ctrl-C or SIGTERM stops everything it started."""
+    trainers. With --hub-nodes 3, the hub is three nats-servers in one JetStream cluster,
+    each stream and bucket on all three: it keeps running through the loss of any one.
+    Ctrl-C or SIGTERM stops everything it started."""
     import asyncio
 
     from baton.stack.embedded import StackOptions, run_stack
     from shared.config import load
 
     if site is not None:
-        try:
-            load({"BATON_SITE": site})
-        except Exception as exc:
-            fail(str(exc), code=2)
-        if not hub or not hub.startswith(("ws://", "wss://")):
-            fail("a site needs --hub ws://HOST:PORT (the URL `baton up` printed)", code=2)
-        if not store:
-            fail("a site needs --store, the hub's store (it resumes the hub's runs)", code=2)
-        if auth and (hub_auth is None or not hub_auth.is_file()):
-            fail(
-                f"a site needs --hub-auth FILE: the link credentials the hub generated for it "
-                f"(`baton up --sites {site}` writes them to <hub data>/auth/site-{site}.env), "
-                "or --no-auth on both",
-                code=2,
-            )
+        _check_site(site, hub, store, auth, hub_auth)
+        if hub_nodes != 1 or replicas is not None:
+            fail("--hub-nodes and --replicas are for the hub, not a site", code=2)
     elif hub or hub_auth:
         fail("--hub and --hub-auth are for a site: add --site NAME", code=2)
+    if replicas is not None and replicas > hub_nodes:
+        fail(f"--replicas {replicas} needs at least as many --hub-nodes, not {hub_nodes}", code=2)
     joining = tuple(s.strip() for s in sites.split(",") if s.strip())
     for name in joining:
         try:
@@ -130,8 +142,38 @@ def up(
         auth=auth,
         sites=joining,
         hub_auth=str(hub_auth or ""),
+        hub_nodes=hub_nodes,
+        replicas=replicas,
     )
     raise typer.Exit(asyncio.run(run_stack(opts)))
+
+
+def _check_site(
+    site: str, hub: str | None, store: str | None, auth: bool, hub_auth: Path | None
+) -> None:
+    """What `baton up --site` needs before anything starts."""
+    from shared.config import load
+
+    try:
+        load({"BATON_SITE": site})
+    except Exception as exc:
+        fail(str(exc), code=2)
+    urls = [u.strip() for u in (hub or "").split(",")]
+    if not hub or not all(u.startswith(("ws://", "wss://")) for u in urls):
+        fail(
+            "a site needs --hub ws://HOST:PORT (the URL `baton up` printed; a clustered "
+            "hub's every node, comma-separated)",
+            code=2,
+        )
+    if not store:
+        fail("a site needs --store, the hub's store (it resumes the hub's runs)", code=2)
+    if auth and (hub_auth is None or not hub_auth.is_file()):
+        fail(
+            f"a site needs --hub-auth FILE: the link credentials the hub generated for it "
+            f"(`baton up --sites {site}` writes them to <hub data>/auth/site-{site}.env), "
+            "or --no-auth on both",
+            code=2,
+        )
 
 
 @app.command(cls=OwnTelemetry)
@@ -242,9 +284,16 @@ def runs(
         list[str] | None, typer.Option(help="Only runs in this state (repeatable).")
     ] = None,
     pool: Annotated[str | None, typer.Option(help="Only runs of this pool.")] = None,
+    every: Annotated[
+        bool,
+        typer.Option(
+            "--all", help="Every run ever, the archived ones too (implied by --state of an end)."
+        ),
+    ] = False,
     as_json: Json = False,
 ) -> None:
-    """List runs, oldest first."""
+    """List the live runs (and those that ended in the last few seconds), oldest first;
+    `--all` lists every run."""
     from rich.table import Table
 
     from baton.cli import client
@@ -255,9 +304,10 @@ def runs(
     if unknown:
         err.print(f"[red]error:[/red] unknown state {', '.join(sorted(unknown))}")
         raise typer.Exit(2)
+    history = every or any(RunState(s).terminal for s in wanted)
     records = [
         r
-        for r in run(lambda: with_nats(server, client.all_records))
+        for r in run(lambda: with_nats(server, lambda nc: client.all_records(nc, history)))
         if (not wanted or r.state.value in wanted) and (pool is None or r.spec.pool == pool)
     ]
     if as_json:

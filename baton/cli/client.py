@@ -28,6 +28,7 @@ from shared.contracts import JobSpec, RunRecord, convert, decode, encode, run_id
 from shared.contracts.control import CancelRequest, WorkerInfo
 from shared.contracts.events import Accepted, Diverged, Event, Rejected
 from shared.errors import ContractError, IntegrityError
+from shared.state import archive
 from shared.state.runs import Runs
 from shared.state.workers import live_workers
 
@@ -195,14 +196,24 @@ async def divergences(nc: Client, run_id: str) -> list[Diverged]:
 
 
 async def record(nc: Client, run_id: str, domain: str | None = None) -> RunRecord:
-    found = await (await Runs.open(nc.jetstream(domain=domain))).get(run_id)
+    """The run's record, from the runs bucket or, once it was retired, the archive."""
+    found = await (await Runs.open(nc.jetstream(domain=domain))).find(run_id)
     if found is None:
         raise CliError(f"no run {run_id!r}", 3)
-    return found[0]
+    return found
 
 
-async def all_records(nc: Client) -> list[RunRecord]:
-    records = await (await Runs.open(nc.jetstream())).all()
+async def all_records(nc: Client, history: bool = False) -> list[RunRecord]:
+    """The live runs (those not yet retired: the reaper retires a run a sweep after it
+    ended), oldest first; with `history`, every run, archived ones included."""
+    js = nc.jetstream()
+    runs = await Runs.open(js)
+    if not history:
+        records = [found[0] for _, found in await runs.live() if found is not None]
+    else:
+        kept = {r.run_id: r for r in await archive.records(js)}
+        kept.update((r.run_id, r) for r in await runs.all())
+        records = list(kept.values())
     return sorted(records, key=lambda r: r.created_at)
 
 

@@ -51,7 +51,7 @@ def goodput_command(
 
     async def go(nc: Any) -> list[tuple[RunRecord, Goodput]]:
         records = [
-            r for r in await client.all_records(nc)
+            r for r in await client.all_records(nc, history=True)
             if (not wanted or r.state.value in wanted) and (pool is None or r.spec.pool == pool)
         ][-last:]  # fmt: skip
         found = []

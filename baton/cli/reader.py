@@ -10,8 +10,10 @@ the request body. The consumer is ephemeral, in memory, unacknowledged, and remo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
+from dataclasses import replace
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -19,25 +21,78 @@ from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 INACTIVE_S = 30.0
+HEARTBEAT_S = 2.0
+"""The server's idle heartbeat to the reader: how a lost consumer is told from a quiet one."""
+STALL_S = 3 * HEARTBEAT_S
 
 
 class StreamReader:
-    def __init__(self, nc: Client, sub: Subscription, stream: str, name: str, domain: str | None):
+    """Delivers each message of the slice once, in stream order, also across the loss of a
+    clustered hub's node: the consumer lives on one node (ephemeral consumers are not
+    replicated), so when its heartbeats stop it is made again from the next sequence, and
+    whatever a replacement delivers twice is dropped by sequence."""
+
+    def __init__(
+        self, nc: Client, sub: Subscription, stream: str, config: ConsumerConfig, domain: str | None
+    ):
         self._nc = nc
         self._sub = sub
         self._stream = stream
-        self._name = name
+        self._config = config
         self._domain = domain
+        self._last = 0
+        self._heard = asyncio.get_running_loop().time()
 
     async def next_msg(self, timeout: float) -> Msg:
         """The next message; `TimeoutError` when none came within `timeout` seconds."""
-        return await self._sub.next_msg(timeout=timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            wait = min(deadline - loop.time(), STALL_S)
+            try:
+                msg = await self._sub.next_msg(timeout=max(wait, 0.001))
+            except TimeoutError:
+                if loop.time() - self._heard >= STALL_S:
+                    await self._renew()
+                if loop.time() >= deadline:
+                    raise
+                continue
+            self._heard = loop.time()
+            if (msg.headers or {}).get("Status"):
+                continue  # an idle heartbeat (or flow control): the consumer is there
+            seq = msg.metadata.sequence.stream
+            if seq <= self._last:
+                continue
+            self._last = seq
+            return msg
+
+    async def _renew(self) -> None:
+        """A consumer from the message after the last one delivered, in place of one that
+        went silent; on failure (no hub to ask yet) the next stall tries again."""
+        self._heard = asyncio.get_running_loop().time()
+        old = self._config.name
+        config = replace(
+            self._config,
+            name=f"read-{uuid.uuid4().hex[:16]}",
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if self._last else DeliverPolicy.ALL,
+            opt_start_seq=self._last + 1 if self._last else None,
+        )
+        js = self._nc.jetstream(domain=self._domain)
+        try:
+            await js.add_consumer(self._stream, config)
+        except Exception:
+            return
+        self._config = config
+        with contextlib.suppress(Exception):
+            await js.delete_consumer(self._stream, old or "")
 
     async def unsubscribe(self) -> None:
         with contextlib.suppress(Exception):  # the connection may be closing already
             await self._sub.unsubscribe()
         with contextlib.suppress(Exception):
-            await self._nc.jetstream(domain=self._domain).delete_consumer(self._stream, self._name)
+            await self._nc.jetstream(domain=self._domain).delete_consumer(
+                self._stream, self._config.name or ""
+            )
 
 
 async def read(nc: Client, stream: str, subject: str, domain: str | None = None) -> StreamReader:
@@ -45,14 +100,14 @@ async def read(nc: Client, stream: str, subject: str, domain: str | None = None)
     stream does not exist."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    name = f"read-{uuid.uuid4().hex[:16]}"
     config = ConsumerConfig(
-        name=name,
+        name=f"read-{uuid.uuid4().hex[:16]}",
         filter_subject=subject,
         deliver_subject=inbox,
         deliver_policy=DeliverPolicy.ALL,
         ack_policy=AckPolicy.NONE,
         inactive_threshold=INACTIVE_S,
+        idle_heartbeat=HEARTBEAT_S,
         mem_storage=True,
     )
     try:
@@ -60,7 +115,7 @@ async def read(nc: Client, stream: str, subject: str, domain: str | None = None)
     except BaseException:
         await sub.unsubscribe()
         raise
-    return StreamReader(nc, sub, stream, name, domain)
+    return StreamReader(nc, sub, stream, config, domain)
 
 
 async def drain(sub: StreamReader, idle_s: float = 1.0) -> list[Msg]:

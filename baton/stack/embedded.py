@@ -34,8 +34,9 @@ from typing import IO, Any
 
 import msgspec
 
+from baton.stack.cluster import ROUTE_PORT_OFFSET, HubCluster, data_dir
 from baton.stack.natsconf import hub_fragment, leaf_fragment
-from baton.stack.natsserver import NatsServer, NatsServerError
+from baton.stack.natsserver import ClusterRoutes, NatsServer, NatsServerError
 from baton.stack.procs import (
     SERVICE_GRACE_S,
     TRAINER_GRACE_S,
@@ -69,6 +70,10 @@ NATS_STOP_TIMEOUT_S = 10.0
 DEFAULT_TRAINER_CHECKPOINT_S: float = Settings().grace_s
 # A crash-looping server gets the same patience as a crash-looping service.
 NATS_RESTART_DELAY_S = 1.0
+# A clustered hub's stream stops taking writes for up to ~10 s while it elects a leader in
+# place of a lost one (docs/architecture.md, "A clustered hub"); a lease renewed every
+# third of its TTL must outlast that gap plus a renewal interval: 10 + 30/3 < 30.
+CLUSTER_LEASE_TTL = 30
 
 
 class StackOptions(msgspec.Struct, kw_only=True):
@@ -78,7 +83,8 @@ class StackOptions(msgspec.Struct, kw_only=True):
     trainers: int = 2
     pool: str = "default"
     lease_ttl: int | None = None
-    """Seconds; None leaves the services' default (`BATON_LEASE_TTL`)."""
+    """Seconds; None leaves the services' default (`BATON_LEASE_TTL`), or on a clustered
+    hub `CLUSTER_LEASE_TTL`."""
     extra_env: dict[str, str] = {}
     """Laid over every service's environment, after Baton's own variables."""
     ws_port: int = 8080
@@ -99,6 +105,23 @@ class StackOptions(msgspec.Struct, kw_only=True):
     hub_auth: str = ""
     """At a site, with auth: the file holding the site's link credentials, which the hub
     generated (`<hub data>/auth/site-<name>.env`)."""
+    hub_nodes: int = 1
+    """The hub's nats-servers, one JetStream cluster (`baton.stack.cluster`). Node N (from
+    1) listens on `port + N - 1`, `ws_port + N - 1` and routes on `port + 2000 + N - 1`
+    (any free ports when `port` is 0); its state is under `<data>/nats/hub-N`."""
+    replicas: int | None = None
+    """Copies of every stream and bucket (`BATON_REPLICAS`); None: as many as there are
+    nodes, up to 3 — the most a single machine's loss asks for."""
+
+    @property
+    def stream_replicas(self) -> int:
+        return self.replicas if self.replicas is not None else min(3, self.hub_nodes)
+
+    @property
+    def lease_ttl_s(self) -> int | None:
+        if self.lease_ttl is None and self.hub_nodes > 1 and not self.site:
+            return CLUSTER_LEASE_TTL
+        return self.lease_ttl
 
 
 SpecBuilder = Callable[[StackOptions, str], list[ServiceSpec]]
@@ -124,8 +147,10 @@ def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
         }
         if pythonpath := _pythonpath():
             env["PYTHONPATH"] = pythonpath
-        if opts.lease_ttl is not None:
-            env["BATON_LEASE_TTL"] = str(opts.lease_ttl)
+        if opts.lease_ttl_s is not None:
+            env["BATON_LEASE_TTL"] = str(opts.lease_ttl_s)
+        if not opts.site and opts.stream_replicas != 1:
+            env["BATON_REPLICAS"] = str(opts.stream_replicas)
         if opts.site:
             env["BATON_SITE"] = opts.site
         if (v := vault(opts)) is not None:
@@ -189,29 +214,66 @@ def _authorization(opts: StackOptions, v: Vault) -> str:
 
 
 def nats_server(
-    opts: StackOptions, stop_timeout_s: float = 10.0, http_port: int | None = None
+    opts: StackOptions,
+    stop_timeout_s: float = 10.0,
+    http_port: int | None = None,
+    *,
+    node: int = 0,
+    routes: ClusterRoutes | None = None,
 ) -> NatsServer:
-    """The hub's server, or a site's leaf node. `http_port` turns monitoring on."""
+    """The hub's server (node `node` of it, a route of `routes`), or a site's leaf node.
+    `http_port` turns monitoring on."""
     data = opts.data_dir.absolute()
     v = vault(opts)
     auth = _authorization(opts, v) if v else ""
     probe = operator_options(opts)
     if opts.site:
-        hub_url = opts.hub_url
+        hub_urls = [u.strip() for u in opts.hub_url.split(",") if u.strip()]
         if v is not None:
             link = read_env_file(Path(opts.hub_auth))
-            scheme, _, rest = hub_url.partition("://")
-            hub_url = f"{scheme}://{link.user}:{link.password}@{rest}"
+            hub_urls = [_with_user(u, link.user, link.password) for u in hub_urls]
         return NatsServer(
             data / "nats", port=opts.port, server_name=opts.site, domain=opts.site,
-            extra_config=leaf_fragment(hub_url) + "\n" + auth, stop_timeout_s=stop_timeout_s,
+            extra_config=leaf_fragment(hub_urls) + "\n" + auth, stop_timeout_s=stop_timeout_s,
+            http_port=http_port, probe=probe,
+        )  # fmt: skip
+    if routes is None:
+        return NatsServer(
+            data / "nats", port=opts.port, domain=names.HUB_DOMAIN, ws_port=opts.ws_port,
+            extra_config=hub_fragment() + "\n" + auth, stop_timeout_s=stop_timeout_s,
             http_port=http_port, probe=probe,
         )  # fmt: skip
     return NatsServer(
-        data / "nats", port=opts.port, domain=names.HUB_DOMAIN, ws_port=opts.ws_port,
+        data_dir(data / "nats", node), port=_nth(opts.port, node), server_name=f"hub-{node + 1}",
+        domain=names.HUB_DOMAIN, ws_port=_nth(opts.ws_port, node), cluster=routes,
         extra_config=hub_fragment() + "\n" + auth, stop_timeout_s=stop_timeout_s,
         http_port=http_port, probe=probe,
     )  # fmt: skip
+
+
+def hub(
+    opts: StackOptions, stop_timeout_s: float = 10.0, http_port: int | None = None
+) -> HubCluster:
+    """The stack's nats-servers: the hub's `hub_nodes` (one by default), or a site's leaf."""
+    nodes = 1 if opts.site else opts.hub_nodes
+    route_ports = (
+        [_nth(opts.port + ROUTE_PORT_OFFSET, i) for i in range(nodes)] if opts.port else None
+    )
+    return HubCluster(
+        nodes,
+        lambda i, routes: nats_server(opts, stop_timeout_s, http_port, node=i, routes=routes),
+        route_ports,
+    )
+
+
+def _nth(port: int, node: int) -> int:
+    """Node `node`'s port: the next ones after a fixed first port; 0 (any) stays 0."""
+    return port + node if port else 0
+
+
+def _with_user(url: str, user: str, password: str) -> str:
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{user}:{password}@{rest}"
 
 
 def stop_order(specs: list[ServiceSpec]) -> list[StopGroup]:
@@ -264,7 +326,7 @@ async def run_stack(
     if own_signals:
         install_stop_signals(loop, stop, hurry)
 
-    server = nats_server(opts, NATS_STOP_TIMEOUT_S)
+    server = hub(opts, NATS_STOP_TIMEOUT_S)
     supervisor = Supervisor(data / "logs", data / "run")
     specs: list[ServiceSpec] = []
     stack_json = data / "run" / "stack.json"
@@ -276,7 +338,8 @@ async def run_stack(
         except (NatsServerError, OSError) as exc:
             print(f"error: the stack did not start: {exc}", file=sys.stderr, flush=True)
             return 1
-        sites_url = (server.ports.get("websocket") or [""])[0]
+        # Every node's: a site's leaf given them all keeps its link through any one's loss.
+        sites_url = ",".join(server.ws_urls)
         _write_json(
             stack_json,
             {
@@ -284,11 +347,17 @@ async def run_stack(
                 "site": opts.site,
                 "sites_url": sites_url,
                 "store_url": store_url(opts),
-                "pids": {"supervisor": os.getpid(), "nats-server": server.pid, **supervisor.pids()},
+                "pids": {"supervisor": os.getpid(), **server.pids, **supervisor.pids()},
                 "started_at": time.time(),
             },
         )
         print(f"nats: {server.url}", file=out)
+        if len(server.nodes) > 1:
+            print(
+                f"hub: {len(server.nodes)} nodes, streams and buckets on "
+                f"{opts.stream_replicas} of them",
+                file=out,
+            )
         if opts.site:
             print(f"site: {opts.site} (leaf of {opts.hub_url})", file=out)
         else:
@@ -317,28 +386,32 @@ async def run_stack(
         lock.close()
 
 
-async def _serve(server: NatsServer, stop: asyncio.Event) -> None:
-    """Wait for the stop request; bring the server back if it dies meanwhile, since the
-    services only reconnect to it, they cannot replace it."""
+async def _serve(server: HubCluster, stop: asyncio.Event) -> None:
+    """Wait for the stop request; bring a server back if it dies meanwhile, since the
+    services only reconnect to it, they cannot replace it. (A node of a cluster comes back
+    on its store and catches up from its peers.)"""
     stopping = asyncio.create_task(stop.wait())
     try:
         while not stop.is_set():
-            died = asyncio.create_task(server.wait())
+            died = asyncio.create_task(server.wait_any())
             await asyncio.wait([stopping, died], return_when=asyncio.FIRST_COMPLETED)
             if stop.is_set():
                 died.cancel()
                 break
-            log.warning("nats-server exited with %s; restarting it", server.returncode)
+            node = died.result()
+            log.warning(
+                "nats-server %s exited with %s; restarting it", node.server_name, node.returncode
+            )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), NATS_RESTART_DELAY_S)
             if not stop.is_set():
-                await server.start()
+                await node.start()
     finally:
         stopping.cancel()
 
 
 async def _shutdown(
-    supervisor: Supervisor, server: NatsServer, specs: list[ServiceSpec], hurry: asyncio.Event
+    supervisor: Supervisor, server: HubCluster, specs: list[ServiceSpec], hurry: asyncio.Event
 ) -> None:
     try:
         await supervisor.stop(stop_order(specs), hurry=hurry)

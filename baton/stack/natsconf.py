@@ -31,15 +31,16 @@ def hub_fragment() -> str:
     )
 
 
-def leaf_fragment(hub_ws_url: str) -> str:
-    """A site's leaf node dialling the hub's WebSocket listener at `hub_ws_url`."""
+def leaf_fragment(hub_ws_urls: list[str]) -> str:
+    """A site's leaf node dialling the hub's WebSocket listener at `hub_ws_urls`: every
+    node of a clustered hub, so that the link moves to another node when one is lost."""
     return "\n".join(
         [
             f"ping_interval: {PING_INTERVAL}",
             f"ping_max: {PING_MAX}",
             "leafnodes {",
             f"  reconnect: {LEAF_RECONNECT}",
-            f"  remotes [ {{ urls: [{json.dumps(hub_ws_url)}] }} ]",
+            f"  remotes [ {{ urls: [{', '.join(json.dumps(u) for u in hub_ws_urls)}] }} ]",
             "}",
         ]
     )

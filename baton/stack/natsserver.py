@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import msgspec
 import nats
 from nats.aio.client import Client
 
@@ -37,6 +38,15 @@ _POLL_S = 0.05
 
 class NatsServerError(RuntimeError):
     """The server is missing, would not start, or would not become ready."""
+
+
+class ClusterRoutes(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    """The cluster's name, the same on every node."""
+    port: int
+    """This node's route port."""
+    ports: tuple[int, ...]
+    """Every node's route port (this one's included: a server ignores a route to itself)."""
 
 
 def find_binary() -> Path:
@@ -66,6 +76,9 @@ class NatsServer:
     appended verbatim (leafnodes, authorization blocks). `probe` holds extra `nats.connect`
     options (credentials) for the readiness check, needed once `extra_config` requires
     authentication.
+
+    `cluster` makes the server one node of a JetStream cluster (`baton.stack.cluster`): its
+    name, this node's route port and every node's route URL.
     """
 
     def __init__(
@@ -80,6 +93,8 @@ class NatsServer:
         max_payload: int | None = None,
         extra_config: str = "",
         jetstream: bool = True,
+        cluster: ClusterRoutes | None = None,
+        sync_interval: str | None = None,
         probe: Mapping[str, Any] | None = None,
         binary: Path | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
@@ -100,6 +115,8 @@ class NatsServer:
         self.max_payload = max_payload
         self.extra_config = extra_config
         self.jetstream = jetstream
+        self.cluster = cluster
+        self.sync_interval = sync_interval
         self.probe = dict(probe or {})
         self._binary = binary
         self.start_timeout_s = start_timeout_s
@@ -172,7 +189,18 @@ class NatsServer:
             js = [f"store_dir: {json.dumps(str(self.store_dir))}"]
             if self.domain:
                 js.append(f"domain: {json.dumps(self.domain)}")
+            if self.sync_interval:
+                js.append(f"sync_interval: {json.dumps(self.sync_interval)}")
             lines.append("jetstream {\n  " + "\n  ".join(js) + "\n}")
+        if self.cluster is not None:
+            routes = ", ".join(json.dumps(f"nats-route://{HOST}:{p}") for p in self.cluster.ports)
+            lines.append(
+                "cluster {\n"
+                f"  name: {json.dumps(self.cluster.name)}\n"
+                f"  listen: {HOST}:{self.cluster.port}\n"
+                f"  routes: [{routes}]\n"
+                "}"
+            )
         if self.extra_config:
             lines.append(self.extra_config)
         return "\n".join(lines) + "\n"

@@ -7,7 +7,7 @@
 #   ca.pem        the development CA certificate  -> every leaf's `tls { ca_file }`
 #   ca-key.pem    the CA's private key            (stays here; needed only to sign again)
 #   hub.pem       the hub's server certificate, signed by the CA, with
-#                 SAN DNS:hub, DNS:localhost, IP:127.0.0.1 (+ $HUB_EXTRA_SANS)
+#                 SAN DNS:hub, DNS:hub-1..3, DNS:localhost, IP:127.0.0.1 (+ $HUB_EXTRA_SANS)
 #   hub-key.pem   the hub's private key           -> the hub's `tls { key_file }`
 #
 # Existing material is kept (a new CA would lock out every leaf that trusts the old one)
@@ -28,7 +28,7 @@ if [ $# -gt 1 ]; then
 fi
 out=${1:-"$(cd "$(dirname "$0")" && pwd)/out"}
 days=${CERT_DAYS:-825}
-sans="DNS:hub,DNS:localhost,IP:127.0.0.1${HUB_EXTRA_SANS:+,$HUB_EXTRA_SANS}"
+sans="DNS:hub,DNS:hub-1,DNS:hub-2,DNS:hub-3,DNS:localhost,IP:127.0.0.1${HUB_EXTRA_SANS:+,$HUB_EXTRA_SANS}"
 
 command -v openssl >/dev/null 2>&1 || { echo "openssl is required" >&2; exit 1; }
 mkdir -p "$out"

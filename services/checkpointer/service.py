@@ -51,6 +51,7 @@ class Checkpointer:
         self.js: JetStreamContext = nc.jetstream()
         self.store = store or open_store(settings.store_url)
         self.site = settings.site
+        self.replicas = settings.replicas
 
     async def on_reconnect(self) -> None:
         return None  # pull consumers resume by themselves once NATS is back
@@ -62,7 +63,7 @@ class Checkpointer:
         if self.site:
             await ensure_site(self.js, self.site)
         else:
-            await ensure(self.js)
+            await ensure(self.js, self.replicas)
         await ensure_consumer(self.js, names.CKPT_STREAM, checkpointer_consumer(self.site))
 
     async def serve(self, stop: asyncio.Event) -> None:

@@ -73,7 +73,7 @@ class Dispatcher:
         return None
 
     async def start(self) -> None:
-        await ensure(self.js)
+        await ensure(self.js, self.settings.replicas)
         await ensure_consumer(self.js, names.SUBMIT_STREAM, dispatcher_consumer())
         await ensure_consumer(self.js, names.CANCEL_STREAM, cancel_consumer())
         self.runs = await Runs.open(self.js)
@@ -146,9 +146,10 @@ class Dispatcher:
         )
         duplicate = not await self.runs.create(record)
         if duplicate:
-            found = await self.runs.get(run_id)
-            assert found is not None  # records are never deleted
-            record = found[0]
+            found = await self.runs.find(run_id)
+            # A record leaves the runs bucket only after it is in the archive.
+            assert found is not None
+            record = found
             if record.spec_hash != spec_hash(spec):
                 reason = "idempotency key was already used for a different job spec"
                 rejected = Rejected(run_id=run_id, reason=reason, path="$.idempotency_key")

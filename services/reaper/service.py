@@ -1,6 +1,6 @@
 """The reaper: periodic, idempotent sweeps that keep the run records true.
 
-Every sweep reads the run records (the truth), the leases and the worker registry, and
+Every sweep reads the live runs' records (the truth), the leases and the worker registry, and
 acts through compare-and-swap on the records, so two reapers may run at once: the second
 one's CAS finds the change made, or finds nothing left to do. Times are the reaper's own:
 durations on its monotonic clock, deadlines (minutes to days, set by the dispatcher) on its
@@ -21,6 +21,8 @@ wall clock. No correctness depends on them, only when a run is given up.
     unannounced  a run that ended without its terminal event (the writer died in between):
                  the event published, once (`shared.state.endings`)
     garbage      checkpoint files never committed, older than `BATON_GC_AGE`: deleted
+    retire       a run over for `BATON_GC_AGE`, its event stored: its last garbage
+                 collected, its record archived, out of the live index (`shared.state.runs`)
     goodput      a run seen running that has ended: its goodput exported (`accounts.py`)
 
 Beside the sweeps, the reaper watches the sites' greetings and (re)attaches their outboxes
@@ -72,6 +74,7 @@ class Reaper:
         self.settings = settings
         self._unowned_since: dict[str, float] = {}
         self._pending_since: dict[str, float] = {}
+        self._recordless_since: dict[str, float] = {}
         self._progress: dict[str, tuple[int, float]] = {}
         self._orphan_seen: set[tuple[str, str]] = set()
         self._last_gc = float("-inf")
@@ -91,7 +94,7 @@ class Reaper:
         await self.store.close()
 
     async def start(self) -> None:
-        await ensure(self.js)
+        await ensure(self.js, self.settings.replicas)
         await ensure_consumer(self.js, names.ADVISORY_STREAM, reaper_consumer())
         self.runs = await Runs.open(self.js)
         self.lapses = Lapses(self.nc, self.js, self.runs, self.lease_secret)
@@ -125,12 +128,14 @@ class Reaper:
                 await asyncio.wait_for(stop.wait(), self.settings.sweep_s)
 
     async def sweep(self) -> list[str]:
-        """One pass over every live run; returns the runs dispatched again."""
-        records = await self.runs.all()
-        live = [r for r in records if not r.state.terminal]
+        """One pass over every live run; returns the runs dispatched again. Reads the live
+        index (`Runs.live`), never the history: its cost follows the live runs."""
+        live = await self.runs.live()
+        records = [found[0] for _, found in live if found is not None]
+        running = [r for r in records if not r.state.terminal]
         workers = {w.worker: w for w in await live_workers(self.js)}
         redispatched = []
-        for r in live:
+        for r in running:
             if await self._timeouts(r):
                 continue
             if r.state is RunState.RUNNING:
@@ -141,7 +146,8 @@ class Reaper:
         await self._announce([r for r in records if r.state.terminal and r.announce_pending])
         await self._garbage(records)
         await self.accounts.sweep(records)
-        alive = {r.run_id for r in live}
+        await self._retire(live)
+        alive = {r.run_id for r in running}
         for table in (self._unowned_since, self._progress):
             for run_id in [k for k in table if k not in alive]:
                 del table[run_id]
@@ -246,9 +252,39 @@ class Reaper:
             await repair(self.js, self.runs, r)
             self._pending_since.pop(r.run_id, None)
 
+    async def _retire(self, live: list[tuple[str, tuple[RunRecord, int] | None]]) -> None:
+        """Runs over for `BATON_GC_AGE` whose terminal event is stored leave the live index:
+        their last uncommitted files are collected, their record archived (`Runs.retire`).
+        Not sooner, because until then a fenced zombie's upload may still land, and the
+        garbage sweep finds a run's files only while the run is live. A live key without a
+        record for a whole lease TTL is a submission that died between its two writes; its
+        redelivery writes it again."""
+        now = time.monotonic()
+        for run_id, found in live:
+            if found is None:
+                since = self._recordless_since.setdefault(run_id, now)
+                if now - since >= self.settings.lease_ttl_s:
+                    await self.runs.forget_live(run_id)
+                    del self._recordless_since[run_id]
+                continue
+            self._recordless_since.pop(run_id, None)
+            record, revision = found
+            if not record.state.terminal or record.announce_pending:
+                continue
+            if time.time() - record.updated_at < self.settings.gc_age_s:
+                continue
+            try:
+                await retention.collect_garbage(self.store, run_id, 0.0, time.time())
+            except Exception as exc:  # the store is down: retire it on a later sweep
+                log.warning("%s: not retired yet, its store is unreachable: %r", run_id, exc)
+                continue
+            if await self.runs.retire(record, revision, self.settings.retain_ended_s):
+                log.debug("%s: retired (%s)", run_id, record.state.value)
+
     async def _garbage(self, records: list[RunRecord]) -> None:
-        """Checkpoint files that were never committed (a fenced zombie's, a crashed
-        upload's) and are older than `BATON_GC_AGE`. Not every sweep: it lists the store."""
+        """Checkpoint files of the runs in the live index that were never committed (a
+        fenced zombie's, a crashed upload's) and are older than `BATON_GC_AGE`. Not every
+        sweep: it lists the store. An ended run's are collected once more as it retires."""
         now = time.monotonic()
         if now - self._last_gc < min(300.0, max(self.settings.sweep_s, self.settings.gc_age_s / 4)):
             return

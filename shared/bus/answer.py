@@ -3,6 +3,8 @@
     returned             -> ack
     TransientError       -> nak, redelivered after the error's delay
     PermanentError       -> copy to the dead-letter stream with the reason, then term
+    NATS unavailable     -> nak, redelivered after UNAVAILABLE_DELAY_S (a stream electing
+                            its leader, a server gone: nothing is wrong with the message)
     anything else (bug)  -> logged with its traceback, nak with a delay (never lost)
 
 Dead-lettering happens *before* term: if we died in between, the message would be
@@ -16,8 +18,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
 from shared.bus import names
 from shared.bus.connect import publish
@@ -28,6 +32,15 @@ from shared.errors import PermanentError, TransientError
 log = logging.getLogger("baton.outcome")
 
 BUG_DELAY_S = 5.0
+UNAVAILABLE_DELAY_S = 1.0
+UNAVAILABLE = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+)
+"""What a request to a stream without a leader (a clustered hub electing one, docs/nats.md)
+or to a server that is gone raises."""
 MAX_LETTER_PAYLOAD = 512 * 1024
 """A letter carries its payload base64-encoded (4/3 the size), so a poison message near the
 1 MiB message limit would not fit in one: the publish would fail and the message would never
@@ -50,6 +63,12 @@ async def handle(
     except PermanentError as exc:
         await dead_letter(js, msg, source, str(exc), site=site)
         await msg.term()
+    except UNAVAILABLE as exc:
+        log.warning(
+            "%s: NATS unavailable (%s), retrying in %.1fs", source, type(exc).__name__,
+            UNAVAILABLE_DELAY_S,
+        )  # fmt: skip
+        await msg.nak(delay=UNAVAILABLE_DELAY_S)
     except Exception:
         log.exception("%s: unexpected failure handling %s; will retry", source, msg.subject)
         await msg.nak(delay=BUG_DELAY_S)

@@ -16,7 +16,9 @@ from nats.js.errors import APIError
 
 from shared.bus.connect import publish
 
-WRONG_LAST_SEQUENCE = 10071
+WRONG_LAST_SEQUENCE = (10071, 10164)
+"""JetStream's answers to a compare-and-swap that no longer holds: 10071 names the sequence
+found, 10164 is the same refusal without it (nats-py's own KV treats both as a lost CAS)."""
 
 
 class KvWriter:
@@ -35,20 +37,27 @@ class KvWriter:
         *,
         expected: int | None = None,
         ttl_s: int | None = None,
+        rollup: bool = False,
         attempts: int = 3,
     ) -> int | None:
         """Store `value`; the new revision, or None when `expected` (a CAS on the key's
-        last revision, 0 = must not exist) no longer holds."""
+        last revision, 0 = must not exist) no longer holds. `rollup` drops the key's
+        earlier revisions, so that when a `ttl_s` expires nothing older shows through."""
         headers = {}
         if expected is not None:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(expected)
         if ttl_s is not None:
             headers["Nats-TTL"] = f"{ttl_s}s"
+        if rollup:
+            headers["Nats-Rollup"] = "sub"
         return await self._write(key, value, headers, attempts)
 
-    async def delete(self, key: str, *, expected: int, attempts: int = 3) -> bool:
-        """Leave a delete marker if the key is still at revision `expected`."""
-        headers = {"KV-Operation": "DEL", "Nats-Expected-Last-Subject-Sequence": str(expected)}
+    async def delete(self, key: str, *, expected: int | None, attempts: int = 3) -> bool:
+        """Leave a delete marker if the key is still at revision `expected` (None: whatever
+        its revision)."""
+        headers = {"KV-Operation": "DEL"}
+        if expected is not None:
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(expected)
         return await self._write(key, b"", headers, attempts) is not None
 
     async def _write(
@@ -66,7 +75,7 @@ class KvWriter:
                 attempts=attempts,
             )
         except APIError as exc:
-            if exc.err_code == WRONG_LAST_SEQUENCE:
+            if exc.err_code in WRONG_LAST_SEQUENCE:
                 return None
             raise
         return int(ack.seq)

@@ -18,6 +18,8 @@ DLQ_STREAM = "BATON_DLQ"
 CANCEL_STREAM = "BATON_CANCEL"
 LOGS_STREAM = "BATON_LOGS"
 ADVISORY_STREAM = "BATON_ADVISORIES"
+# Ended runs' records once they left the runs bucket: one message per run, read by run id.
+ARCHIVE_STREAM = "BATON_ARCHIVE"
 # In a site's own JetStream domain: everything the site sends to the hub, kept there until
 # the hub's streams have sourced it (see `shared.bus.sourcing`). The site's commit requests live in
 # a site-domain stream named CKPT_STREAM too, with site subjects.
@@ -32,6 +34,9 @@ LEASES_BUCKET = "baton_leases"
 WORKERS_BUCKET = "baton_workers"
 POOLS_BUCKET = "baton_pools"
 SITES_BUCKET = "baton_sites"
+# One key per run not yet retired (over for BATON_GC_AGE): how the reaper and `baton runs`
+# find live runs without reading the history (`shared.state.runs`).
+LIVE_BUCKET = "baton_live"
 
 # Durable consumers.
 DISPATCHER_CONSUMER = "dispatcher"
@@ -47,6 +52,7 @@ CKPT_ALL = f"{PREFIX}.ckpt.>"
 DLQ_ALL = f"{PREFIX}.dlq.>"
 CANCEL_ALL = f"{PREFIX}.cancel.>"
 LOGS_ALL = f"{PREFIX}.logs.>"
+ARCHIVE_ALL = f"{PREFIX}.archive.>"
 # JetStream's own advisory when a message has used up its deliveries, for our work queues
 # (wildcards match whole tokens only, so each stream is named).
 MAX_DELIVERIES_ADVISORIES = [
@@ -116,6 +122,11 @@ def letter_id(stream: str, stream_seq: int, site: str = "") -> str:
     return f"dlq.{site or HUB_DOMAIN}.{stream}.{stream_seq}"
 
 
+def archive_subject(run_id: str) -> str:
+    """Where an ended run's record is kept once it left the runs bucket."""
+    return f"{PREFIX}.archive.{run_id}"
+
+
 def control_subject(worker_id: str) -> str:
     """Where a trainer listens for commands addressed to it (cancel, kill)."""
     return f"{PREFIX}.control.{worker_id}"
@@ -130,6 +141,7 @@ ALL_STREAMS = (
     "BATON_LOGS",
     "BATON_DLQ",
     "BATON_ADVISORIES",
+    "BATON_ARCHIVE",
     "BATON_OUTBOX",
 )
 

@@ -71,6 +71,24 @@ def _history(
     )
 
 
+def _archive() -> StreamConfig:
+    # One message per run (the newest replaces any earlier copy), read by subject; no age
+    # limit: an ended run stays readable until the archive's size limit drops the oldest.
+    return StreamConfig(
+        name=names.ARCHIVE_STREAM,
+        description="Ended runs' records, once they left the runs bucket",
+        subjects=[names.ARCHIVE_ALL],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_msgs_per_subject=1,
+        max_bytes=16 * 1024**3,
+        max_msg_size=MAX_MSG_BYTES,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        allow_direct=True,
+    )
+
+
 def stream_configs() -> list[StreamConfig]:
     return [
         _work_queue(names.SUBMIT_STREAM, names.SUBMIT_ALL, "Job submissions, per pool"),
@@ -87,6 +105,7 @@ def stream_configs() -> list[StreamConfig]:
             names.MAX_DELIVERIES_ADVISORIES,
             "JetStream max-deliveries advisories for Baton's consumers",
         ),
+        _archive(),
     ]
 
 
@@ -131,6 +150,7 @@ def kv_configs() -> list[KeyValueConfig]:
         KeyValueConfig(bucket=names.WORKERS_BUCKET, history=1, description="Trainer heartbeats"),
         KeyValueConfig(bucket=names.POOLS_BUCKET, history=1, description="Measured pool speeds"),
         KeyValueConfig(bucket=names.SITES_BUCKET, history=1, description="Sites and their links"),
+        KeyValueConfig(bucket=names.LIVE_BUCKET, history=1, description="Runs not yet retired"),
     ]
 
 
@@ -193,12 +213,14 @@ def reaper_consumer() -> ConsumerConfig:
     )
 
 
-async def ensure(js: JetStreamContext) -> None:
-    """Create or update every stream and bucket Baton needs at the hub."""
+async def ensure(js: JetStreamContext, replicas: int = 1) -> None:
+    """Create or update every stream and bucket Baton needs at the hub, each kept on
+    `replicas` servers of the hub's cluster (`Settings.replicas`). A stream declared with
+    fewer replicas is scaled up in place (the server copies it to the new peers)."""
     for config in stream_configs():
-        await _ensure_stream(js, config)
+        await _ensure_stream(js, replace(config, num_replicas=replicas))
     for kv in kv_configs():
-        await _ensure_bucket(js, kv)
+        await _ensure_bucket(js, replace(kv, replicas=replicas))
 
 
 async def ensure_site(js: JetStreamContext, site: str) -> None:
@@ -261,12 +283,18 @@ async def _ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> None:
             f", allow_msg_ttl={info.config.allow_msg_ttl}; expected history={config.history}"
             ", allow_msg_ttl=True. Delete it or point Baton at a fresh server."
         )
-    marker_ttl = config.limit_marker_ttl
-    if marker_ttl and info.config.subject_delete_marker_ttl != marker_ttl:
-        # A bucket declared before expiry markers were used: the server turns them on in
-        # place, keeping every key.
-        log.warning("bucket %s gains expiry markers; updating", config.bucket)
-        await js.update_stream(replace(info.config, subject_delete_marker_ttl=marker_ttl))
+    marker_ttl = config.limit_marker_ttl or info.config.subject_delete_marker_ttl
+    replicas = config.replicas or 1
+    if (
+        info.config.subject_delete_marker_ttl != marker_ttl
+        or (info.config.num_replicas or 1) != replicas
+    ):
+        # A bucket declared before expiry markers were used, or on fewer servers: the server
+        # changes both in place, keeping every key.
+        log.warning("bucket %s differs (markers, replicas); updating", config.bucket)
+        await js.update_stream(
+            replace(info.config, subject_delete_marker_ttl=marker_ttl, num_replicas=replicas)
+        )
 
 
 def _differences(wanted: Any, actual: Any) -> list[str]:

@@ -89,12 +89,32 @@ class Lease:
         return False
 
     async def renew(self) -> bool:
-        """Extend the lease. False means it was lost: expired, or taken by someone else."""
+        """Extend the lease. False means it was lost: expired, or taken by someone else.
+
+        A renewal that raised may still have landed (its answer lost while a clustered
+        hub elected a new leader), so the next one's CAS fails on our own write: the lease
+        is still ours when it names this worker and token, and is renewed from there."""
         seq = await self._write(self.revision)
         if seq is None:
-            return False
+            ours = await self._still_ours()
+            seq = await self._write(ours) if ours is not None else None
+            if seq is None:
+                return False
         self.revision = seq
         return True
+
+    async def _still_ours(self) -> int | None:
+        """The lease's revision if it is alive and names this worker and token."""
+        kv = await self._js.key_value(names.LEASES_BUCKET)
+        try:
+            entry = await kv.get(self.key)
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+        held = json.loads(entry.value or b"{}")
+        if held.get("worker") != self.worker or held.get("token") != self.token:
+            return None
+        log.info("%s: a renewal not heard of had landed; the lease is still ours", self.run_id)
+        return entry.revision
 
     async def release(self) -> None:
         """Give the lease up now, so the next worker need not wait for the TTL. A renewal

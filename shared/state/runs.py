@@ -2,35 +2,53 @@
 
 Updates are raw CAS publishes (`shared.bus.kvwrite`), so a trainer at a site changes the hub's
 records the same way a hub service does.
+
+Live runs are found without reading the history: every run has a key in the live index
+(`baton_live`) from before its record exists until the reaper retires it — once it has been
+over for `BATON_GC_AGE` and its terminal event is stored. Retiring archives the record
+(`shared.state.archive`), gives the record in the runs bucket a TTL of `BATON_RETAIN_ENDED`,
+and removes the live key, in that order, so a crash between two steps leaves the run live and
+the next sweep repeats them. The sweep, `baton runs` and garbage collection read the live
+index: their cost follows the live runs, whatever the history.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import (
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoKeysError,
+)
 from nats.js.kv import KeyValue
 
 from shared.bus import names
 from shared.bus.kvwrite import KvWriter
 from shared.contracts import RunRecord, decode, encode
+from shared.state import archive
 
 Change = Callable[[RunRecord], RunRecord | None]
 
 
 class Runs:
-    def __init__(self, kv: KeyValue, writer: KvWriter) -> None:
+    def __init__(self, js: JetStreamContext, kv: KeyValue, writer: KvWriter) -> None:
+        self._js = js
         self._kv = kv
         self._writer = writer
+        # Hub services only (the dispatcher writes it, the reaper reads and retires).
+        self._live = KvWriter(js, names.LIVE_BUCKET)
 
     @classmethod
     async def open(cls, js: JetStreamContext, api_prefix: str | None = None) -> Runs:
         """`js` reads the hub's domain; `api_prefix` routes writes into it from a site."""
         kv = await js.key_value(names.RUNS_BUCKET)
-        return cls(kv, KvWriter(js, names.RUNS_BUCKET, api_prefix))
+        return cls(js, kv, KvWriter(js, names.RUNS_BUCKET, api_prefix))
 
     async def get(self, run_id: str) -> tuple[RunRecord, int] | None:
         try:
@@ -41,12 +59,25 @@ class Runs:
         return decode(entry.value, RunRecord), entry.revision
 
     async def create(self, record: RunRecord) -> bool:
-        """False when a record with this run id already exists."""
+        """False when a record with this run id already exists, in the runs bucket or in the
+        archive (a run id names one run for ever). The live key is written first: a record
+        never exists unseen by the sweep."""
+        _, archived = await asyncio.gather(
+            self._live.put(record.run_id, b""), archive.find(self._js, record.run_id)
+        )
+        if archived is not None:
+            await self.forget_live(record.run_id)
+            return False
         try:
             await self._kv.create(record.run_id, encode(record))
         except KeyWrongLastSequenceError:
             return False
         return True
+
+    async def find(self, run_id: str) -> RunRecord | None:
+        """The run's record, from the runs bucket or else from the archive."""
+        found = await self.get(run_id)
+        return found[0] if found is not None else await archive.find(self._js, run_id)
 
     async def update(self, run_id: str, change: Change) -> RunRecord | None:
         """Apply `change` to the newest record until the CAS holds. `change` returns None
@@ -63,10 +94,43 @@ class Runs:
             if await self._writer.put(run_id, encode(new), expected=revision) is not None:
                 return new
 
+    async def live(self) -> list[tuple[str, tuple[RunRecord, int] | None]]:
+        """Every run in the live index with its record and revision (None: no record, which
+        a submission being dispatched leaves for a moment). Reads no ended, retired run."""
+        return [(run_id, await self.get(run_id)) for run_id in await self.live_ids()]
+
+    async def live_ids(self) -> list[str]:
+        kv = await self._js.key_value(names.LIVE_BUCKET)
+        try:
+            return list(await kv.keys())
+        except NoKeysError:  # nats-py's answer for an empty bucket
+            return []
+
+    async def retire(self, record: RunRecord, revision: int, keep_s: float) -> bool:
+        """Archive an ended run and take it out of the live index; the runs bucket forgets
+        it `keep_s` later. False if the record changed since it was read at `revision`."""
+        assert record.state.terminal and not record.announce_pending
+        await archive.keep(self._js, record)
+        # The same record again, with a TTL; the rollup drops its earlier revisions, which
+        # would otherwise show through once the TTL removed this one.
+        ttl = max(1, round(keep_s))
+        written = await self._writer.put(
+            record.run_id, encode(record), expected=revision, ttl_s=ttl, rollup=True
+        )
+        if written is None:
+            return False
+        await self.forget_live(record.run_id)
+        return True
+
+    async def forget_live(self, run_id: str) -> None:
+        await self._live.delete(run_id, expected=None)
+
     async def all(self) -> list[RunRecord]:
+        """Every record still in the runs bucket (live runs and recently ended ones): reads
+        each one, so its cost follows the bucket's size; only `baton runs --all` uses it."""
         try:
             keys = await self._kv.keys()
-        except Exception:  # nats-py raises NoKeysError (a plain Exception subclass) when empty
+        except NoKeysError:
             return []
         out = []
         for key in keys:

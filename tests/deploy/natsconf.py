@@ -38,6 +38,7 @@ _PORT_KEY = re.compile(r"^\s*(?:port|http_port|https_port)\s*:", re.M)
 _INCLUDE = re.compile(r'^\s*include\s+"(?P<file>[^"]+)"\s*$', re.M)
 _PASSWORD_VAR = re.compile(r"\$(BATON_PW_[A-Z0-9_]+)")
 HUB_URL_VAR = "$BATON_HUB_URL"
+_CLUSTER = re.compile(r"^cluster\s*\{.*?^\}", re.M | re.S)
 
 
 def passwords_for(text: str) -> dict[str, str]:
@@ -59,16 +60,23 @@ def localize(
     workdir: Path,
     *,
     certs_dir: Path | None = None,
-    remote_url: str | None = None,
+    remote_url: str | list[str] | None = None,
+    routes: tuple[int, list[int]] | None = None,
 ) -> str:
     """The config, runnable on loopback under `workdir` (see the module docstring).
+    `remote_url`: one URL, or a list (a clustered hub's nodes). `routes`: (this node's
+    route port, every node's) for a `cluster` block, whose routes are then loopback ones.
 
     Raises AssertionError when the config has a shape this rewrite cannot vouch for (a
     `port:` key that would escape the move to loopback, no store, several remotes), so a
     change to the committed file cannot silently make the test bind elsewhere.
     """
-    body = strip_comments(text)
+    body = inline_includes(strip_comments(text))
     assert not _PORT_KEY.search(body), "use `listen: host:port` / `http: host:port` only"
+    if routes is not None:
+        body = _with_routes(body, *routes)
+    else:
+        assert not _CLUSTER.search(body), "a cluster node needs its route ports"
     out, n = _LISTENER.subn(r"\g<lead>127.0.0.1:-1", body)
     assert n >= 2, f"expected client and monitoring listeners, found {n}"
     out, n = _STORE.subn(rf'\g<lead>"{workdir / "store"}"', out)
@@ -76,10 +84,11 @@ def localize(
     if certs_dir is not None:
         assert "/etc/nats/certs/" in out, "no certificate paths to move"
         out = out.replace("/etc/nats/certs/", f"{certs_dir}/")
-    out = _INCLUDE.sub(lambda m: strip_comments((NATS_DIR / m["file"]).read_text()), out)
     urls = _REMOTE_URL.findall(out)
     if remote_url is not None and HUB_URL_VAR in out:
         assert not urls, f"the hub URL comes from {HUB_URL_VAR}, yet {urls} is written"
+        # A list is written as an array: what the server makes of an environment value
+        # holding one (docs/nats.md).
         out = out.replace(HUB_URL_VAR, json.dumps(remote_url))
     elif remote_url is not None:
         assert len(urls) == 1, f"expected one leafnode remote url, found {urls}"
@@ -88,6 +97,30 @@ def localize(
         assert not urls, f"unexpected remote urls {urls}"
     assert "0.0.0.0" not in out
     return f'ports_file_dir: "{workdir}"\n' + out
+
+
+def inline_includes(body: str) -> str:
+    """`include "x.conf"` replaced by deploy/nats/x.conf, comments stripped, recursively
+    (hub-node.conf includes hub.conf, which includes auth-hub.conf)."""
+    while _INCLUDE.search(body):
+        body = _INCLUDE.sub(lambda m: strip_comments((NATS_DIR / m["file"]).read_text()), body)
+    return body
+
+
+def _with_routes(body: str, port: int, ports: list[int]) -> str:
+    """The cluster block with its listener on `port` and routes to `ports` on loopback; the
+    committed block must route to as many nodes."""
+    (block,) = _CLUSTER.findall(body)
+    committed = re.findall(r'"nats-route://[^"]+"', block)
+    assert len(committed) == len(ports), f"{len(committed)} routes for {len(ports)} nodes"
+    name = re.search(r"^\s*name\s*:\s*(\S+)\s*$", block, re.M)
+    assert name, "a cluster needs its name"
+    local = ", ".join(f'"nats-route://127.0.0.1:{p}"' for p in ports)
+    # host/port rather than `listen`, which the move of every listener to -1 would catch.
+    new = (
+        f"cluster {{\n  name: {name[1]}\n  host: 127.0.0.1\n  port: {port}\n  routes: [{local}]\n}}"
+    )
+    return body.replace(block, new)
 
 
 class ConfiguredServer:

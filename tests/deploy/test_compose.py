@@ -22,7 +22,14 @@ from typer.testing import CliRunner
 
 from baton.cli.app import SERVICES, app
 from shared.bus import names
-from tests.deploy.natsconf import CERT_SCRIPT, NATS_DIR, REPO, listeners, strip_comments
+from tests.deploy.natsconf import (
+    CERT_SCRIPT,
+    NATS_DIR,
+    REPO,
+    inline_includes,
+    listeners,
+    strip_comments,
+)
 
 COMPOSE: dict[str, Any] = yaml.safe_load((REPO / "compose.yaml").read_text())
 SVC: dict[str, dict[str, Any]] = COMPOSE["services"]
@@ -207,16 +214,23 @@ def test_cert_output_is_never_committed() -> None:
     assert not keys, f"key material committed: {keys}"
 
 
+HUB_NODES = ("hub-1", "hub-2", "hub-3")
+
+
 def test_nats_services_mount_what_their_config_references() -> None:
     services = nats_services()
-    assert services == {"hub": "hub.conf", "leaf": "leaf.conf"}, services
+    want = {**dict.fromkeys(HUB_NODES, "hub-node.conf"), "leaf": "leaf.conf"}
+    assert services == want, services
     for name, conf in services.items():
         s = SVC[name]
         binds = bind_mounts(s)
         targets = list(binds) + [
             v.split(":")[1] for v in s.get("volumes") or [] if isinstance(v, str)
         ]
-        body = strip_comments(nats_conf(conf))
+        # Included files are read beside the config (/etc/nats/), so they must be there too.
+        for included in re.findall(r'include\s+"([^"]+)"', strip_comments(nats_conf(conf))):
+            assert f"/etc/nats/{included}" in targets, f"{name}: {conf} includes {included}"
+        body = inline_includes(strip_comments(nats_conf(conf)))
         paths = re.findall(r'"(/[^"]+)"', body)
         assert paths, f"{conf} references no files"
         for path in paths:
@@ -225,6 +239,12 @@ def test_nats_services_mount_what_their_config_references() -> None:
             )
     assert env(SVC["leaf"]).get("SITE"), "the leaf needs SITE (leaf.conf uses $SITE)"
     assert "$SITE" in nats_conf("leaf.conf")
+    # Each node its own name, which hub-node.conf reads from HUB_NODE.
+    assert [env(SVC[n]).get("HUB_NODE") for n in HUB_NODES] == list(HUB_NODES)
+    assert re.search(r"^server_name\s*:\s*\$HUB_NODE\s*$", nats_conf("hub-node.conf"), re.M)
+    routes = re.findall(r"nats-route://([\w-]+):(\d+)", strip_comments(nats_conf("hub-node.conf")))
+    cluster_port = port_of(listeners(nats_conf("hub-node.conf"))[0])
+    assert routes == [(n, str(cluster_port)) for n in HUB_NODES], routes
 
 
 # -- ports, hostnames, URLs ----------------------------------------------------------------
@@ -236,28 +256,37 @@ def test_nats_ports_agree_with_configs() -> None:
     hub = strip_comments(nats_conf("hub.conf"))
     assert re.search(r"websocket\s*\{[^}]*\btls\s*\{", hub), "the hub's websocket needs TLS"
     assert "no_tls" not in hub
-    published = {str(p).rsplit(":", 1)[-1] for p in SVC["hub"]["ports"]}
+    published = {str(p).rsplit(":", 1)[-1] for p in SVC["hub-1"]["ports"]}
     assert str(ports["websocket"]) in published, f"hub does not publish {ports['websocket']}"
     # Only the WebSocket port is for the world; the rest stays on the docker host's loopback.
-    for p in SVC["hub"]["ports"]:
+    for p in SVC["hub-1"]["ports"]:
         if not str(p).endswith(f":{ports['websocket']}"):
             assert str(p).startswith("127.0.0.1:"), f"hub publishes {p} on every interface"
-    for name in ("hub", "leaf"):
+    # Routes carry no credentials: no node publishes them.
+    cluster_port = port_of(listeners(nats_conf("hub-node.conf"))[0])
+    for name in HUB_NODES:
+        assert not any(str(p).endswith(f":{cluster_port}") for p in SVC[name].get("ports", []))
+    for name in (*HUB_NODES, "leaf"):
         check = " ".join(SVC[name]["healthcheck"]["test"])
         leaf_http = port_of(listeners(nats_conf("leaf.conf"))[1])
-        want = ports["http"] if name == "hub" else leaf_http
+        want = ports["http"] if name in HUB_NODES else leaf_http
         assert f":{want}/healthz" in check, f"{name} healthcheck {check}"
 
 
 def test_leaf_dials_the_hub_websocket_by_its_certificate_name(tmp_path: Path) -> None:
     leaf = strip_comments(nats_conf("leaf.conf"))
-    assert re.search(r"urls\s*:\s*\[\s*\$BATON_HUB_URL\s*\]", leaf), "the URL is the env's"
-    url = SVC["leaf"]["environment"]["BATON_HUB_URL"]
-    parts = urlsplit(url)
-    assert parts.username == "site-site1" and parts.password, "the site's link user"
-    assert parts.scheme == "wss", url
-    assert parts.hostname in nats_services() and nats_services()[parts.hostname] == "hub.conf"
-    assert parts.port == hub_ports()["websocket"], url
+    assert re.search(r"urls\s*:\s*\$BATON_HUB_URL\s*$", leaf, re.M), "the URLs are the env's"
+    # An array, as the server parses it from the environment: every node's URL.
+    urls = json.loads(SVC["leaf"]["environment"]["BATON_HUB_URL"])
+    hosts = []
+    for url in urls:
+        parts = urlsplit(url)
+        assert parts.username == "site-site1" and parts.password, "the site's link user"
+        assert parts.scheme == "wss", url
+        assert nats_services().get(parts.hostname or "") == "hub-node.conf", url
+        assert parts.port == hub_ports()["websocket"], url
+        hosts.append(parts.hostname)
+    assert hosts == list(HUB_NODES), hosts
     assert re.search(r'reconnect\s*:\s*"1s"', leaf)
     assert re.search(r'ping_interval\s*:\s*"2s"', leaf) and re.search(r"ping_max\s*:\s*2\b", leaf)
     # The hub's certificate names the host the leaf dials.
@@ -267,7 +296,7 @@ def test_leaf_dials_the_hub_websocket_by_its_certificate_name(tmp_path: Path) ->
          "subjectAltName"],
         capture_output=True, text=True, timeout=30, check=True,
     ).stdout  # fmt: skip
-    for name in (f"DNS:{parts.hostname}", "DNS:localhost", "IP Address:127.0.0.1"):
+    for name in (*(f"DNS:{h}" for h in hosts), "DNS:localhost", "IP Address:127.0.0.1"):
         assert name in san, san
 
 
@@ -296,7 +325,7 @@ def test_the_servers_baton_starts_match_the_dev_configs() -> None:
     hub, leaf = settings(nats_conf("dev/hub.conf")), settings(nats_conf("dev/leaf.conf"))
     ours_hub, ours_leaf = (
         settings(natsconf.hub_fragment()),
-        settings(natsconf.leaf_fragment("ws://h:1")),
+        settings(natsconf.leaf_fragment(["ws://h:1"])),
     )
     for key in ("ping_interval", "ping_max"):
         assert hub[key] == ours_hub[key] == leaf[key] == ours_leaf[key], key
@@ -306,16 +335,22 @@ def test_the_servers_baton_starts_match_the_dev_configs() -> None:
 
 def test_every_baton_service_has_nats_url() -> None:
     ports = {
-        "hub": port_of(listeners(nats_conf("hub.conf"))[0]),
+        **dict.fromkeys(HUB_NODES, port_of(listeners(nats_conf("hub.conf"))[0])),
         "leaf": port_of(listeners(nats_conf("leaf.conf"))[0]),
     }
     for name, s in baton_services().items():
         url = env(s).get("NATS_URL")
         assert url, f"{name} has no NATS_URL"
-        parts = urlsplit(url)
-        assert parts.scheme == "nats" and parts.hostname in ports, f"{name}: {url}"
-        assert parts.port == ports[parts.hostname], f"{name}: {url}"
-        at_site = parts.hostname == "leaf"
+        hosts = []
+        for part in url.split(","):
+            parts = urlsplit(part)
+            assert parts.scheme == "nats" and parts.hostname in ports, f"{name}: {url}"
+            assert parts.port == ports[parts.hostname], f"{name}: {url}"
+            hosts.append(parts.hostname)
+        at_site = hosts == ["leaf"]
+        # At the hub: every node, so that a client moves to another when one is lost.
+        assert at_site or hosts == list(HUB_NODES), f"{name}: {url}"
+        assert at_site or env(s).get("BATON_REPLICAS") == str(len(HUB_NODES)), name
         # Site services name their site, which is the leaf's JetStream domain.
         assert (env(s).get("BATON_SITE") == "site1") == at_site, f"{name}: {env(s)}"
         if args_of(name)[1:2] == ["service"] and args_of(name)[2] == "trainer":
@@ -442,10 +477,11 @@ def test_every_service_logs_in_as_its_role_with_the_servers_password() -> None:
 
     for name, s in baton_services().items():
         e = env(s)
-        host = urlsplit(e["NATS_URL"]).hostname
-        users = auth.HUB_ROLES if host == "hub" else tuple(f"site1-{r}" for r in auth.SITE_ROLES)
+        host = urlsplit(e["NATS_URL"].split(",")[0]).hostname
+        at_hub = host in HUB_NODES
+        users = auth.HUB_ROLES if at_hub else tuple(f"site1-{r}" for r in auth.SITE_ROLES)
         assert e.get("NATS_USER") in users, f"{name}: {e.get('NATS_USER')}"
-        server = env(SVC["hub" if host == "hub" else "leaf"])
+        server = env(SVC["hub-1" if at_hub else "leaf"])
         var = auth.env_name(e["NATS_USER"])
         assert var in server, f"{name}: the {host} server does not read {var}"
         assert e["NATS_PASSWORD"] == server[var], f"{name}: password differs from the server's"

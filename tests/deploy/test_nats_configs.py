@@ -46,14 +46,15 @@ async def launch(tmp_path: Path) -> AsyncIterator[Launch]:
         *,
         env: dict[str, str] | None = None,
         certs_dir: Path | None = None,
-        remote_url: str | None = None,
+        remote_url: str | list[str] | None = None,
         text: str | None = None,
+        routes: tuple[int, list[int]] | None = None,
     ) -> ConfiguredServer:
         """Start `conf` (relative to deploy/nats/), or `text` in its place."""
         workdir = tmp_path / name
         if text is None:
             text = (NATS_DIR / conf).read_text()
-        config = localize(text, workdir, certs_dir=certs_dir, remote_url=remote_url)
+        config = localize(text, workdir, certs_dir=certs_dir, remote_url=remote_url, routes=routes)
         # The committed configs read their users' passwords from the environment.
         env = {**passwords_for(config), **(env or {})}
         server = ConfiguredServer(name, config, workdir, env=env)
@@ -309,3 +310,80 @@ async def test_leaf_trusting_another_ca_is_refused(launch: Launch, tmp_path: Pat
     assert "tls: bad certificate" in hub.log(), hub.log()[-2000:]
     assert "certificate signed by unknown authority" in leaf.log(), leaf.log()[-2000:]
     assert not await hub.leaf_names()
+
+
+async def test_three_hub_nodes_are_one_cluster_and_a_leaf_given_all_survives_one(
+    launch: Launch, tmp_path: Path
+) -> None:
+    """compose.yaml's hub: hub-node.conf three times. Every node answers for JetStream, a
+    stream is kept on all three, and a leaf given every node's URL (an array, from the
+    environment as compose gives it) moves its link when the node holding it is lost."""
+    from baton.stack.cluster import free_ports
+
+    certs = tmp_path / "certs"
+    await gen_certs(certs)
+    routes = free_ports(3)
+    hubs = await asyncio.gather(
+        *(
+            launch(f"hub-{i + 1}", "hub-node.conf", env={"HUB_NODE": f"hub-{i + 1}"},
+                   certs_dir=certs, routes=(routes[i], routes))
+            for i in range(3)
+        )
+    )  # fmt: skip
+    operator = passwords_for("$BATON_PW_OPERATOR")["BATON_PW_OPERATOR"]
+    nc = await nats.connect(
+        [h.client_url for h in hubs], user="operator", password=operator,
+        max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+    )  # fmt: skip
+    try:
+        js = nc.jetstream(timeout=2)
+
+        async def replicated() -> bool:
+            with contextlib.suppress(Exception):
+                await js.add_stream(name="R3", subjects=["r3.>"], num_replicas=3)
+            try:
+                info = await js.stream_info("R3")
+            except Exception:
+                return False
+            c = info.cluster
+            return bool(c and c.leader and len([r for r in c.replicas or [] if r.current]) == 2)
+
+        await wait_for(replicated, 60, "a stream on all three nodes")
+        names = {(await h.monitor("/varz"))["server_name"] for h in hubs}
+        assert names == {"hub-1", "hub-2", "hub-3"}, names
+
+        link_pw = passwords_for("$BATON_PW_SITE_SITE1")["BATON_PW_SITE_SITE1"]
+        leaf = await launch(
+            "leaf", "leaf.conf", env={"SITE": "site1"}, certs_dir=certs,
+            remote_url=[f"wss://site-site1:{link_pw}@localhost:{h.ws_port}" for h in hubs],
+        )  # fmt: skip
+
+        async def holder() -> ConfiguredServer | None:
+            for h in hubs:
+                with contextlib.suppress(Exception):
+                    if "site1" in await h.leaf_names():
+                        return h
+            return None
+
+        await wait_for(lambda: _some(holder), LINK_WITHIN_S, "the leaf's link to a node")
+        first = await holder()
+        assert first is not None
+        await first.stop()
+        await wait_for(
+            lambda: _some(holder, lambda h: h is not first), 30, "the link on another node"
+        )
+        await assert_domains(
+            leaf, "site1", user="site1-operator",
+            password=passwords_for("$BATON_PW_SITE1_OPERATOR")["BATON_PW_SITE1_OPERATOR"],
+            inbox_prefix="_INBOX_site1_operator",
+        )  # fmt: skip
+    finally:
+        await nc.close()
+
+
+async def _some(
+    find: Callable[[], Awaitable[ConfiguredServer | None]],
+    ok: Callable[[ConfiguredServer], bool] = lambda _: True,
+) -> bool:
+    found = await find()
+    return found is not None and ok(found)

@@ -84,7 +84,7 @@ async def test_up_runs_a_job_through_the_cli_and_sigterm_leaves_nothing(tmp_path
         code, out, _ = await baton("status", run_id, "--json", env=env)
         record = json.loads(out)
         assert record["state"] == "COMPLETED" and record["step"] == 60
-        code, out, _ = await baton("runs", "--json", env=env)
+        code, out, _ = await baton("runs", "--all", "--json", env=env)
         assert [r["run_id"] for r in json.loads(out)] == [run_id]
         store = f"file://{tmp_path / 'data' / 'store'}"
         code, out, err = await baton(
@@ -155,6 +155,15 @@ async def test_up_site_trains_the_hubs_work_and_baton_sites_shows_it(tmp_path: P
             str(tmp_path / "x"), env={},
         )  # fmt: skip
         assert code == 2 and "--hub-auth" in err, err
+        code, _, err = await baton(
+            "up", "--site", "lab1", "--hub", ws, "--store", store, "--hub-nodes", "3",
+            "--no-auth", "--data-dir", str(tmp_path / "x"), env={},
+        )  # fmt: skip
+        assert code == 2 and "for the hub, not a site" in err, err
+        code, _, err = await baton(
+            "up", "--replicas", "3", "--data-dir", str(tmp_path / "x"), env={}
+        )
+        assert code == 2 and "--replicas 3 needs at least as many --hub-nodes" in err, err
         site, site_url = await start_up(
             tmp_path / "lab1", 1, "--site", "lab1", "--hub", ws, "--store", store,
             "--hub-auth", str(auth / "site-lab1.env"),

@@ -28,10 +28,13 @@ SOURCED = "Nats-Stream-Source"
 
 
 class Site:
-    def __init__(self, hub: Stack, name: str) -> None:
+    def __init__(self, hub: Stack, name: str, *, direct: bool = False) -> None:
+        """`direct`: the leaf dials every node of the hub itself, with no proxy between (a
+        clustered hub's test loses nodes, not the link)."""
         self.hub = hub
         self.name = name
         self.root = hub.root / "sites" / name
+        self.direct = direct
         self.proxy = Proxy("127.0.0.1", hub.ws_port)
         self.opts = msgspec.structs.replace(
             hub.opts, data_dir=self.root, site=name, store=hub.store_url, trainers=0, port=0,
@@ -47,9 +50,13 @@ class Site:
 
     async def start(self, trainers: int = 1) -> None:
         """Leaf node, checkpointer, and trainers named `<site>-trainer-<n>`."""
-        await self.proxy.start()
         self.hub.after_services.append(self._undo)
-        self.opts = msgspec.structs.replace(self.opts, hub_url=f"ws://127.0.0.1:{self.proxy.port}")
+        if self.direct:
+            hub_url = ",".join(self.hub.hub.ws_urls)
+        else:
+            await self.proxy.start()
+            hub_url = f"ws://127.0.0.1:{self.proxy.port}"
+        self.opts = msgspec.structs.replace(self.opts, hub_url=hub_url)
         self._nats = nats_server(self.opts)
         await self.nats.start()
         for spec in service_specs(self.opts, self.nats.url):

@@ -17,9 +17,10 @@ from typing import TypeVar
 import msgspec
 from nats.aio.client import Client
 
+from baton.stack.cluster import HubCluster
 from baton.stack.embedded import (
     StackOptions,
-    nats_server,
+    hub,
     operator_options,
     service_specs,
     stop_order,
@@ -40,6 +41,7 @@ class Stack:
         trainers: int = 1,
         lease_ttl: int = 4,
         env: dict[str, str] | None = None,
+        hub_nodes: int = 1,
     ) -> None:
         self.root = root
         self.opts = StackOptions(
@@ -47,6 +49,7 @@ class Stack:
             port=0,
             trainers=trainers,
             lease_ttl=lease_ttl,
+            hub_nodes=hub_nodes,
             extra_env={
                 "BATON_PROGRESS_INTERVAL": "0.1",
                 "BATON_GRACE": "20",
@@ -57,7 +60,9 @@ class Stack:
         # Auth on, as `baton up` runs: every end-to-end test also checks that each service's
         # permissions give it what it needs. Two sites may join (tests/support/sites.py).
         self.opts = msgspec.structs.replace(self.opts, ws_port=0, sites=("lab1", "lab2"))
-        self.nats: NatsServer = nats_server(self.opts, http_port=0)
+        self.hub: HubCluster = hub(self.opts, http_port=0)
+        self.nats: NatsServer = self.hub.nodes[0]
+        """The hub's first node (its only one unless `hub_nodes`)."""
         self.sup = Supervisor(root / "logs", root / "run")
         self.specs: list[ServiceSpec] = []
         self.clients: list[Client] = []
@@ -85,15 +90,16 @@ class Stack:
     async def start(
         self, services: tuple[str, ...] = ("dispatcher", "checkpointer", "reaper", "trainer")
     ) -> None:
-        await self.nats.start()
-        for spec in service_specs(self.opts, self.nats.url):
+        await self.hub.start()
+        for spec in service_specs(self.opts, self.hub.url):
             if spec.name.split("-")[0] in services:
                 await self.add(spec)
         await self.ready(services)
 
     async def ready(self, services: tuple[str, ...]) -> None:
         """Wait until the services have declared their streams and consumers."""
-        from nats.js.errors import NotFoundError
+        from nats.errors import TimeoutError as NatsTimeout
+        from nats.js.errors import NotFoundError, ServiceUnavailableError
 
         from shared.bus import names
 
@@ -113,6 +119,8 @@ class Stack:
                 await js.stream_info(names.EVENTS_STREAM)
             except NotFoundError:
                 return False
+            except (NatsTimeout, ServiceUnavailableError):
+                return False  # a clustered hub still electing its leaders
             return True
 
         await eventually(declared, 30, "services to declare their streams")
@@ -130,7 +138,7 @@ class Stack:
         self, name: str, env: dict[str, str] | None = None, *, restart: bool = False
     ) -> int:
         one = msgspec.structs.replace(self.opts, trainers=1)
-        base = next(s for s in service_specs(one, self.nats.url) if s.name == "trainer-1")
+        base = next(s for s in service_specs(one, self.hub.url) if s.name == "trainer-1")
         env = {
             **base.env,
             "BATON_WORKER_ID": name,
@@ -149,7 +157,7 @@ class Stack:
 
     async def client(self) -> Client:
         nc = await connect(
-            self.nats.url, "test", first_attempt_timeout=10, options=operator_options(self.opts)
+            self.hub.url, "test", first_attempt_timeout=10, options=operator_options(self.opts)
         )
         self.clients.append(nc)
         return nc
@@ -167,7 +175,7 @@ class Stack:
         await self.sup.stop(stop_order(self.specs), hurry=hurry)
         for undo in reversed(self.after_services):
             await undo()
-        await self.nats.stop()
+        await self.hub.stop()
 
         # Whatever the test did, no training process may outlive the stack.
         async def none_left() -> bool:

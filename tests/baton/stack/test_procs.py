@@ -15,7 +15,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from baton.stack.embedded import SpecBuilder, StackOptions, run_stack
+from baton.stack.embedded import SpecBuilder, StackOptions, run_stack, service_specs
 from baton.stack.procs import (
     Backoff,
     ServiceSpec,
@@ -357,6 +357,43 @@ async def test_stack_starts_prints_and_stops_in_order(tmp_path: Path, child: Pat
     order = recorded(tmp_path)
     assert order[0] == "trainer-1" and sorted(order[1:]) == ["checkpointer", "dispatcher"]
     assert not any(alive(p) for p in info["pids"].values() if p != os.getpid())
+    assert not stack_json.exists()
+
+
+async def test_a_clustered_hub_restarts_the_node_that_died(tmp_path: Path, child: Path) -> None:
+    """`--hub-nodes 3`: three servers in one cluster, every URL given out; a SIGKILLed node
+    is started again on its store while the others keep serving; all stop with the stack."""
+    data = tmp_path / "data"
+    out = io.StringIO()
+    stop = asyncio.Event()
+    opts = StackOptions(data_dir=data, port=0, ws_port=0, auth=False, hub_nodes=3)
+    specs = service_specs(opts, "nats://unused")
+    assert all(s.env["BATON_REPLICAS"] == "3" for s in specs)
+    assert all(s.env["BATON_LEASE_TTL"] == "30" for s in specs)
+    task = asyncio.create_task(
+        run_stack(opts, stop=stop, build_specs=stand_ins(tmp_path, child), out=out)
+    )
+    stack_json = data / "run" / "stack.json"
+    try:
+        await wait_until(stack_json.exists, within=60, what="stack.json")
+        info = json.loads(stack_json.read_text())
+        urls = info["nats_url"].split(",")
+        assert len(urls) == 3 and len(set(urls)) == 3, urls
+        assert len(info["sites_url"].split(",")) == 3, info["sites_url"]
+        nodes = [info["pids"][f"nats-server-{i}"] for i in (1, 2, 3)]
+        assert "hub: 3 nodes, streams and buckets on 3 of them" in out.getvalue()
+        for url in urls:
+            await jetstream_answers(url, within=30)
+        os.kill(nodes[1], signal.SIGKILL)
+        await wait_until(lambda: not alive(nodes[1]), what="node 2 killed")
+        # The others serve meanwhile (after electing a meta leader if node 2 was it) ...
+        await jetstream_answers(urls[0], within=30)
+        await jetstream_answers(urls[1], within=60)  # ... and node 2 is back, on its port
+    finally:
+        stop.set()
+        status = await asyncio.wait_for(task, 60)
+    assert status == 0
+    assert not any(alive(p) for p in nodes)
     assert not stack_json.exists()
 
 

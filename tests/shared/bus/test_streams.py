@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, RetentionPolicy, StreamConfig
 
 from shared.bus import names
-from shared.bus.streams import ensure, stream_configs
+from shared.bus.connect import connect
+from shared.bus.streams import ensure, kv_configs, stream_configs
 from shared.errors import ConfigError
+from tests.support.stack import eventually
 
 
 async def test_ensure_is_idempotent_and_creates_everything(nc: Client) -> None:
@@ -47,3 +51,37 @@ async def test_a_bucket_without_per_key_ttl_fails_loudly(nc: Client) -> None:
     await js.create_key_value(KeyValueConfig(bucket=names.LEASES_BUCKET, history=3))
     with pytest.raises(ConfigError, match=names.LEASES_BUCKET):
         await ensure(js)
+
+
+async def test_a_hub_that_grew_a_cluster_gets_every_stream_on_three_nodes(tmp_path: Path) -> None:
+    """Streams and buckets declared with one copy (a hub before it was clustered) are moved
+    to three in place by `ensure(js, 3)`, keeping what they hold."""
+    from baton.stack.cluster import HubCluster, current
+    from baton.stack.natsserver import ClusterRoutes, NatsServer
+
+    def node(i: int, routes: ClusterRoutes | None) -> NatsServer:
+        return NatsServer(tmp_path / f"n{i}", server_name=f"n{i}", cluster=routes)
+
+    hub = HubCluster(3, node)
+    await hub.start()
+    try:
+        nc = await connect(hub.url, "test", first_attempt_timeout=10)
+        try:
+            js = nc.jetstream()
+            await ensure(js, replicas=1)
+            await js.publish(names.archive_subject("r1"), b"kept")
+            await ensure(js, replicas=3)
+            expected = [c.name for c in stream_configs()]
+            expected += [f"KV_{b.bucket}" for b in kv_configs()]
+
+            async def all_on_three() -> bool:
+                states = [await current(js, name, 3) for name in expected if name]
+                return all(states)
+
+            await eventually(all_on_three, 60, "every stream on three nodes")
+            kept = await js.get_last_msg(names.ARCHIVE_STREAM, names.archive_subject("r1"))
+            assert kept.data == b"kept"
+        finally:
+            await nc.close()
+    finally:
+        await hub.stop()

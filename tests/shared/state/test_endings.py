@@ -167,7 +167,7 @@ class Failing(Runs):
     """Runs that tells when a write has failed (the server is down)."""
 
     def __init__(self, runs: Runs) -> None:
-        super().__init__(runs._kv, runs._writer)
+        super().__init__(runs._js, runs._kv, runs._writer)
         self.failed = asyncio.Event()
 
     async def update(self, run_id: str, change: Change) -> RunRecord | None:

@@ -71,6 +71,27 @@ async def test_release_frees_the_lease_after_a_renewal_it_did_not_hear_of(
     assert await is_held(js, "run4")
 
 
+async def test_a_renewal_that_landed_unheard_of_keeps_the_lease(declared: Client) -> None:
+    """A hub electing a new leader can lose a renewal's answer after storing it; the next
+    renewal's CAS then fails on the holder's own write, which must not cost the lease."""
+    js = declared.jetstream()
+    a = Lease(js, "run5", "a", ttl_s=30)
+    assert await a.acquire()
+    stale = a.revision
+    assert await a.renew()
+    landed = a.revision
+    a.revision = stale  # as if the renewal landed but its reply was lost
+    assert await a.renew(), "the lease is still a's"
+    assert a.revision > landed
+    assert await a.renew()
+    b = Lease(js, "run5", "b", ttl_s=30)
+    assert not await b.acquire()
+    await a.release()
+    assert await b.acquire()
+    a.revision = stale
+    assert not await a.renew(), "b's lease must never be taken for a's"
+
+
 async def test_an_expiry_marker_counts_as_no_lease(declared: Client) -> None:
     """The server leaves a marker where a lease expired; while it lives, every read must see
     no holder, and a new holder's create must pass its CAS."""

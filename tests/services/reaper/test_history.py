@@ -1,0 +1,190 @@
+"""Ended runs leave the live control plane: the sweep reads the live index, never the
+history, and an archived run still answers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from baton.cli import client
+from baton.stack.natsserver import NatsServer
+from services.reaper.service import Reaper
+from shared import config
+from shared.bus import names
+from shared.bus.connect import connect
+from shared.bus.streams import ensure
+from shared.contracts import JobSpec, RunRecord, RunState, convert, encode, spec_hash
+from shared.state import archive
+from shared.state.lease import Lease
+from shared.state.runs import Runs
+from tests.support.stack import eventually
+
+SPEC = convert({"name": "t", "entry_point": "m:f", "total_steps": 5}, JobSpec)
+HISTORY = 10_000
+
+
+@pytest.fixture
+async def monitored(tmp_path: Path) -> AsyncIterator[NatsServer]:
+    """A server whose monitoring port counts each connection's messages."""
+    server = NatsServer(tmp_path / "nats", port=0, http_port=0)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+def record(run_id: str, state: RunState = RunState.QUEUED, **kw: object) -> RunRecord:
+    now = time.time()
+    return RunRecord(
+        run_id=run_id, spec=SPEC, spec_hash=spec_hash(SPEC), created_at=now, updated_at=now,
+        state=state, **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+async def sent_by(server: NatsServer, connection: str) -> int:
+    """Messages (requests and publishes) the server received from the named connection."""
+
+    def read() -> int:
+        url = f"http://127.0.0.1:{server.http_port}/connz?limit=1000"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            conns = json.load(resp)["connections"]
+        return int(next(c["in_msgs"] for c in conns if c.get("name") == connection))
+
+    return await asyncio.to_thread(read)
+
+
+async def history_of(js: object, count: int) -> None:
+    """`count` ended runs as the reaper leaves them once retired: in the archive, and still
+    in the runs bucket (their retention not over), but not in the live index."""
+    from nats.js import JetStreamContext
+
+    assert isinstance(js, JetStreamContext)
+    batch = 500
+    for start in range(0, count, batch):
+        writes = []
+        for i in range(start, min(count, start + batch)):
+            r = record(f"rold{i:05d}", RunState.COMPLETED, step=5)
+            writes.append(js.publish(f"$KV.{names.RUNS_BUCKET}.{r.run_id}", encode(r)))
+            writes.append(js.publish(names.archive_subject(r.run_id), encode(r)))
+        await asyncio.gather(*writes)
+
+
+async def test_a_sweep_with_ten_thousand_ended_runs_makes_no_more_requests(
+    monitored: NatsServer, tmp_path: Path
+) -> None:
+    setup = await connect(monitored.url, "setup", first_attempt_timeout=5)
+    reaper_nc = await connect(monitored.url, "reaper-under-test", first_attempt_timeout=5)
+    try:
+        js = setup.jetstream()
+        await ensure(js)
+        runs = await Runs.open(js)
+        # Live work of each kind the sweep looks at: a queued run, a running one with its
+        # lease held, and a run that ended but whose terminal event is not stored yet.
+        assert await runs.create(record("rqueued"))
+        assert await runs.create(record("rrunning", RunState.RUNNING, token=1, worker="w"))
+        assert await Lease(js, "rrunning", "w", ttl_s=60).acquire()
+        pending = record("rpending", RunState.FAILED, reason="x", announce_pending=True)
+        assert await runs.create(pending)
+        settings = config.load({"BATON_LEASE_TTL": "60", "BATON_STORE": f"file://{tmp_path}"})
+        reaper = Reaper(reaper_nc, settings)
+        await reaper.start()
+        await reaper.sweep()  # the first sweep also lists the store for garbage
+
+        async def cost_of_a_sweep() -> int:
+            before = await sent_by(monitored, "reaper-under-test")
+            assert await reaper.sweep() == []
+            return await sent_by(monitored, "reaper-under-test") - before
+
+        without_history = await cost_of_a_sweep()
+        await history_of(js, HISTORY)
+        info = await js.stream_info(f"KV_{names.RUNS_BUCKET}")
+        assert info.state.messages == HISTORY + 3
+        with_history = await cost_of_a_sweep()
+        assert without_history > 0
+        assert with_history == without_history
+        assert sorted(await runs.live_ids()) == ["rpending", "rqueued", "rrunning"]
+    finally:
+        await reaper_nc.close()
+        await setup.close()
+
+
+async def test_an_ended_run_is_archived_and_still_answers_once_the_bucket_forgot_it(
+    monitored: NatsServer, declared_at: None, tmp_path: Path
+) -> None:
+    nc = await connect(monitored.url, "test", first_attempt_timeout=5)
+    try:
+        js = nc.jetstream()
+        runs = await Runs.open(js)
+        assert await runs.create(record("rdone"))
+        assert await runs.create(record("rlate"))
+        end = {"state": RunState.COMPLETED, "step": 5, "digest": "d" * 64}
+        await runs.update("rdone", lambda r: msgspec.structs.replace(r, **end))  # type: ignore[arg-type]
+        await runs.update(
+            "rlate",
+            lambda r: msgspec.structs.replace(r, **end, announce_pending=True),  # type: ignore[arg-type]
+        )
+        env = {
+            "BATON_RETAIN_ENDED": "1",
+            "BATON_LEASE_TTL": "60",
+            "BATON_STORE": f"file://{tmp_path}",
+        }
+        # Not before it has been over for BATON_GC_AGE: a zombie's upload may still land.
+        patient = Reaper(nc, config.load(env))
+        await patient.start()
+        await patient.sweep()
+        await patient.close()
+        assert sorted(await runs.live_ids()) == ["rdone", "rlate"]
+        reaper = Reaper(nc, config.load({**env, "BATON_GC_AGE": "1"}))
+        await reaper.start()
+
+        async def retired() -> bool:
+            await reaper.sweep()
+            return await runs.live_ids() == ["rlate"]
+
+        # Retired: archived, out of the live index; one whose event is not stored stays.
+        await eventually(retired, 10, "the ended run to be retired")
+        await reaper.close()
+        archived = await archive.find(js, "rdone")
+        assert archived is not None and archived.digest == "d" * 64
+        await eventually(
+            lambda: _gone(runs, "rdone"), 10, "the runs bucket to forget the retired run"
+        )
+        # Still answers: the CLI's read, `baton status` itself, and the listing of history.
+        assert (await client.record(nc, "rdone")).state is RunState.COMPLETED
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "baton", "status", "rdone", "-s", monitored.url, "--json",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        assert json.loads(out)["state"] == "COMPLETED"
+        assert [r.run_id for r in await client.all_records(nc)] == ["rlate"]
+        assert {r.run_id for r in await client.all_records(nc, history=True)} == {"rdone", "rlate"}
+        # A run id names one run for ever: the same key submitted again is a duplicate.
+        assert not await runs.create(record("rdone"))
+        assert await runs.get("rdone") is None
+        assert "rdone" not in await runs.live_ids()
+    finally:
+        await nc.close()
+
+
+async def _gone(runs: Runs, run_id: str) -> bool:
+    return await runs.get(run_id) is None
+
+
+@pytest.fixture
+async def declared_at(monitored: NatsServer) -> None:
+    nc = await connect(monitored.url, "declare", first_attempt_timeout=5)
+    try:
+        await ensure(nc.jetstream())
+    finally:
+        await nc.close()
