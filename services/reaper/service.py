@@ -112,7 +112,7 @@ class Reaper:
             ),
         )
         try:
-            await asyncio.gather(advisories, self._sweeping(stop))
+            await asyncio.gather(advisories, self._sweeping(stop), self.sites.watch(stop))
         finally:
             await self.sites.stop()
             await self.lapses.stop()
@@ -121,7 +121,6 @@ class Reaper:
         while not stop.is_set():
             try:
                 await self.sweep()
-                await self.sites.check()
             except Exception:  # a link that is down, a server restarting: sweep again later
                 log.exception("sweep failed; trying again in %.1fs", self.settings.sweep_s)
             with contextlib.suppress(TimeoutError):

@@ -10,8 +10,11 @@ update.
 
 A greeting after a silence is not the only way a source stalls: after the hub's own server
 restarts, its sources start before the leaf has relinked, fail, and back off (seen in the
-hub-restart chaos test: the heartbeats' source stayed idle long after the link was up). So
-every sweep also asks the hub's streams whether each greeting site's source is active, and
+hub-restart chaos test: the heartbeats' source stayed idle long after the link was up), and
+on a clustered hub, losing the node that led a sourced stream or held the site's link does
+the same to the new leader's source (seen in the cluster tests: the heartbeats' source idle
+for 10–40 s when the check rode on the 15 s sweep). So every `CHECK_S`, while any site
+greets, the watch asks the hub's streams whether that site's sources are active, and
 nudges a site whose source is not — at most once per `RENUDGE_S`.
 """
 
@@ -38,6 +41,9 @@ from shared.errors import ContractError
 log = logging.getLogger("baton.reaper")
 
 RENUDGE_S = 5.0
+CHECK_S = 2.0
+"""How often the sources of greeting sites are checked: a STREAM.INFO per sourced stream,
+and none while no site greets."""
 
 
 class SiteWatch:
@@ -66,10 +72,22 @@ class SiteWatch:
         """Take every site's next greeting as a return (our own link was down)."""
         self._heard.clear()
 
+    async def watch(self, stop: asyncio.Event) -> None:
+        """`check` every CHECK_S until `stop`."""
+        while not stop.is_set():
+            try:
+                await self.check()
+            except Exception as exc:  # the hub electing or restarting: check again soon
+                log.warning("checking the sites' sources failed (%s); again in %.0fs", exc, CHECK_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), CHECK_S)
+
     async def check(self) -> None:
         """Nudge every greeting site one of whose sources at the hub is idle or failing."""
         now = time.monotonic()
         live = {s for s, t in self._heard.items() if now - t < sites.SILENCE_S}
+        if not live:
+            return
         stalled: set[str] = set()
         for stream in sites.SOURCED:
             for api, state in (await sites.source_states(self.nc, stream)).items():
