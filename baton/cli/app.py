@@ -292,8 +292,8 @@ def runs(
     ] = False,
     as_json: Json = False,
 ) -> None:
-    """List the live runs (and those that ended in the last few seconds), oldest first;
-    `--all` lists every run."""
+    """List the live runs, and those that ended within BATON_GC_AGE (an hour by default),
+    oldest first; `--all` lists every run."""
     from rich.table import Table
 
     from baton.cli import client

@@ -204,8 +204,8 @@ async def record(nc: Client, run_id: str, domain: str | None = None) -> RunRecor
 
 
 async def all_records(nc: Client, history: bool = False) -> list[RunRecord]:
-    """The live runs (those not yet retired: the reaper retires a run a sweep after it
-    ended), oldest first; with `history`, every run, archived ones included."""
+    """The runs not yet retired (the reaper retires a run once it has been over for
+    `BATON_GC_AGE`), oldest first; with `history`, every run, archived ones included."""
     js = nc.jetstream()
     runs = await Runs.open(js)
     if not history:

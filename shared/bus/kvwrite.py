@@ -52,12 +52,17 @@ class KvWriter:
             headers["Nats-Rollup"] = "sub"
         return await self._write(key, value, headers, attempts)
 
-    async def delete(self, key: str, *, expected: int | None, attempts: int = 3) -> bool:
+    async def delete(
+        self, key: str, *, expected: int | None, ttl_s: int | None = None, attempts: int = 3
+    ) -> bool:
         """Leave a delete marker if the key is still at revision `expected` (None: whatever
-        its revision)."""
+        its revision). With `ttl_s` the marker itself goes after that long, leaving nothing
+        of the key in the bucket."""
         headers = {"KV-Operation": "DEL"}
         if expected is not None:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(expected)
+        if ttl_s is not None:
+            headers["Nats-TTL"] = f"{ttl_s}s"
         return await self._write(key, b"", headers, attempts) is not None
 
     async def _write(

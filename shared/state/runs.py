@@ -123,7 +123,9 @@ class Runs:
         return True
 
     async def forget_live(self, run_id: str) -> None:
-        await self._live.delete(run_id, expected=None)
+        # A plain delete marker would stay for ever, one per run ever retired, and listing
+        # the index reads every subject's last message: the marker goes after a second.
+        await self._live.delete(run_id, expected=None, ttl_s=1)
 
     async def all(self) -> list[RunRecord]:
         """Every record still in the runs bucket (live runs and recently ended ones): reads

@@ -173,6 +173,14 @@ async def test_an_ended_run_is_archived_and_still_answers_once_the_bucket_forgot
         assert not await runs.create(record("rdone"))
         assert await runs.get("rdone") is None
         assert "rdone" not in await runs.live_ids()
+
+        # Nothing of a retired run stays in the live index, not even a delete marker: what
+        # listing the index reads follows the live runs.
+        async def only_the_live_left() -> bool:
+            info = await js.stream_info(f"KV_{names.LIVE_BUCKET}")
+            return info.state.messages == 1
+
+        await eventually(only_the_live_left, 10, "the retired run's delete marker to expire")
     finally:
         await nc.close()
 
