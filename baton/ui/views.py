@@ -165,9 +165,9 @@ class Goodputs:
 
 
 async def run_record(nc: Client, run_id: str, reads: Reads) -> RunRecord | None:
+    """The run's record; once the runs bucket forgot a retired run, its archived one."""
     reads.count += 1
-    found = await (await Runs.open(nc.jetstream())).get(run_id)
-    return found[0] if found else None
+    return await (await Runs.open(nc.jetstream())).find(run_id)
 
 
 async def workers(nc: Client, reads: Reads) -> list[Any]:

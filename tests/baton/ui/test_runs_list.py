@@ -15,6 +15,7 @@ from nats.aio.client import Client
 
 from baton.ui.server import serve
 from shared.contracts import JobSpec, RunRecord, RunState, convert, spec_hash
+from shared.state import archive
 from shared.state.runs import Runs
 from tests.support.dashboard import get
 from tests.support.stack import eventually
@@ -91,6 +92,17 @@ async def test_the_first_page_costs_the_same_with_10_or_1000_runs_of_history(
         # Filters apply before the page is cut.
         failed = await get(f"{url}api/runs?state=FAILED")
         assert failed["runs"] == []
+
+        # A run retired long ago (archived, gone from the runs bucket) still has its page.
+        at = 1_600_000_000.0
+        old = RunRecord(
+            run_id="rarchived", spec=SPEC, spec_hash=spec_hash(SPEC), created_at=at,
+            updated_at=at, state=RunState.FAILED, step=3, reason="lost",
+        )  # fmt: skip
+        await archive.keep(declared.jetstream(), old)
+        assert await runs.get("rarchived") is None
+        shown = await get(f"{url}api/runs/rarchived")
+        assert shown["record"]["state"] == "FAILED", shown
 
 
 async def sse_lines(url: str, last_id: int | None) -> AsyncIterator[str]:
