@@ -52,7 +52,15 @@ def up(
             help="NATS client port on 127.0.0.1 (0: any free port). [default: 4222, a site 4223]"
         ),
     ] = None,
-    trainers: Annotated[int, typer.Option(min=0, max=64, help="Trainer processes to run.")] = 2,
+    trainers: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=64,
+            help="Trainer processes to run, each on its own GPU while there are GPUs left. "
+            "[default: one per GPU of this host, or 2 without one]",
+        ),
+    ] = None,
     pool: Annotated[str, typer.Option(help="Pool the trainers serve.")] = "default",
     lease_ttl: Annotated[int | None, typer.Option(min=2, help="Lease TTL in seconds.")] = None,
     ws_port: Annotated[

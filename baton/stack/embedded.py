@@ -46,6 +46,7 @@ from baton.stack.procs import (
     install_stop_signals,
     remove_stop_signals,
 )
+from shared import gpus
 from shared.auth import (
     HUB_ROLES,
     SITE_ROLES,
@@ -60,6 +61,7 @@ from shared.auth import (
 )
 from shared.bus import names
 from shared.config import Settings
+from shared.gpus import Gpu
 
 log = logging.getLogger("baton.stack")
 
@@ -68,6 +70,8 @@ log = logging.getLogger("baton.stack")
 NATS_STOP_TIMEOUT_S = 10.0
 # What the trainers take by default; TRAINER_GRACE_S is that plus a margin.
 DEFAULT_TRAINER_CHECKPOINT_S: float = Settings().grace_s
+CPU_TRAINERS = 2
+"""Trainers `baton up` runs on a host without a GPU (one per GPU where there are some)."""
 # A crash-looping server gets the same patience as a crash-looping service.
 NATS_RESTART_DELAY_S = 1.0
 # A clustered hub's stream stops taking writes for up to ~10 s while it elects a leader in
@@ -80,7 +84,8 @@ class StackOptions(msgspec.Struct, kw_only=True):
     data_dir: Path = Path(".baton")
     port: int = 4222
     """0: any free port."""
-    trainers: int = 2
+    trainers: int | None = None
+    """None: one per GPU in `gpus`, or `CPU_TRAINERS` on a host without one."""
     pool: str = "default"
     lease_ttl: int | None = None
     """Seconds; None leaves the services' default (`BATON_LEASE_TTL`), or on a clustered
@@ -113,6 +118,11 @@ class StackOptions(msgspec.Struct, kw_only=True):
     """Copies of every stream and bucket (`BATON_REPLICAS`); None: as many as there are
     nodes, up to 3 — the most a single machine's loss asks for."""
 
+    gpus: list[Gpu] | None = None
+    """The GPUs the trainers are spread over, one each (round-robin when there are more
+    trainers than GPUs), each pinned by `CUDA_VISIBLE_DEVICES`; None: those of this host
+    that this process's own `CUDA_VISIBLE_DEVICES` allows (`shared.gpus`)."""
+
     @property
     def stream_replicas(self) -> int:
         return self.replicas if self.replicas is not None else min(3, self.hub_nodes)
@@ -133,9 +143,12 @@ def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
     data = opts.data_dir.absolute()
     trainer = f"{opts.site}-trainer" if opts.site else "trainer"
     services = ["checkpointer"] if opts.site else ["dispatcher", "checkpointer", "reaper"]
-    services += [f"{trainer}-{i}" for i in range(1, opts.trainers + 1)]
+    usable = devices(opts)
+    trainers = [f"{trainer}-{i}" for i in range(1, trainer_count(opts, usable) + 1)]
+    # Trainer N's training processes get GPU N (round-robin past the last one).
+    pinned = {t: gpus.pin(usable[i % len(usable)]) for i, t in enumerate(trainers) if usable}
     specs = []
-    for name in services:
+    for name in services + trainers:
         module = "services.trainer" if _is_trainer(name) else f"services.{name}"
         env = {
             "NATS_URL": nats_url,
@@ -153,6 +166,7 @@ def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
             env["BATON_REPLICAS"] = str(opts.stream_replicas)
         if opts.site:
             env["BATON_SITE"] = opts.site
+        env.update(pinned.get(name, {}))
         if (v := vault(opts)) is not None:
             # A path, not the password: the environment is copied to more places.
             user = user_of(opts, "trainer" if _is_trainer(name) else name)
@@ -167,6 +181,17 @@ def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
             ServiceSpec(name=name, argv=[sys.executable, "-m", module], env=env, cwd=os.getcwd())
         )
     return specs
+
+
+def devices(opts: StackOptions) -> list[Gpu]:
+    """The GPUs the stack's trainers are spread over (`StackOptions.gpus`)."""
+    return opts.gpus if opts.gpus is not None else gpus.visible(gpus.host_gpus(), os.environ)
+
+
+def trainer_count(opts: StackOptions, usable: list[Gpu]) -> int:
+    if opts.trainers is not None:
+        return opts.trainers
+    return len(usable) or CPU_TRAINERS
 
 
 def _pythonpath() -> str:
@@ -351,20 +376,7 @@ async def run_stack(
                 "started_at": time.time(),
             },
         )
-        print(f"nats: {server.url}", file=out)
-        if len(server.nodes) > 1:
-            print(
-                f"hub: {len(server.nodes)} nodes, streams and buckets on "
-                f"{opts.stream_replicas} of them",
-                file=out,
-            )
-        if opts.site:
-            print(f"site: {opts.site} (leaf of {opts.hub_url})", file=out)
-        else:
-            print(f"sites join at: {sites_url}", file=out)
-        print(f"store: {store_url(opts)}", file=out)
-        if (v := vault(opts)) is not None:
-            print(f"auth: on; credentials in {v.root} (the CLI's: operator.env)", file=out)
+        _banner(opts, server, sites_url, out)
         print(f"logs: {data / 'logs'}", file=out, flush=True)
         try:
             await _serve(server, stop)
@@ -384,6 +396,27 @@ async def run_stack(
         if own_signals:
             remove_stop_signals(loop)
         lock.close()
+
+
+def _banner(opts: StackOptions, server: HubCluster, sites_url: str, out: IO[str]) -> None:
+    """What `baton up` says it started, before its log directory."""
+    print(f"nats: {server.url}", file=out)
+    if len(server.nodes) > 1:
+        print(
+            f"hub: {len(server.nodes)} nodes, streams and buckets on "
+            f"{opts.stream_replicas} of them",
+            file=out,
+        )
+    if opts.site:
+        print(f"site: {opts.site} (leaf of {opts.hub_url})", file=out)
+    else:
+        print(f"sites join at: {sites_url}", file=out)
+    print(f"store: {store_url(opts)}", file=out)
+    if usable := devices(opts):
+        listed = ", ".join(f"{g.index} ({g.name})" for g in usable)
+        print(f"gpus: {listed}; each trainer pinned to one, in turn", file=out)
+    if (v := vault(opts)) is not None:
+        print(f"auth: on; credentials in {v.root} (the CLI's: operator.env)", file=out)
 
 
 async def _serve(server: HubCluster, stop: asyncio.Event) -> None:

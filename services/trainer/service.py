@@ -19,9 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -38,7 +36,7 @@ from services.trainer.attempt import Attempt
 from services.trainer.child_proc import Zygote
 from services.trainer.claim import WorkDir
 from services.trainer.verdicts import Outcome, Scope, Verdict, apply
-from shared import telemetry
+from shared import gpus, telemetry
 from shared.backoff import Backoff, retrying
 from shared.bus import names
 from shared.bus.answer import dead_letter
@@ -292,17 +290,11 @@ async def _until_reachable(call: Callable[[], Awaitable[None]], what: str) -> No
 
 
 def _device() -> tuple[str, str, int]:
-    """(device, GPU name, GPU memory in bytes), read once from nvidia-smi if present:
-    the trainer itself does not import torch, only its children do."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
+    """(device, GPU name, GPU memory in bytes) of the GPU this trainer's training processes
+    use — the first one its CUDA_VISIBLE_DEVICES lets them see, `cuda:<nvidia-smi index>` —
+    or ("cpu", "", 0). Read once, from nvidia-smi: the trainer itself does not import torch."""
+    usable = gpus.visible(gpus.host_gpus(), os.environ)
+    if not usable:
         return "cpu", "", 0
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout.splitlines()[0]  # fmt: skip
-        name, mib = (p.strip() for p in out.split(","))
-        return "cuda", name, int(float(mib)) * 1024 * 1024
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return "cpu", "", 0
+    gpu = usable[0]
+    return f"cuda:{gpu.index}", gpu.name, gpu.memory_bytes

@@ -34,6 +34,8 @@ class WorkerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     host: str
     pid: int
     device: str
+    """`cpu`, or `cuda:<index>`: the GPU (nvidia-smi's index on the host) its training
+    processes use."""
     gpu_name: str = ""
     gpu_memory_bytes: int = 0
     run_id: str | None = None
