@@ -32,7 +32,13 @@ from shared.bus import sourcing as sites
 from shared.bus.answer import handle
 from shared.bus.emit import emit
 from shared.bus.service import pull_loop
-from shared.bus.streams import checkpointer_consumer, ensure, ensure_consumer, ensure_site
+from shared.bus.streams import (
+    checkpointer_consumer,
+    declared,
+    ensure,
+    ensure_consumer,
+    ensure_site,
+)
 from shared.checkpoint import commit, retention
 from shared.checkpoint.store import Store, open_store
 from shared.config import Settings
@@ -60,11 +66,14 @@ class Checkpointer:
         await self.store.close()
 
     async def start(self) -> None:
-        if self.site:
-            await ensure_site(self.js, self.site)
-        else:
-            await ensure(self.js, self.replicas)
-        await ensure_consumer(self.js, names.CKPT_STREAM, checkpointer_consumer(self.site))
+        async def declare() -> None:
+            if self.site:
+                await ensure_site(self.js, self.site)
+            else:
+                await ensure(self.js, self.replicas)
+            await ensure_consumer(self.js, names.CKPT_STREAM, checkpointer_consumer(self.site))
+
+        await declared(declare, log)
 
     async def serve(self, stop: asyncio.Event) -> None:
         commits = pull_loop(

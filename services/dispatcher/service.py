@@ -33,7 +33,13 @@ from shared.bus.answer import handle
 from shared.bus.connect import publish
 from shared.bus.emit import emit
 from shared.bus.service import pull_loop
-from shared.bus.streams import cancel_consumer, dispatcher_consumer, ensure, ensure_consumer
+from shared.bus.streams import (
+    cancel_consumer,
+    declared,
+    dispatcher_consumer,
+    ensure,
+    ensure_consumer,
+)
 from shared.config import Settings
 from shared.contracts import (
     JobSpec,
@@ -73,9 +79,12 @@ class Dispatcher:
         return None
 
     async def start(self) -> None:
-        await ensure(self.js, self.settings.replicas)
-        await ensure_consumer(self.js, names.SUBMIT_STREAM, dispatcher_consumer())
-        await ensure_consumer(self.js, names.CANCEL_STREAM, cancel_consumer())
+        async def declare() -> None:
+            await ensure(self.js, self.settings.replicas)
+            await ensure_consumer(self.js, names.SUBMIT_STREAM, dispatcher_consumer())
+            await ensure_consumer(self.js, names.CANCEL_STREAM, cancel_consumer())
+
+        await declared(declare, log)
         self.runs = await Runs.open(self.js)
         self.pools = Pools(self.js, load_table(self.settings.pools_file))
 

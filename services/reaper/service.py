@@ -51,7 +51,7 @@ from shared.bus.answer import handle
 from shared.bus.connect import publish
 from shared.bus.emit import emit
 from shared.bus.service import pull_loop
-from shared.bus.streams import ensure, ensure_consumer, reaper_consumer
+from shared.bus.streams import declared, ensure, ensure_consumer, reaper_consumer
 from shared.checkpoint import retention
 from shared.checkpoint.store import open_store
 from shared.config import Settings
@@ -94,8 +94,11 @@ class Reaper:
         await self.store.close()
 
     async def start(self) -> None:
-        await ensure(self.js, self.settings.replicas)
-        await ensure_consumer(self.js, names.ADVISORY_STREAM, reaper_consumer())
+        async def declare() -> None:
+            await ensure(self.js, self.settings.replicas)
+            await ensure_consumer(self.js, names.ADVISORY_STREAM, reaper_consumer())
+
+        await declared(declare, log)
         self.runs = await Runs.open(self.js)
         self.lapses = Lapses(self.nc, self.js, self.runs, self.lease_secret)
         await self.lapses.start()

@@ -8,9 +8,11 @@ named, because running against a stale definition would silently break an invari
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import fields, replace
 from typing import Any
 
+import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -22,8 +24,14 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import (
+    APIError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 
+from shared.backoff import Backoff, retrying
 from shared.bus import names
 from shared.errors import ConfigError
 
@@ -210,6 +218,31 @@ def reaper_consumer() -> ConsumerConfig:
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=30.0,
         max_deliver=-1,
+    )
+
+
+NOT_ANSWERING = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+)
+"""What JetStream's API raises while it cannot answer yet: a clustered hub without a
+majority of its nodes up, or electing its meta leader, as it does in its first seconds."""
+
+
+async def declared(call: Callable[[], Awaitable[None]], log: logging.Logger) -> None:
+    """Run `call`, a service's declarations (`ensure`, its consumers), until JetStream
+    answers it. A hub service that started with its cluster — or while too few nodes are
+    up — would otherwise exit on its first request (seen in CI: the reaper's first
+    STREAM.INFO on a three-node hub just started timed out). Declarations are idempotent,
+    so one that landed unanswered is simply found done on the next attempt."""
+    await retrying(
+        call,
+        retry_on=NOT_ANSWERING,
+        what="the hub's JetStream is not answering yet",
+        backoff=Backoff(first=0.5, most=5.0),
+        log=log,
     )
 
 

@@ -1,7 +1,10 @@
-"""Stream definitions applied to a real server: created, updated, or refused loudly."""
+"""Stream definitions applied to a real server: created, updated, or refused loudly; and
+waited for while a clustered hub has no majority."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -81,6 +84,50 @@ async def test_a_hub_that_grew_a_cluster_gets_every_stream_on_three_nodes(tmp_pa
             await eventually(all_on_three, 60, "every stream on three nodes")
             kept = await js.get_last_msg(names.ARCHIVE_STREAM, names.archive_subject("r1"))
             assert kept.data == b"kept"
+        finally:
+            await nc.close()
+    finally:
+        await hub.stop()
+
+
+async def test_a_service_started_without_a_majority_waits_for_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hub service whose cluster has too few nodes up — as when it starts with its
+    cluster — waits for JetStream to answer instead of exiting on its first request."""
+    from baton.stack.cluster import HubCluster
+    from baton.stack.natsserver import ClusterRoutes, NatsServer
+    from services.reaper.service import Reaper
+    from shared import config
+
+    def node(i: int, routes: ClusterRoutes | None) -> NatsServer:
+        return NatsServer(tmp_path / f"n{i}", server_name=f"n{i}", cluster=routes)
+
+    hub = HubCluster(3, node)
+    await hub.start()
+    try:
+        lone, *others = hub.nodes
+        nc = await connect(lone.url, "test", first_attempt_timeout=10)
+        try:
+            await asyncio.gather(*(n.kill() for n in others))
+            settings = config.load(
+                {"BATON_REPLICAS": "3", "BATON_STORE": f"file://{tmp_path / 'store'}"}
+            )
+            reaper = Reaper(nc, settings)
+            caplog.set_level(logging.WARNING, logger="baton.reaper")
+            starting = asyncio.create_task(reaper.start())
+
+            async def waiting() -> bool:
+                assert not starting.done() or starting.exception() is None, starting.exception()
+                return "JetStream is not answering yet" in caplog.text
+
+            await eventually(waiting, 60, "the reaper to wait for a majority")
+            assert not starting.done()
+            await asyncio.gather(*(n.start() for n in others))
+            await asyncio.wait_for(starting, 120)
+            await reaper.close()
+            info = await nc.jetstream().stream_info(names.TASKS_STREAM)
+            assert info.config.num_replicas == 3
         finally:
             await nc.close()
     finally:
