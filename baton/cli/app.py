@@ -49,7 +49,7 @@ def up(
     port: Annotated[
         int | None,
         typer.Option(
-            help="NATS client port on 127.0.0.1 (0: any free port). [default: 4222, a site 4223]"
+            help="NATS client port on 127.0.0.1 (0: any free port). \\[default: 4222, a site 4223]"
         ),
     ] = None,
     trainers: Annotated[
@@ -58,7 +58,7 @@ def up(
             min=0,
             max=64,
             help="Trainer processes to run, each on its own GPU while there are GPUs left. "
-            "[default: one per GPU of this host, or 2 without one]",
+            "\\[default: one per GPU of this host, or 2 without one]",
         ),
     ] = None,
     pool: Annotated[str, typer.Option(help="Pool the trainers serve.")] = "default",
@@ -108,7 +108,7 @@ def up(
         typer.Option(
             min=1,
             max=5,
-            help="Copies of each stream and bucket. [default: the nodes, up to 3]",
+            help="Copies of each stream and bucket. \\[default: the nodes, up to 3]",
         ),
     ] = None,
 ) -> None:
@@ -493,7 +493,7 @@ def connection(
         typer.Option(
             envvar="NATS_AUTH_FILE",
             help="NATS user and password file, as `baton up` writes them "
-            "[default: ./.baton/auth/operator.env if present].",
+            "\\[default: ./.baton/auth/operator.env if present].",
         ),
     ] = None,
     tlsca: Annotated[
