@@ -18,13 +18,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
 from shared.bus import names
-from shared.bus.connect import publish
+from shared.bus.connect import UNAVAILABLE, publish
 from shared.contracts import encode
 from shared.contracts.letters import DeadLetter
 from shared.errors import PermanentError, TransientError
@@ -33,14 +31,6 @@ log = logging.getLogger("baton.outcome")
 
 BUG_DELAY_S = 5.0
 UNAVAILABLE_DELAY_S = 1.0
-UNAVAILABLE = (
-    nats.errors.TimeoutError,
-    nats.errors.NoRespondersError,
-    NoStreamResponseError,
-    ServiceUnavailableError,
-)
-"""What a request to a stream without a leader (a clustered hub electing one, docs/nats.md)
-or to a server that is gone raises."""
 MAX_LETTER_PAYLOAD = 512 * 1024
 """A letter carries its payload base64-encoded (4/3 the size), so a poison message near the
 1 MiB message limit would not fit in one: the publish would fail and the message would never

@@ -18,7 +18,7 @@ from nats.aio.client import Client
 from nats.errors import NoServersError
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
-from nats.js.errors import NoStreamResponseError
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
 from shared import auth
 from shared.backoff import Backoff, retrying
@@ -161,3 +161,12 @@ async def publish(
 
 
 RETRY_PUBLISH = (TimeoutError, NoStreamResponseError, nats.errors.TimeoutError)
+UNAVAILABLE = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+)
+"""What a JetStream request raises while JetStream cannot answer: a stream electing its
+leader, a clustered hub without a majority of its nodes up or electing its meta leader (as
+in its first seconds), a server gone (docs/nats.md)."""

@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import fields, replace
 from typing import Any
 
-import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -24,15 +23,11 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import (
-    APIError,
-    NoStreamResponseError,
-    NotFoundError,
-    ServiceUnavailableError,
-)
+from nats.js.errors import APIError, NotFoundError
 
 from shared.backoff import Backoff, retrying
 from shared.bus import names
+from shared.bus.connect import UNAVAILABLE
 from shared.errors import ConfigError
 
 log = logging.getLogger("baton.streams")
@@ -221,16 +216,6 @@ def reaper_consumer() -> ConsumerConfig:
     )
 
 
-NOT_ANSWERING = (
-    nats.errors.TimeoutError,
-    nats.errors.NoRespondersError,
-    NoStreamResponseError,
-    ServiceUnavailableError,
-)
-"""What JetStream's API raises while it cannot answer yet: a clustered hub without a
-majority of its nodes up, or electing its meta leader, as it does in its first seconds."""
-
-
 async def declared(call: Callable[[], Awaitable[None]], log: logging.Logger) -> None:
     """Run `call`, a service's declarations (`ensure`, its consumers), until JetStream
     answers it. A hub service that started with its cluster — or while too few nodes are
@@ -239,7 +224,7 @@ async def declared(call: Callable[[], Awaitable[None]], log: logging.Logger) -> 
     so one that landed unanswered is simply found done on the next attempt."""
     await retrying(
         call,
-        retry_on=NOT_ANSWERING,
+        retry_on=UNAVAILABLE,
         what="the hub's JetStream is not answering yet",
         backoff=Backoff(first=0.5, most=5.0),
         log=log,
