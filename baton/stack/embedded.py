@@ -335,6 +335,8 @@ async def run_stack(
     skips the grace periods. Returns the exit status for the CLI: 0 after a clean stop, 1
     when the stack could not start or lost its NATS server for good."""
     out = out if out is not None else sys.stdout
+    # Ask nvidia-smi once: the trainers' specs and the banner both need the GPUs.
+    opts = msgspec.structs.replace(opts, gpus=devices(opts))
     data = opts.data_dir.absolute()
     for sub in ("nats", "store", "logs", "run", "work"):
         (data / sub).mkdir(parents=True, exist_ok=True)
