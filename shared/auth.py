@@ -112,7 +112,7 @@ _FLOW = ["$JS.FC.>"]
 """Flow-control replies of push consumers (ordered consumers, `keys()`)."""
 _ALL_KV = (
     names.RUNS_BUCKET, names.LEASES_BUCKET, names.WORKERS_BUCKET, names.POOLS_BUCKET,
-    names.SITES_BUCKET, names.LIVE_BUCKET,
+    names.SITES_BUCKET, names.LIVE_BUCKET, names.GROUPS_BUCKET,
 )  # fmt: skip
 _GET_ARCHIVED = f"{API}.DIRECT.GET.{names.ARCHIVE_STREAM}.>"
 """Reading an ended run's record by its run id (`shared.state.archive`)."""
@@ -207,13 +207,19 @@ def _trainer_publish(api: str, kv_prefix: str, site: str) -> tuple[str, ...]:
     """A trainer's: its work queue, the KV it reads and writes, and what it sends home."""
     return (
         f"{api}.INFO", *_FLOW, *_consume(api, names.TASKS_STREAM),
-        *_read_kv(api, names.RUNS_BUCKET, names.POOLS_BUCKET),
+        *_read_kv(api, names.RUNS_BUCKET, names.POOLS_BUCKET, names.GROUPS_BUCKET),
         *_get_by_key(api, names.LEASES_BUCKET),
-        *_write_kv(kv_prefix, names.RUNS_BUCKET, names.LEASES_BUCKET, names.POOLS_BUCKET),
+        *_write_kv(
+            kv_prefix, names.RUNS_BUCKET, names.LEASES_BUCKET, names.POOLS_BUCKET,
+            names.GROUPS_BUCKET,
+        ),
         *(
             [names.site_root(site, k) for k in ("events", "logs", "ckpt", "dlq", "workers")]
             if site
-            else [f"{names.PREFIX}.{k}.>" for k in ("events", "logs", "ckpt", "dlq")]
+            # A hub trainer leading a group calls for its other ranks on the work queue
+            # (`services/trainer/group.py`); a site's link carries no hub subject, so groups
+            # are led from the hub.
+            else [f"{names.PREFIX}.{k}.>" for k in ("events", "logs", "ckpt", "dlq", "calls")]
             + _write_kv("", names.WORKERS_BUCKET)
         ),
     )  # fmt: skip

@@ -69,6 +69,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     replicas: int = 1
     """`BATON_REPLICAS`: servers of the hub's cluster that keep each stream and bucket; 3 on
     a three-node hub (`baton up --hub-nodes 3` sets it), at most the cluster's size."""
+    host_addr: str = "127.0.0.1"
+    """`BATON_HOST_ADDR`: the address other hosts reach this trainer's training processes at,
+    for runs of several ranks (rank 0's process serves its group's store there). Loopback
+    suits one machine (`baton up`); across hosts, this host's address on their network."""
+    form_wait_s: float = 30.0
+    """`BATON_FORM_WAIT`: seconds a run of several ranks holds its leader's trainer while
+    its group forms; then it gives the trainer back for that long, so a group that cannot
+    form never keeps other runs off the pool."""
     retain_ended_s: float = 86400.0
     """`BATON_RETAIN_ENDED`: seconds an ended run's record stays in the runs bucket after
     the reaper archived it; afterwards it is read from the archive (`baton status`,
@@ -125,6 +133,8 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             log_level=env.get("BATON_LOG_LEVEL", d.log_level),
             replicas=_int(env, "BATON_REPLICAS", d.replicas, minimum=1),
             retain_ended_s=_float(env, "BATON_RETAIN_ENDED", d.retain_ended_s),
+            host_addr=env.get("BATON_HOST_ADDR", d.host_addr),
+            form_wait_s=_float(env, "BATON_FORM_WAIT", d.form_wait_s),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

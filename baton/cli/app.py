@@ -275,6 +275,7 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
         ("retries", str(record.retries)),
         ("worker", record.worker or "-"),
         ("token", str(record.token or "-")),
+        *_group_rows(record),
         ("loss", fmt(record.metrics.get("loss"))),
         ("digest", record.digest or "-"),
         ("exact", exact),
@@ -283,6 +284,19 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
     ]:
         t.add_row(f"[bold]{k}[/bold]", v)
     out.print(t)
+
+
+def _group_rows(record: RunRecord) -> list[tuple[str, str]]:
+    """A run of several ranks: its group (workers by rank, its epoch), or why it waits."""
+    if record.spec.ranks == 1:
+        return []
+    rows = [("ranks", str(record.spec.ranks))]
+    if record.group:
+        held = ", ".join(f"{rank}: {worker}" for rank, worker in enumerate(record.group))
+        rows.append(("group", f"epoch {record.token}; {held}"))
+    if record.waiting and not record.state.terminal and not record.group:
+        rows.append(("waiting", record.waiting))
+    return rows
 
 
 @app.command()
@@ -419,13 +433,14 @@ def workers(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> 
     if as_json:
         print_json(found)
         return
-    t = Table("worker", "pool", "host", "device", "gpu", "run", "step", "seen")
+    t = Table("worker", "pool", "host", "device", "gpu", "run", "rank", "step", "seen")
     now = time.time()
     for w in found:
         gpu = f"{w.gpu_name} ({w.gpu_memory_bytes / 2**30:.0f} GiB)" if w.gpu_name else "-"
         t.add_row(
             w.worker, w.pool, w.host, w.device, gpu, w.run_id or "-",
-            "-" if w.step is None else str(w.step), f"{now - w.at:.0f}s ago",
+            "-" if w.rank is None else str(w.rank), "-" if w.step is None else str(w.step),
+            f"{now - w.at:.0f}s ago",
         )  # fmt: skip
     out.print(t)
 

@@ -38,7 +38,7 @@ from shared.history.timeline import Attempt, attempts_of
 PALETTE = ["#1f77b4", "#9467bd", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#393b79"]
 RED, ORANGE, GREEN, GREY, AMBER = "#d62728", "#e8710a", "#2ca02c", "#555555", "#b8860b"
 END_MARKER = {"preempted": ("v", ORANGE), "completed": ("*", GREEN), "running": (">", GREY),
-              "cancelled": ("X", GREY)}  # fmt: skip
+              "cancelled": ("X", GREY), "rank_lost": ("v", RED)}  # fmt: skip
 Marks = list[tuple[float, str, str]]  # (x, label, colour)
 HEADERS = ("time (UTC)", "since first", "type", "worker", "step", "detail")
 
@@ -161,6 +161,8 @@ def _attempt_marks(attempts: list[Attempt]) -> Marks:
                 steps.append((step, f"fenced {w}: {why}", RED))
             case ev.AttemptFailed(reason=why):
                 steps.append((step, f"attempt {a.started.attempt} failed: {why}", RED))
+            case ev.RankLost(rank=rank, lost=who, step=p):
+                steps.append((p, f"rank {rank} lost ({_w(who)}) @{p}", ORANGE))
         if a.outcome == "died":
             steps.append((step, f"{w} died @{step}", RED))
     return steps

@@ -22,8 +22,10 @@ from shared.contracts.events import (
     Event,
     Failed,
     Fenced,
+    GroupFormed,
     HandedOver,
     Preempted,
+    RankLost,
     Rejected,
     Started,
 )
@@ -63,6 +65,20 @@ def _attempt_line(event: Event) -> str | None:
             return f"[red]attempt {event.attempt} failed[/red]: {event.reason}"
         case HandedOver():
             return f"[yellow]handed over[/yellow] from {event.worker}: {event.reason}"
+    return _group_line(event)
+
+
+def _group_line(event: Event) -> str | None:
+    """What happened to a group of ranks: it formed, or lost a rank."""
+    match event:
+        case GroupFormed():
+            ranks = ", ".join(f"{r}: {w}" for r, w in enumerate(event.members))
+            return f"group of {len(event.members)} formed, epoch {event.epoch} ({ranks})"
+        case RankLost():
+            return (
+                f"[yellow]rank {event.rank} lost[/yellow] ({event.lost}, epoch {event.epoch})"
+                f" at step {event.step}: {event.reason}; the group forms again"
+            )
     return None
 
 

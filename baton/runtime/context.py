@@ -16,36 +16,45 @@ as it was at the step it names. `data_loader()` gives the common case's data pos
 In deterministic mode a run also checks itself: an attempt that resumes compares its first
 steps' metrics with what an earlier attempt reported after the same checkpoint, and tells
 the trainer if they differ (`baton.runtime.witness`).
+
+A run of several ranks (`ctx.rank`, `ctx.world_size`; `baton.runtime.group`) runs the entry
+point in every rank's process, which may wrap its model in `DistributedDataParallel`. All
+ranks stop and checkpoint at the same step, agreed once per step (one all-reduce). A
+checkpoint is one commit: rank 0 writes what the ranks share (models, optimizers, JSON values)
+and its own shard, the others only theirs (`rank<k>.` files: data positions, generators, RNG
+states, cursor), and rank 0's writer sends one `CheckpointReady` listing them all.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+import msgspec
 import torch
 from torch.utils.data import Dataset
 
 from baton.runtime import witness
 from baton.runtime.data import Batches
+from baton.runtime.load import chosen, load, rng_state
 from baton.runtime.slots import Slot, slot_for
 from baton.runtime.snapshot import Snapshotter
 from shared.checkpoint import commit
-from shared.checkpoint import files as checkpoint_files
 from shared.checkpoint.digest import weights_digest
+from shared.checkpoint.files import rank_prefix
 from shared.checkpoint.store import open_store
-from shared.checkpoint.tensors import declared, specs_of
 from shared.contracts import FileRef, Manifest, Task, spec_hash
 from shared.contracts.child import CheckpointReady, Divergence, FromChild, Loaded, StepDone
-from shared.errors import IntegrityError, NotFound
+from shared.errors import NotFound
+
+if TYPE_CHECKING:  # a single-rank run never imports torch.distributed's machinery
+    from baton.runtime.group import Group
 
 REPORT_INTERVAL_S = 0.2
 
@@ -59,6 +68,7 @@ class RunContext:
         spool: Path,
         send: Callable[[FromChild], None],
         launched_at: float | None = None,
+        group: Group | None = None,
     ) -> None:
         self._launched_at = time.monotonic() if launched_at is None else launched_at
         """When the training process was handed the task (monotonic): the entry point's own
@@ -68,7 +78,12 @@ class RunContext:
         self.config: dict[str, Any] = dict(task.spec.config)
         self.seed = task.spec.seed
         self.total_steps = task.spec.total_steps
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self._group = group
+        self.rank = group.rank if group else 0
+        self.world_size = group.world_size if group else 1
+        self.local_rank = group.local_rank if group else 0
+        """This rank's index among the group's ranks on its host."""
+        self.device = _device(self.local_rank)
         self.step = 0
         """Steps completed so far; the next step to run."""
         self.cursor: dict[str, Any] = {}
@@ -76,17 +91,22 @@ class RunContext:
         checkpoint is taken, between steps). Entry points that derive their batches from
         `step`, or draw them from `data_loader()`, need not use it."""
         self.token = token
+        """The fencing token every file of this attempt is written under; in a group, the
+        group's epoch, the same for every rank."""
         self._store_url = store_url
         self._send = send
         self._slots: list[Slot] = []
         self._loaders: dict[str, Batches] = {}
         self._metrics: dict[str, float] = {}
         self._step_metrics: dict[str, float] = {}
-        self._witness = witness.Witness(enabled=task.spec.deterministic)
-        self._snap = Snapshotter(store_url, spool)
+        # Rank 0's metrics stand for the run's: only its steps are checked.
+        self._witness = witness.Witness(enabled=task.spec.deterministic and self.rank == 0)
+        self._snap = Snapshotter(store_url, spool, prefix=rank_prefix(self.rank))
         self._lock = threading.Lock()
         self._want_checkpoint = False
         self._want_stop = False
+        self._agreed_stop = False
+        """In a group: whether any rank was told to stop, as agreed at the last step boundary."""
         self._last_saved = -1
         self._last_ckpt_time = time.monotonic()
         self._postponed = False
@@ -149,7 +169,9 @@ class RunContext:
             for step in ctx.steps():
                 x, y = next(batches)
 
-        Extra keyword arguments go to torchdata's `StatefulDataLoader` (`pin_memory`, …)."""
+        Extra keyword arguments go to torchdata's `StatefulDataLoader` (`pin_memory`, …).
+        In a run of several ranks each rank draws its own share of every epoch
+        (`baton.runtime.data`)."""
         if self._slots:
             raise RuntimeError("call data_loader() before restore(), which loads its position")
         if name in self._loaders:
@@ -162,6 +184,8 @@ class RunContext:
             num_workers=num_workers,
             drop_last=drop_last,
             collate_fn=collate_fn,
+            rank=self.rank,
+            world_size=self.world_size,
             **loader_options,
         )
         self._loaders[name] = batches
@@ -189,11 +213,14 @@ class RunContext:
         self._step_metrics.update(values)
 
     def checkpoint(self) -> None:
-        """Checkpoint now. Blocks only for the copy into host memory."""
+        """Checkpoint now. Blocks only for the copy into host memory. In a group, every rank
+        must call it at the same step (rank 0 waits for every rank's files)."""
         self._save(final=False)
 
     @property
     def should_stop(self) -> bool:
+        if self._group is not None:
+            return self._agreed_stop  # the same on every rank, so all of them stop together
         with self._lock:
             return self._want_stop
 
@@ -205,7 +232,8 @@ class RunContext:
                 self._want_checkpoint = True
             elif action == "stop":
                 self._want_stop = True
-            elif action == "token" and token > self.token:
+            elif action == "token" and token > self.token and self._group is None:
+                # A group's files are all written under its epoch, whoever holds which lease.
                 self.token = token
 
     def close(self) -> None:
@@ -221,6 +249,7 @@ class RunContext:
         policy = self.spec.checkpoint
         with self._lock:
             asked, self._want_checkpoint = self._want_checkpoint, False
+            stop = self._want_stop
         periodic = (
             self._postponed
             or (policy.every_steps is not None and self.step % policy.every_steps == 0)
@@ -229,9 +258,15 @@ class RunContext:
                 and now - self._last_ckpt_time >= policy.every_seconds
             )
         )
+        busy = self._snap.busy
+        if self._group is not None:
+            # Every rank acts on what any rank has: asked, due (`every_seconds` counts on each
+            # rank's own clock), still writing. One all-reduce per step, nothing more.
+            stop, asked, periodic, busy = self._group.agree([stop, asked, periodic, busy])
+            self._agreed_stop = stop
         # A periodic checkpoint never waits for the write before it (see baton.runtime.snapshot):
         # it is postponed to the first step after that write is done. Asked-for ones wait.
-        save = self.step < self.total_steps and (asked or (periodic and not self._snap.busy))
+        save = self.step < self.total_steps and (asked or (periodic and not busy))
         self._postponed = periodic and not save and self.step < self.total_steps
         if now - self._last_report >= REPORT_INTERVAL_S or save or self.step == self.total_steps:
             self._last_report = now
@@ -244,53 +279,64 @@ class RunContext:
             raise RuntimeError("writing a checkpoint failed") from self._write_error
         if self.step == self._last_saved and not final:
             return
+        groups, meta = self._state()
+        try:
+            snap, stalled = self._snap.capture(self.step, groups, meta)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"ctx.cursor must hold only JSON values: {exc}") from None
+        if not final:
+            self._witness.checkpointed(self.step)
+        ready = CheckpointReady(
+            step=snap.step, token=self.token, files=[], final=final,
+            digest=meta.get("digest", ""), metrics=dict(self._metrics), stall_s=stalled,
+        )  # fmt: skip
+
+        def failed(exc: BaseException) -> None:
+            self._write_error = exc
+
+        self._snap.write_async(
+            snap, self.run_id, ready.token, partial(self._written, ready), failed
+        )
+        self._last_saved = self.step
+        self._last_ckpt_time = time.monotonic()
+        self._postponed = False
+
+    def _state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        """This rank's part of a checkpoint now: tensors by file, and its meta.json."""
         groups: dict[str, dict[str, torch.Tensor]] = {}
         trees: dict[str, Any] = {}
         for slot in self._slots:
-            groups[slot.name] = {}
-            trees[slot.name] = slot.capture(groups[slot.name])
-        rng_tensors, rng_json = _rng_state()
+            if self.rank == 0 or slot.per_rank:  # what all ranks share, rank 0 saves
+                groups[slot.name] = {}
+                trees[slot.name] = slot.capture(groups[slot.name])
+        rng_tensors, rng_json = rng_state()
         groups["rng"] = rng_tensors
-        model = next(iter(groups.values()))
-        digest = weights_digest(model)
-        meta = {
+        meta: dict[str, Any] = {
             "run_id": self.run_id,
             "step": self.step,
             "cursor": self.cursor,
             "state": trees,
             "rng": rng_json,
             "spec_hash": spec_hash(self.spec),
-            "digest": digest,
-            "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
         }
-        try:
-            snap, stalled = self._snap.capture(self.step, groups, meta)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"ctx.cursor must hold only JSON values: {exc}") from None
-        token, metrics = self.token, dict(self._metrics)
-        if not final:
-            self._witness.checkpointed(self.step)
+        if self.rank > 0:
+            meta["rank"] = self.rank
+            return groups, meta
+        meta["digest"] = weights_digest(next(iter(groups.values())))
+        meta["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+        if self.world_size > 1:
+            meta["ranks"] = self.world_size
+        return groups, meta
 
-        def done(files: list[FileRef]) -> None:
-            self._send(
-                CheckpointReady(
-                    step=snap.step,
-                    token=token,
-                    files=files,
-                    final=final,
-                    digest=digest,
-                    metrics=metrics,
-                    stall_s=stalled,
-                )
-            )
-
-        def failed(exc: BaseException) -> None:
-            self._write_error = exc
-
-        self._snap.write_async(snap, self.run_id, token, done, failed)
-        self._last_saved = self.step
-        self._last_ckpt_time = time.monotonic()
-        self._postponed = False
+    def _written(self, ready: CheckpointReady, files: list[FileRef]) -> None:
+        """On the writer thread, once this rank's files are stored: another rank hands them
+        to rank 0, whose writer sends them with its own, as one checkpoint."""
+        if self._group is not None and self.rank > 0:
+            self._group.publish_files(ready.step, files)
+            return
+        if self._group is not None:
+            files = files + self._group.gather_files(ready.step)
+        self._send(msgspec.structs.replace(ready, files=files))
 
     def _check_step(self) -> None:
         """The step just done, against the witness of the checkpoint it follows."""
@@ -312,8 +358,19 @@ class RunContext:
     async def _find_checkpoint(
         self,
     ) -> tuple[Manifest | None, list[int], list[witness.Row] | None]:
+        """The checkpoint to resume from: the newest that verifies, as rank 0 found it (a
+        commit landing while the ranks look must not split them), and its witness."""
         async with open_store(self._store_url) as store:
-            manifest, damaged = await commit.restorable(store, self.run_id)
+            damaged: list[int] = []
+            if self._group is not None and self.rank > 0:
+                key = await asyncio.to_thread(self._group.shared, "restore")
+                manifest = await chosen(store, key, self.run_id)
+            else:
+                manifest, damaged = await commit.restorable(store, self.run_id)
+            if self._group is not None and self.rank == 0:
+                self._group.share("restore", commit.key_of(manifest) if manifest else "")
+            if manifest is not None:
+                commit.check_ranks(manifest, self.world_size)
             if manifest is None or not self._witness.enabled:
                 return manifest, damaged, None
             try:
@@ -323,100 +380,20 @@ class RunContext:
             return manifest, damaged, witness.decode(data, manifest.step)
 
     def _load(self, manifest: Manifest) -> None:
-        """Load a checkpoint that `commit.restorable` verified. Every file's tensors are
-        checked again here, against meta.json and against the objects they go into, before
-        any object is touched: a mismatch is refused naming the tensor and leaves the
-        objects as they were, where `load_state_dict` would fail half-way with torch's
-        message."""
-        step, suffix = manifest.step, checkpoint_files.SUFFIX
-        with tempfile.TemporaryDirectory(prefix="baton-restore-") as tmp:
-            local = asyncio.run(_download(self._store_url, manifest.files, Path(tmp)))
-            if checkpoint_files.META not in local or f"rng{suffix}" not in local:
-                raise IntegrityError(f"checkpoint {step} lacks meta.json or rng{suffix}")
-            meta = checkpoint_files.read_meta(local[checkpoint_files.META])
-            if meta.get("run_id") != self.run_id or meta.get("spec_hash") != spec_hash(self.spec):
-                raise IntegrityError(f"checkpoint {step} belongs to another run or job spec")
-            state, cursor, saved = meta.get("state"), meta.get("cursor"), meta.get("step")
-            if not (isinstance(state, dict) and isinstance(cursor, dict) and type(saved) is int):
-                raise IntegrityError(f"checkpoint {step}: meta.json lacks state, cursor or step")
-            for slot in self._slots:
-                name = slot.name
-                if f"{name}{suffix}" not in local or name not in state:
-                    raise IntegrityError(f"checkpoint {step} has no state for {name!r}")
-                live = slot.live()
-                checkpoint_files.check_tensors(
-                    local[f"{name}{suffix}"],
-                    f"{name}{suffix}",
-                    recorded=declared(state[name]),
-                    live=live,
-                    live_name=f"the {name} being restored",
-                )
-            checkpoint_files.check_tensors(
-                local[f"rng{suffix}"],
-                f"rng{suffix}",
-                live=specs_of(_rng_state()[0]),
-                live_name="this process's RNG",
-                required=("torch", "numpy"),
-            )
-            # Objects, then data loaders, then generators (`baton.runtime.slots`); the global
-            # RNGs last.
-            for slot in sorted(self._slots, key=lambda s: s.phase):
-                name = slot.name
-                tensors = checkpoint_files.load_tensors(local[f"{name}{suffix}"], f"{name}{suffix}")
-                try:
-                    slot.load(state[name], tensors)
-                except RecursionError:
-                    raise IntegrityError(f"checkpoint {step}: {name!r} nested too deeply") from None
-                except (KeyError, TypeError, ValueError) as exc:
-                    raise IntegrityError(
-                        f"checkpoint {step}: cannot restore {name!r}: {exc}"
-                    ) from exc
-            rng = checkpoint_files.load_tensors(local[f"rng{suffix}"], f"rng{suffix}")
-            try:
-                _set_rng_state(rng, meta["rng"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise IntegrityError(f"checkpoint {step}: malformed RNG state: {exc!r}") from None
-        self.step = saved
+        """Load a checkpoint that `commit.restorable` verified (`baton.runtime.load`)."""
+        self.step, cursor = load(
+            self._store_url, manifest, self._slots,
+            run_id=self.run_id, spec_hash=spec_hash(self.spec), rank=self.rank,
+        )  # fmt: skip
         self.cursor.clear()  # in place, like registered dicts: a reference taken earlier
         self.cursor.update(cursor)  # is still the one saved
         self._last_saved = self.step
         self._last_ckpt_time = time.monotonic()
 
 
-async def _download(store_url: str, files: list[FileRef], into: Path) -> dict[str, Path]:
-    out = {}
-    async with open_store(store_url) as store:
-        for ref in files:
-            # A name becomes a local path here: refuse one that would land outside `into`,
-            # whatever checks the manifest passed before.
-            path = into / checkpoint_files.check_name(ref.name)
-            if path.parent != into or ref.name in out:
-                raise IntegrityError(f"checkpoint file {ref.name!r} cannot be downloaded")
-            out[ref.name] = path
-            await store.download(ref.key, path)
-    return out
-
-
-def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    tensors = {"torch": torch.get_rng_state()}
+def _device(local_rank: int) -> torch.device:
+    """The rank's device: with CUDA, one of the host's GPUs by local rank (a trainer under
+    `baton up` sees only its own GPU, so that is cuda:0); the CPU otherwise."""
     if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"cuda.{i}"] = state
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    tensors["numpy"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
-    version, internal, gauss_next = random.getstate()
-    return tensors, {
-        "numpy": [kind, int(pos), int(has_gauss), float(cached)],
-        "python": [version, list(internal), gauss_next],
-    }
-
-
-def _set_rng_state(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> None:
-    torch.set_rng_state(tensors["torch"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("cuda.")]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
-    kind, pos, has_gauss, cached = js["numpy"]
-    np.random.set_state((kind, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
-    version, internal, gauss_next = js["python"]
-    random.setstate((version, tuple(internal), gauss_next))
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")

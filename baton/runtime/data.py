@@ -18,6 +18,17 @@ hands that same iterator to the next `iter(loader)` — and sets the generators 
 `Batches` is the common case made short: an endless stream of batches over a map-style
 dataset, reshuffled every epoch from the run's seed, that a training loop draws from once per
 step. It is registered with the run by `RunContext.data_loader`.
+
+In a run of several ranks, `Batches` gives each rank its own share of every epoch, through
+torchdata's `StatefulDistributedSampler` (checked against torchdata 0.11): every rank draws
+the same permutation (from seed + epoch, not from a generator's live state, so nothing but
+the epoch needs to be the same on every rank), cut to a multiple of the group's size and
+dealt out as `indices[rank::world_size]` — disjoint shares of equal length, so every rank's
+epochs end at the same step. Its state is how many of its indices the rank has drawn, and a
+resume skips that many *indices*, reading no sample (like the single-rank case). Two things
+it leaves to its user are done here: it reshuffles only when told the epoch (`set_epoch`,
+before each epoch and before a resumed one), and its `state_dict()` reports the old count
+until the first index after a load is drawn (`_Shard`).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 
 def generators_of(loader: StatefulDataLoader) -> list[torch.Generator]:
@@ -66,6 +78,17 @@ def load_loader_state(loader: StatefulDataLoader, state: dict[str, Any]) -> None
         g.set_state(s)
 
 
+class _Shard(StatefulDistributedSampler):  # type: ignore[misc]
+    """A rank's share of each epoch. torchdata's sampler takes a loaded position only when
+    its next iterator starts drawing; until then its `state_dict()` would report the count
+    from before the load, and a checkpoint taken then would resume at the wrong sample."""
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.next_yielded is not None:
+            return {self._YIELDED: self.next_yielded}
+        return super().state_dict()  # type: ignore[no-any-return]
+
+
 class Batches:
     """An endless, resumable stream of batches: epoch after epoch over a map-style dataset,
     each epoch in a new order drawn from a generator seeded by the run. Draw one batch per
@@ -82,17 +105,31 @@ class Batches:
         num_workers: int = 0,
         drop_last: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
         **loader_options: Any,
     ) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        """Draws each epoch's order in a single-rank run; the workers' seeds in any run."""
+        self._shard: _Shard | None = None
+        order: dict[str, Any] = {"shuffle": shuffle}
+        if world_size > 1:
+            if "sampler" in loader_options or "batch_sampler" in loader_options:
+                raise ValueError("ctx.data_loader() shares the data out among ranks itself:"
+                                 " pass it no sampler")  # fmt: skip
+            self._shard = _Shard(
+                dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                drop_last=True,
+            )  # fmt: skip
+            order = {"sampler": self._shard}
         self.loader = StatefulDataLoader(
             dataset,
             batch_size=batch_size,
-            shuffle=shuffle,
             num_workers=num_workers,
             drop_last=drop_last,
             collate_fn=collate_fn,
             generator=self.generator,
+            **order,
             **loader_options,
         )
         self.epoch = 0
@@ -105,6 +142,8 @@ class Batches:
     def __next__(self) -> Any:
         for _ in range(2):  # one epoch ending, then the next one's first batch
             if self._it is None:
+                if self._shard is not None:
+                    self._shard.set_epoch(self.epoch)
                 self._it = iter(self.loader)
             try:
                 return next(self._it)
@@ -120,6 +159,8 @@ class Batches:
         epoch = state.get("epoch")
         if type(epoch) is not int or epoch < 0:
             raise ValueError(f"a data position needs a whole epoch number, not {epoch!r}")
+        if self._shard is not None:
+            self._shard.set_epoch(epoch)  # the resumed iterator draws that epoch's order
         load_loader_state(self.loader, state)
         self.epoch = epoch
         self._it = None

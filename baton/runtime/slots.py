@@ -15,6 +15,12 @@ checkpoint is due. The order of loading matters: objects first, then data loader
 their resumed iterators draws from generators), then generators, and the global RNGs last
 (`RunContext`), so every random state ends as it was saved, whatever drew from it on the way.
 
+In a run of several ranks, what a slot holds is either the same on every rank or the rank's
+own (`per_rank`). Models, optimizers, schedulers and JSON values are replicated (the user's
+DDP keeps them so), and rank 0's copy is the one saved. Data loaders and generators are per
+rank: each rank reads its own shard of the data and draws its own numbers, so each rank
+saves and restores its own.
+
 Capture copies: the tree `flatten` returns is built anew and its leaves are immutable, and
 the tensors are copied into the snapshot's buffers before the loop goes on, so nothing a
 checkpoint holds can change after the step it names.
@@ -45,6 +51,9 @@ class Slot(ABC):
 
     phase = 0
     """Load order: 0 objects, 1 data loaders, 2 generators."""
+    per_rank = False
+    """Whether each rank of a group saves its own (data positions, generators), or rank 0
+    saves the one all ranks share (the model, the optimizer)."""
 
     def __init__(self, name: str, obj: Any) -> None:
         self.name = name
@@ -82,6 +91,7 @@ class ObjectSlot(Slot):
 
 class BatchesSlot(ObjectSlot):
     phase = 1
+    per_rank = True
 
     def live(self) -> dict[str, TensorSpec] | None:
         return None  # its state_dict() would start the loader's workers
@@ -89,6 +99,7 @@ class BatchesSlot(ObjectSlot):
 
 class LoaderSlot(Slot):
     phase = 1
+    per_rank = True
 
     def state(self) -> Any:
         return loader_state(self.obj)
@@ -102,6 +113,7 @@ class LoaderSlot(Slot):
 
 class GeneratorSlot(Slot):
     phase = 2
+    per_rank = True
 
     def state(self) -> Any:
         return {"state": self.obj.get_state()}

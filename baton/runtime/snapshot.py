@@ -67,9 +67,12 @@ class Snapshot:
 
 
 class Snapshotter:
-    def __init__(self, store_url: str, spool: Path) -> None:
+    def __init__(self, store_url: str, spool: Path, prefix: str = "") -> None:
         self._store_url = store_url
         self._spool = spool
+        self._prefix = prefix
+        """Put before every file name: a rank's own shard (`rank1.`), "" for rank 0. Ranks
+        on one host share the spool directory, so it keeps their files apart there too."""
         self._buffers: dict[str, torch.Tensor] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baton-ckpt")
         self._pending: concurrent.futures.Future[None] | None = None
@@ -166,12 +169,12 @@ class Snapshotter:
         self._spool.mkdir(parents=True, exist_ok=True)
         files: list[tuple[str, Path]] = []
         for group, tensors in snap.groups.items():
-            path = self._spool / f"{group}.safetensors"
-            save_file(tensors, str(path))
-            files.append((f"{group}.safetensors", path))
-        meta_path = self._spool / "meta.json"
-        meta_path.write_bytes(snap.meta)
-        files.append(("meta.json", meta_path))
+            name = f"{self._prefix}{group}.safetensors"
+            save_file(tensors, str(self._spool / name))
+            files.append((name, self._spool / name))
+        meta_name = f"{self._prefix}meta.json"
+        (self._spool / meta_name).write_bytes(snap.meta)
+        files.append((meta_name, self._spool / meta_name))
         refs = []
         for name, path in files:
             size, digest = sha256_file(path)

@@ -40,7 +40,11 @@ async def on_advisory(js: JetStreamContext, runs: Runs, msg: Msg) -> None:
         reason=reason, payload=original.data, headers=dict(original.headers or {}),
         stream_seq=advisory.stream_seq, delivered=advisory.deliveries,
     )  # fmt: skip
-    if advisory.stream == names.TASKS_STREAM:
+    # A group's call for a rank that used up its deliveries is only dropped: its leader
+    # calls again the next time it forms the group.
+    if advisory.stream == names.TASKS_STREAM and original.subject.startswith(
+        f"{names.PREFIX}.tasks."
+    ):
         await _fail_run(js, runs, original.data, reason)
     with contextlib.suppress(NotFoundError):
         await js.delete_msg(advisory.stream, advisory.stream_seq)

@@ -222,7 +222,10 @@ class Reaper:
             holder = await lease_holder(self.js, lease_key(w.run_id, self.lease_secret))
             found = await self.runs.get(w.run_id)
             over = found is not None and found[0].state.terminal
-            if (holder is not None and holder != w.worker) or over:
+            # A rank of a group runs the run under its leader's lease (`group[0]`).
+            group = found[0].group if found is not None else []
+            member = holder in group[:1] and w.worker in group
+            if (holder is not None and holder != w.worker and not member) or over:
                 key = (w.worker, w.run_id)
                 seen.add(key)
                 if key in self._orphan_seen:

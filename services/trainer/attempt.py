@@ -34,11 +34,12 @@ from opentelemetry import trace
 
 from services.trainer.child_proc import Child
 from services.trainer.commits import Commits
+from services.trainer.group import Breakage, Leader
 from services.trainer.keeper import Keeper, Order
+from services.trainer.reports import Reports
 from services.trainer.verdicts import Outcome, Scope, Verdict, apply
 from shared import telemetry
 from shared.bus import names
-from shared.bus.emit import emit
 from shared.checkpoint import commit
 from shared.checkpoint.store import Store
 from shared.config import Settings
@@ -50,16 +51,16 @@ from shared.contracts.child import (
     Divergence,
     Finished,
     Launch,
+    Listening,
     Loaded,
+    Rendezvous,
     StepDone,
 )
 from shared.contracts.events import (
     AttemptFailed,
-    Diverged,
     Event,
     Preempted,
-    Progress,
-    Restored,
+    RankLost,
     Started,
 )
 from shared.state.lease import Lease
@@ -86,6 +87,7 @@ class Attempt:
         child: Child,
         signals: tuple[asyncio.Event, asyncio.Event],
         beat_now: asyncio.Event,
+        group: Leader | None = None,
     ) -> None:
         self.js: JetStreamContext = nc.jetstream()
         self.nc = nc
@@ -99,12 +101,19 @@ class Attempt:
         self.child = child
         self.stop, self.hurry = signals
         self.worker = settings.worker_id
-        self.keeper = Keeper(task.run_id, lease, runs, store, beat_now, child.send)
+        self.group = group
+        """Set when this attempt leads a group of several ranks (as rank 0)."""
+        self.rank = 0 if group is not None else None
+        # A group's epoch is the token its ranks were started with: a lapsed lease re-taken
+        # under a new token would leave them writing under the old one, so it is fenced.
+        self.keeper = Keeper(
+            task.run_id, lease, runs, store, beat_now, child.send, may_retake=group is None
+        )
         self.orders = self.keeper.orders
         self.site = settings.site
         self.commits = Commits(
             self.js, store, runs, task.run_id, self.worker, lambda: lease.token,
-            task.spec.checkpoint.keep_last, task.spec.pool, self.site,
+            task.spec.checkpoint.keep_last, task.spec.pool, self.site, ranks=task.spec.ranks,
         )  # fmt: skip
         self.step = 0
         self.start_step = 0
@@ -113,15 +122,17 @@ class Attempt:
         self._began = time.monotonic()
         self._keeping: asyncio.Task[None] | None = None
         self._copying: asyncio.Task[None] | None = None
-        self._last_progress = 0.0
-        self._rate: tuple[float, int] | None = None
-        self._metric_attrs = {telemetry.POOL: task.spec.pool}
-        self._recovering = False
-        """Set for an attempt after the run's first, until its first step is done."""
-        self._stall_s = 0.0
-        """Seconds the training loop was blocked by this attempt's checkpoints so far."""
+        self.reports = Reports(
+            self.js, task, self.worker, self.site, settings.progress_interval_s, self._began
+        )
         self._delivery: str | None = None
         """The task delivery this attempt answers, written into the record for a hand-over."""
+        self._watching: asyncio.Task[None] | None = None
+        self._broken = group.broken if group is not None else asyncio.Event()
+
+    @property
+    def token(self) -> int:
+        return self.lease.token
 
     async def run(self, msg: Msg) -> Outcome:
         """Run the attempt for the task message `msg` and answer it: its `in_progress` keeps
@@ -158,7 +169,7 @@ class Attempt:
         latest = await commit.read_latest(self.store, self.run_id)
         self.step = self.start_step = latest[0].step if latest else 0
         span.set_attributes({telemetry.ATTEMPT: record.attempts, telemetry.START_STEP: self.step})
-        self._recovering = record.attempts > 1
+        self.reports.recovering = record.attempts > 1
         started = Started(
             run_id=self.run_id, worker=self.worker, token=token,
             attempt=record.attempts, start_step=self.step,
@@ -170,7 +181,16 @@ class Attempt:
         sub = await self.nc.subscribe(
             names.at_site(names.events_of_run(self.run_id), self.site), cb=self.commits.on_event
         )
-        launch = Launch(task=self.task, token=token, worker=self.worker, store_url=self.store.url)
+        rendezvous = None
+        if self.group is not None:
+            rendezvous = Rendezvous(
+                epoch=token, rank=0, world_size=self.group.ranks, addr=self.group.key.addr,
+                timeout_s=self.task.spec.collective_timeout_s,
+            )  # fmt: skip
+        launch = Launch(
+            task=self.task, token=token, worker=self.worker, store_url=self.store.url,
+            group=rendezvous,
+        )  # fmt: skip
         self.child.send(launch)
         keeping = self._keeping = asyncio.create_task(self.keeper.keep(msg.in_progress))
         copying = self._copying = asyncio.create_task(
@@ -185,8 +205,12 @@ class Attempt:
         finally:
             self.child.kill()
             await self.child.wait()
+            if self._watching is not None:
+                background.append(self._watching)
             for t in background:
                 t.cancel()
+            if self.group is not None:
+                await self.group.end()
             # Wait for them to end, so that nothing of this attempt (a lease renewal above
             # all) still runs after it.
             await asyncio.gather(*background, return_exceptions=True)
@@ -220,8 +244,8 @@ class Attempt:
         with contextlib.suppress(asyncio.CancelledError):
             await self._keeping
 
-    async def _emit(self, event: Event, *, attempts: int = 0) -> None:
-        await emit(self.js, event, attempts=attempts, site=self.site)
+    async def _emit(self, event: Event) -> None:
+        await self.reports.emit(event)
 
     def orphaned(self, reason: str) -> None:
         """The reaper saw this worker run a run it does not hold: stop at once."""
@@ -235,13 +259,20 @@ class Attempt:
         grace for it (or a stronger order, or a second signal)."""
         reader = asyncio.create_task(self._read())
         try:
-            await _first(reader, self.orders.changed, self.stop)
+            await _first(reader, self.orders.changed, self.stop, self._broken)
+            if self._broken.is_set() and self.orders.given is None:
+                return await self._group_broke(reader)
             if not reader.done() and self.orders.given in (None, Order.CANCEL):
                 why = "cancelled" if self.orders.given else "preempted"
                 log.info("%s: %s at step %d; checkpointing", self.run_id, why, self.step)
                 self.child.send(Control(action="stop"))
                 self.orders.changed.clear()  # from here on, set only by a stronger order
-                await _first(reader, self.orders.changed, self.hurry, timeout=self.settings.grace_s)
+                await _first(
+                    reader, self.orders.changed, self.hurry, self._broken,
+                    timeout=self.settings.grace_s,
+                )  # fmt: skip
+                if self._broken.is_set() and self.orders.given in (None, Order.CANCEL):
+                    return await self._group_broke(reader)
             return await self._decide(reader)
         finally:
             reader.cancel()
@@ -262,6 +293,8 @@ class Attempt:
         if not reader.done():  # asked to stop, and the grace ran out (or a second signal)
             return await self._stopped_early(None)
         finished = reader.result()
+        if finished is None and self.group is not None:
+            return await self._group_broke(reader)
         if finished is None:
             code = await self.child.wait()
             await self._output_copied()
@@ -276,40 +309,22 @@ class Attempt:
         async for msg in self.child.messages():
             if isinstance(msg, Loaded):
                 self.step = msg.step
-                restored = Restored(
-                    run_id=self.run_id, worker=self.worker, step=msg.step, damaged=msg.damaged,
-                    restore_s=msg.took_s, setup_s=msg.setup_s,
-                )  # fmt: skip
-                await self._emit(restored)
+                await self.reports.restored(msg)
             elif isinstance(msg, StepDone):
                 self.step = msg.step
-                if self._recovering:
-                    self._recovering = False
-                    telemetry.RECOVERY.record(time.monotonic() - self._began, self._metric_attrs)
-                await self._progress(msg)
+                await self.reports.stepped(msg)
             elif isinstance(msg, CheckpointReady):
-                telemetry.CHECKPOINT_STALL.record(msg.stall_s, self._metric_attrs)
-                self._stall_s += msg.stall_s
-                size = sum(f.size for f in msg.files)
-                telemetry.CHECKPOINT_BYTES.record(size, self._metric_attrs)
+                self.reports.checkpointed(msg)
                 await self.commits.request(msg)
                 self.last_checkpoint = msg
             elif isinstance(msg, Divergence):
-                await self._diverged(msg)
+                await self.reports.diverged(msg)
+            elif isinstance(msg, Listening) and self.group is not None:
+                await self.group.go(msg.port)
+                self._watching = asyncio.create_task(self.group.watch())
             elif isinstance(msg, Finished):
                 return msg
         return None
-
-    async def _diverged(self, msg: Divergence) -> None:
-        log.warning(
-            "%s: not exact: %s at step %d was %s, now %s (resumed from %d)",
-            self.run_id, msg.metric, msg.step, msg.expected, msg.got, msg.checkpoint,
-        )  # fmt: skip
-        diverged = Diverged(
-            run_id=self.run_id, worker=self.worker, checkpoint=msg.checkpoint,
-            step=msg.step, metric=msg.metric, expected=msg.expected, got=msg.got,
-        )  # fmt: skip
-        await self._emit(diverged)
 
     # -- verdicts ------------------------------------------------------------------------
 
@@ -361,14 +376,51 @@ class Attempt:
         trace.get_current_span().set_attribute("baton.reason", reason)
         return Verdict(Outcome.FENCED, reason=reason)
 
-    def _child_failed(self, code: int, why: str = "") -> Verdict:
+    async def _group_broke(self, reader: asyncio.Task[Finished | None]) -> Verdict:
+        """A rank of the group is gone or failed (or rank 0's own process ended without
+        finishing): every rank stops, and once each one's end is known, the group's verdict
+        is decided — a lost rank re-forms the group (not the user's failure), a failure in
+        some rank's code is a failed attempt with that rank's traceback."""
+        assert self.group is not None
+        reader.cancel()
+        self.child.kill()
+        code = await self.child.wait()
+        await self._output_copied()
+        if code == EXIT_BAD_LAUNCH or not self.group.key.formed:
+            # Rank 0's process ended before any other rank started: its own failure.
+            return self._child_failed(code)
+        own_tail = tail_of(self.log_path)
+        cause = await self.group.settle(code, own_tail)
+        if cause.user:
+            return self._child_failed(code, cause.reason, tail=cause.tail, rank=cause.rank)
+        return self._rank_lost(cause)
+
+    def _rank_lost(self, cause: Breakage) -> Verdict:
+        log.warning(
+            "%s: rank %d (%s) lost at step %d: %s; the group forms again",
+            self.run_id, cause.rank, cause.worker, self.step, cause.reason,
+        )  # fmt: skip
+        epoch, step = self.lease.token, self.step
+
+        def lost(r: RunRecord) -> Event:
+            return RankLost(
+                run_id=self.run_id, worker=self.worker, epoch=epoch, rank=cause.rank,
+                lost=cause.worker, reason=cause.reason, step=step,
+            )  # fmt: skip
+
+        spent = self._spent(worker=None, group=[])
+        return Verdict(Outcome.PREEMPTED, change=spent, event=lost)
+
+    def _child_failed(
+        self, code: int, why: str = "", *, tail: str | None = None, rank: int | None = None
+    ) -> Verdict:
         self.child.kill()
         reason = why or (
             "the entry point could not be loaded"
             if code == EXIT_BAD_LAUNCH
             else f"training process exited with code {code}"
         )
-        tail = _tail(self.log_path)
+        tail = tail_of(self.log_path) if tail is None else tail
         trace.get_current_span().set_status(trace.StatusCode.ERROR, reason)
         spent = self._spent()
 
@@ -379,7 +431,7 @@ class Attempt:
             retries = r.retries + 1
             give_up = code == EXIT_BAD_LAUNCH or retries > r.spec.limits.max_retries
             return msgspec.structs.replace(
-                r, retries=retries, stop_token=None, stop_reason=None, worker=None,
+                r, retries=retries, stop_token=None, stop_reason=None, worker=None, group=[],
                 state=RunState.FAILED if give_up else r.state,
                 reason=reason if give_up else r.reason,
             )  # fmt: skip
@@ -387,7 +439,7 @@ class Attempt:
         def failed(r: RunRecord) -> Event:
             return AttemptFailed(
                 run_id=self.run_id, worker=self.worker, attempt=r.attempts, reason=reason,
-                detail=tail,
+                detail=tail, rank=rank,
             )  # fmt: skip
 
         return Verdict(Outcome.RETRY, change=count, event=failed, detail=tail)
@@ -397,9 +449,10 @@ class Attempt:
     def _mark_running(self, r: RunRecord) -> RunRecord | None:
         if r.state.terminal or (r.token or 0) > self.lease.token:
             return None
+        group = [self.worker, *(m.worker for m in self.group.members)] if self.group else []
         return msgspec.structs.replace(
             r, state=RunState.RUNNING, worker=self.worker, token=self.lease.token,
-            attempts=r.attempts + 1, delivery=self._delivery,
+            attempts=r.attempts + 1, delivery=self._delivery, waiting=None, group=group,
         )  # fmt: skip
 
     async def _sample_speed(self) -> None:
@@ -416,6 +469,8 @@ class Attempt:
         elapsed = time.monotonic() - self._began
         cost = elapsed * self.pools.rate(self.task.spec.pool) / 3600
         token = self.lease.token
+        if fields.get("worker", "") is None:
+            fields["group"] = []  # nobody holds the run, so no group trains it either
 
         def change(r: RunRecord) -> RunRecord | None:
             if r.state.terminal or r.token != token:
@@ -425,27 +480,6 @@ class Attempt:
             )
 
         return change
-
-    async def _progress(self, msg: StepDone) -> None:
-        now = time.monotonic()
-        if self._rate is None:
-            self._rate = (now, msg.step)
-        last = msg.step >= self.task.spec.total_steps
-        if now - self._last_progress < self.settings.progress_interval_s and not last:
-            return
-        t0, s0 = self._rate
-        rate = (msg.step - s0) / (now - t0) if now > t0 else 0.0
-        self._last_progress = now
-        if now > t0:  # the first sample has no interval yet; a 0 would read as a stall
-            attrs = {**self._metric_attrs, telemetry.WORKER: self.worker}
-            telemetry.STEPS_PER_SECOND.set(rate, attrs)
-        event = Progress(
-            run_id=self.run_id, step=msg.step, total_steps=self.task.spec.total_steps,
-            metrics=msg.metrics, steps_per_s=rate, worker=self.worker, stall_s=self._stall_s,
-        )  # fmt: skip
-        # Progress is best-effort: while a link is down the next one will do.
-        with contextlib.suppress(Exception):
-            await self._emit(event, attempts=1)
 
 
 def _unchanged(r: RunRecord) -> RunRecord | None:
@@ -465,7 +499,8 @@ async def _first(
                 task.cancel()
 
 
-def _tail(path: Path) -> str:
+def tail_of(path: Path) -> str:
+    """The last few KB of a run's log: what a failure reports."""
     try:
         with path.open("rb") as f:
             f.seek(0, 2)

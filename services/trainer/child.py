@@ -6,6 +6,23 @@ when there is none. CTL_IN and CTL_OUT are pipe descriptors: the trainer's comma
 on one, progress and finished checkpoints go out on the other. stdout and stderr stay the
 user's, captured by the trainer as the run's log. Every training process has a parent-death
 signal set, so it can never outlive a trainer (or zygote) that was SIGKILLed.
+
+In a run of several ranks (`Launch.group`), the process joins its group
+(`baton.runtime.group`) before the entry point runs — rank 0 reports its store's port
+(`Listening`) first — and leaves it when the attempt succeeds. How it exits says whose
+failure ended it:
+
+* 0: done, or stopped as asked (after `Finished`);
+* `EXIT_USER_ERROR` (1): the user's code raised (traceback printed), or returned early;
+* `EXIT_BAD_LAUNCH` (2): the entry point cannot be loaded;
+* `EXIT_GROUP_BROKEN` (3): the group broke under it — a peer was gone or too slow, so a
+  collective (the user's, or Baton's agreement at a step boundary) or the group's set-up
+  failed (traceback printed). A rank whose peer's code raised exits 3: the peer's own exit
+  (1) names the user's failure, and the survivor's is not one.
+
+A process of a group that fails leaves by `os._exit` once its output is flushed: measured
+with torch 2.13, a normal exit after a gloo collective timed out aborts the process in
+gloo's teardown more often than not (SIGABRT), which would turn the status into a signal.
 """
 
 from __future__ import annotations
@@ -18,13 +35,24 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from baton.runtime.context import RunContext
 from shared.contracts import decode, encode
-from shared.contracts.child import EXIT_BAD_LAUNCH, Control, Finished, FromChild, Launch
+from shared.contracts.child import (
+    EXIT_BAD_LAUNCH,
+    EXIT_GROUP_BROKEN,
+    EXIT_USER_ERROR,
+    Control,
+    Finished,
+    FromChild,
+    Launch,
+    Listening,
+)
 
-EXIT_USER_ERROR = 1
+if TYPE_CHECKING:  # imported by a run of several ranks only
+    from baton.runtime.group import Group
+
 EXIT_ORPHANED = 70
 
 
@@ -59,24 +87,64 @@ def run(ctl_in_fd: int, ctl_out_fd: int) -> int:
         print(f"baton: cannot load entry point {spec.entry_point!r}: {exc}", file=sys.stderr)
         return EXIT_BAD_LAUNCH
 
+    group: Group | None = None
+    if launch.group is not None:
+        from baton.runtime.group import join
+
+        try:
+            group = join(launch.group, lambda port: send(Listening(port=port)))
+        except Exception:
+            _leave(EXIT_GROUP_BROKEN)
     spool = Path(os.environ.get("BATON_SPOOL", "./.baton/spool")) / launch.task.run_id
-    ctx = RunContext(launch.task, launch.token, launch.store_url, spool, send, launched_at)
+    ctx = RunContext(
+        launch.task, launch.token, launch.store_url, spool, send, launched_at, group=group
+    )
     threading.Thread(target=_listen, args=(ctl_in, ctx), daemon=True).start()
+    return _attempt(entry, ctx, group, send)
+
+
+def _attempt(
+    entry: Callable[[RunContext], Any],
+    ctx: RunContext,
+    group: Group | None,
+    send: Callable[[FromChild], None],
+) -> int:
     try:
         entry(ctx)
         ctx.close()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        return EXIT_USER_ERROR
+    except BaseException as exc:
+        if group is None:
+            traceback.print_exc()
+            sys.stderr.flush()
+            return EXIT_USER_ERROR
+        from baton.runtime.group import is_broken
+
+        _leave(EXIT_GROUP_BROKEN if is_broken(exc) else EXIT_USER_ERROR)
     if ctx.step < ctx.total_steps and not ctx.finished_early:
         print(
             f"baton: entry point returned at step {ctx.step} of {ctx.total_steps}",
             file=sys.stderr,
         )
+        if group is not None:
+            _leave(EXIT_USER_ERROR, trace=False)  # its peers wait in a collective for it
         return EXIT_USER_ERROR
+    if group is not None:
+        try:
+            group.leave()
+        except Exception:
+            _leave(EXIT_GROUP_BROKEN)
     send(Finished(step=ctx.step, stopped=ctx.finished_early))
     return 0
+
+
+def _leave(code: int, trace: bool = True) -> NoReturn:
+    """Leave a group's process at once with `code`, the exception being handled printed
+    first (see the module's docstring for why not by a normal exit)."""
+    if trace:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def load_entry_point(spec: str) -> Callable[[RunContext], Any]:

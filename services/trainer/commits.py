@@ -48,6 +48,7 @@ class Commits:
         keep_last: int,
         pool: str = "",
         site: str = "",
+        ranks: int = 1,
     ) -> None:
         self.js = js
         self.store = store
@@ -58,6 +59,7 @@ class Commits:
         self._keep_last = keep_last
         self._outcomes: dict[tuple[int, int], asyncio.Future[bool]] = {}
         self._pool = pool
+        self._ranks = ranks
         self._site = site
         """At a site, requests go to the site's checkpointer, whose events come back on
         the site's subjects."""
@@ -77,6 +79,7 @@ class Commits:
             metrics=ready.metrics,
             digest=ready.digest,
             keep_last=self._keep_last,
+            ranks=self._ranks,
         )
         span = telemetry.tracer.start_span(
             "commit",

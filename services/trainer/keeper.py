@@ -75,6 +75,8 @@ class Keeper:
         store: Store,
         beat_now: asyncio.Event,
         send: Callable[[Control], None],
+        *,
+        may_retake: bool = True,
     ) -> None:
         self.run_id = run_id
         self.lease = lease
@@ -83,6 +85,8 @@ class Keeper:
         self.beat_now = beat_now
         self.send = send
         self.orders = Orders()
+        self.may_retake = may_retake
+        """False for a group's leader: its ranks carry the epoch they started with."""
 
     async def keep(self, touch: Callable[[], Awaitable[None]]) -> None:
         interval = self.lease.ttl_s / 3
@@ -95,7 +99,7 @@ class Keeper:
                 await touch()
                 if not await self.lease.renew():
                     telemetry.LEASE_RENEW_FAILURES.add(1, {"baton.reason": "cas"})
-                    if not await self._retake():
+                    if not self.may_retake or not await self._retake():
                         self.orders.fence("the lease was taken over by another worker")
                         return
                 await self._read_orders()

@@ -35,6 +35,8 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 from services.trainer.attempt import Attempt
 from services.trainer.child_proc import Zygote
 from services.trainer.claim import WorkDir
+from services.trainer.group import GaveWay, Leader, Superseded
+from services.trainer.rank import Member
 from services.trainer.verdicts import Outcome, Scope, Verdict, apply
 from shared import gpus, telemetry
 from shared.backoff import Backoff, retrying
@@ -47,8 +49,10 @@ from shared.checkpoint.store import Store, open_store
 from shared.config import Settings
 from shared.contracts import RunRecord, RunState, Task, decode, encode
 from shared.contracts.control import Command, WorkerInfo
+from shared.contracts.groups import RankCall
 from shared.contracts.tasks import Claim
 from shared.errors import ContractError
+from shared.state.groups import GroupStore, key_ttl
 from shared.state.handover import hand_over
 from shared.state.lease import Lease
 from shared.state.pools import Pools, load_table
@@ -57,6 +61,7 @@ from shared.state.runs import Runs
 log = logging.getLogger("baton.trainer")
 
 ATTEMPT_ERROR_DELAY_S = 5.0
+SITE_GROUP_DELAY_S = 5.0
 NATS_SECRETS = ("NATS_PASSWORD", "NATS_PASSWORD_FILE", "NATS_AUTH_FILE", "NATS_CREDS", "NATS_NKEY")
 
 
@@ -74,7 +79,8 @@ class Trainer:
         self.runs: Runs
         self.pools = Pools(self.hub, load_table(settings.pools_file), settings.hub_api)
         self.beat_now = asyncio.Event()
-        self.attempt: Attempt | None = None
+        self.attempt: Attempt | Member | None = None
+        self.groups = GroupStore(self.hub, settings.hub_api, key_ttl(settings.lease_ttl_s))
         self.device = _device()
         self.zygote = Zygote(self._child_env())
         """Forks each attempt's training process from one that imported torch already."""
@@ -87,6 +93,7 @@ class Trainer:
         consumer = trainer_consumer(
             self.settings.pool, self.settings.ack_wait_s, self.settings.max_deliver
         )
+
         # The hub's services declare the streams and buckets (a trainer may not: least
         # privilege); a trainer that starts first, or at a site whose link is down, waits
         # for them — for the buckets too, which the dispatcher declares after the streams.
@@ -148,6 +155,9 @@ class Trainer:
             self.workdir.unlock()
 
     async def on_task(self, msg: Msg) -> None:
+        if msg.subject.startswith(f"{names.PREFIX}.calls."):
+            await self.on_call(msg)
+            return
         if msg.metadata.num_delivered > 1:
             telemetry.REDELIVERIES.add(1, {telemetry.POOL: self.settings.pool})
         try:
@@ -183,20 +193,90 @@ class Trainer:
             # Asked to cancel, and its trainer is gone: nothing trains it, so it is
             # cancelled here, before any work starts.
             await apply(Verdict(Outcome.CANCELLED, change=_cancel_unowned), scope)
+        elif task.spec.ranks > 1:
+            await self._lead(task, lease, msg, scope, record)
         else:
-            claim = Claim(run_id=task.run_id, lease_key=lease.key, token=lease.token)
-            self.workdir.hold(claim)
-            try:
-                await self._attempt(task, lease, msg, scope)
-            finally:
-                self.workdir.let_go()
+            await self._held(task, lease, msg, scope)
 
-    async def _attempt(self, task: Task, lease: Lease, msg: Msg, scope: Scope) -> None:
+    async def _held(
+        self, task: Task, lease: Lease, msg: Msg, scope: Scope, group: Leader | None = None
+    ) -> None:
+        claim = Claim(run_id=task.run_id, lease_key=lease.key, token=lease.token)
+        self.workdir.hold(claim)
+        try:
+            await self._attempt(task, lease, msg, scope, group)
+        finally:
+            self.workdir.let_go()
+
+    async def _lead(
+        self, task: Task, lease: Lease, msg: Msg, scope: Scope, record: RunRecord
+    ) -> None:
+        """Form the run's group as its rank 0, then run the attempt over it; or give the
+        task back, saying why in the record (`group.py`)."""
+        if self.site:
+            why = f"runs of several ranks are led by hub trainers; {self.site} is a site"
+            change = _waiting(why, lease.token)
+            await apply(Verdict(Outcome.PREEMPTED, change=change, delay=SITE_GROUP_DELAY_S), scope)
+            return
+        leader = Leader(
+            self.js, self.groups, self.runs, task, lease, record, self.settings.worker_id,
+            self.settings.host_addr, self.site,
+        )  # fmt: skip
+        try:
+            formed = await leader.form(msg, self.signals.stop, self.settings.form_wait_s)
+        except Superseded:
+            await leader.end()
+            log.warning("%s: the run moved on while its group formed", task.run_id)
+            await apply(Verdict(Outcome.FENCED, quiet=True), scope)
+            return
+        except BaseException:
+            await leader.end()
+            raise
+        if isinstance(formed, GaveWay):
+            await leader.end()
+            log.info("%s: no group yet: %s", task.run_id, formed.reason)
+            change = _waiting(formed.reason, lease.token)
+            await apply(Verdict(Outcome.PREEMPTED, change=change, delay=formed.delay), scope)
+            return
+        await self._held(task, lease, msg, scope, leader)
+
+    async def on_call(self, msg: Msg) -> None:
+        """A group's leader calls for a rank: hold it if the group is still forming."""
+        try:
+            call = decode(msg.data, RankCall)
+        except ContractError as exc:
+            await dead_letter(self.js, msg, "trainer", str(exc), site=self.site)
+            await msg.term()
+            return
+        await self.zygote.warm()
+        member = Member(
+            self.groups, self.zygote, call, self.settings.worker_id, self.store.url,
+            Path(self.settings.work_dir), (self.signals.stop, self.signals.hurry),
+            self._publish_output, self.settings.ack_wait_s,
+        )  # fmt: skip
+        self.attempt = member
+        try:
+            await member.run(msg)
+        except Exception:
+            # The hub or the store failed under the rank: the leader sees this rank's key
+            # go and forms its group again; this trainer lives on.
+            log.exception("%s: holding rank %d failed", call.task.run_id, call.rank)
+        finally:
+            self.attempt = None
+
+    async def _publish_output(self, run_id: str, chunk: bytes) -> None:
+        with contextlib.suppress(Exception):  # best effort, as the leader's (`attempt.py`)
+            subject = names.at_site(names.logs_subject(run_id), self.site)
+            await self.js.publish(subject, chunk, timeout=2)
+
+    async def _attempt(
+        self, task: Task, lease: Lease, msg: Msg, scope: Scope, group: Leader | None
+    ) -> None:
         child = await self.zygote.fork()
         signals = (self.signals.stop, self.signals.hurry)
         attempt = Attempt(
             self.nc, self.settings, self.store, self.runs, self.pools, task, lease, child,
-            signals, self.beat_now,
+            signals, self.beat_now, group,
         )  # fmt: skip
         self.attempt = attempt
         try:
@@ -250,8 +330,9 @@ class Trainer:
                 worker=self.settings.worker_id, pool=self.settings.pool,
                 host=socket.gethostname(), pid=os.getpid(), device=self.device[0],
                 gpu_name=self.device[1], gpu_memory_bytes=self.device[2],
-                run_id=a.run_id if a else None, token=a.lease.token if a else None,
-                step=a.step if a else None, site=self.site, at=time.time(),
+                run_id=a.run_id if a else None, token=a.token if a else None,
+                step=a.step if a else None, site=self.site, rank=a.rank if a else None,
+                at=time.time(),
             )  # fmt: skip
             with contextlib.suppress(Exception):  # the registry is advisory; try again
                 await publish(
@@ -269,6 +350,17 @@ class Trainer:
         # Required by cuBLAS for deterministic results; harmless without a GPU.
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         return env
+
+
+def _waiting(why: str, token: int) -> Callable[[RunRecord], RunRecord | None]:
+    """The record of a run whose group did not form (yet), saying why."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or (r.token or 0) > token:
+            return None
+        return msgspec.structs.replace(r, waiting=why)
+
+    return change
 
 
 def _cancel_unowned(r: RunRecord) -> RunRecord | None:

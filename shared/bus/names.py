@@ -37,6 +37,9 @@ SITES_BUCKET = "baton_sites"
 # One key per run not yet retired (over for BATON_GC_AGE): how the reaper and `baton runs`
 # find live runs without reading the history (`shared.state.runs`).
 LIVE_BUCKET = "baton_live"
+# Groups of ranks: one key per forming or training group, one per rank's trainer, each with a
+# short TTL its writer renews (`services/trainer/group.py`).
+GROUPS_BUCKET = "baton_groups"
 
 # Durable consumers.
 DISPATCHER_CONSUMER = "dispatcher"
@@ -47,6 +50,7 @@ REAPER_CONSUMER = "reaper"
 # Subject roots, used as stream subjects and consumer filters.
 SUBMIT_ALL = f"{PREFIX}.submit.>"
 TASKS_ALL = f"{PREFIX}.tasks.>"
+CALLS_ALL = f"{PREFIX}.calls.>"
 EVENTS_ALL = f"{PREFIX}.events.>"
 CKPT_ALL = f"{PREFIX}.ckpt.>"
 DLQ_ALL = f"{PREFIX}.dlq.>"
@@ -73,6 +77,33 @@ def task_subject(pool: str, run_id: str) -> str:
 
 def tasks_of_pool(pool: str) -> str:
     return f"{PREFIX}.tasks.{pool}.>"  # run ids may have two tokens (`owner.r…`)
+
+
+def call_subject(pool: str, run_id: str) -> str:
+    """A group's leader calls for its other ranks here, on the same work queue as tasks."""
+    return f"{PREFIX}.calls.{pool}.{run_id}"
+
+
+def calls_of_pool(pool: str) -> str:
+    return f"{PREFIX}.calls.{pool}.>"
+
+
+def call_id(run_id: str, epoch: int, rank: int) -> str:
+    """A call is published once per rank and epoch, however often its publish is retried."""
+    return f"call.{run_id}.{epoch}.{rank}"
+
+
+def group_key(pool: str, run_id: str) -> str:
+    """A run's group in the groups bucket; `groups_of_pool` finds the pool's groups."""
+    return f"g.{pool}.{run_id}"
+
+
+def groups_of_pool(pool: str) -> str:
+    return f"g.{pool}.>"
+
+
+def member_key(run_id: str, epoch: int, rank: int) -> str:
+    return f"m.{epoch}.{rank}.{run_id}"
 
 
 def trainer_consumer(pool: str) -> str:

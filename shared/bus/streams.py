@@ -95,7 +95,11 @@ def _archive() -> StreamConfig:
 def stream_configs() -> list[StreamConfig]:
     return [
         _work_queue(names.SUBMIT_STREAM, names.SUBMIT_ALL, "Job submissions, per pool"),
-        _work_queue(names.TASKS_STREAM, names.TASKS_ALL, "Dispatched runs, per pool and run"),
+        _work_queue(
+            names.TASKS_STREAM,
+            [names.TASKS_ALL, names.CALLS_ALL],
+            "Dispatched runs, and groups' calls for ranks, per pool and run",
+        ),
         _work_queue(names.CKPT_STREAM, names.CKPT_ALL, "Checkpoint commit requests"),
         _work_queue(names.CANCEL_STREAM, names.CANCEL_ALL, "Cancel requests, per run"),
         _history(names.EVENTS_STREAM, names.EVENTS_ALL, "Run lifecycle events"),
@@ -154,6 +158,11 @@ def kv_configs() -> list[KeyValueConfig]:
         KeyValueConfig(bucket=names.POOLS_BUCKET, history=1, description="Measured pool speeds"),
         KeyValueConfig(bucket=names.SITES_BUCKET, history=1, description="Sites and their links"),
         KeyValueConfig(bucket=names.LIVE_BUCKET, history=1, description="Runs not yet retired"),
+        # Keys carry their own short TTL, renewed by their writers: a trainer's silence shows
+        # as its key gone (`services/trainer/group.py`). Direct gets for the members' reads.
+        KeyValueConfig(
+            bucket=names.GROUPS_BUCKET, history=1, description="Groups of ranks", direct=True
+        ),
     ]
 
 
@@ -187,7 +196,9 @@ def trainer_consumer(pool: str, ack_wait_s: float, max_deliver: int) -> Consumer
     # catches a task that keeps taking trainers down with it (the reaper dead-letters it).
     return ConsumerConfig(
         durable_name=names.trainer_consumer(pool),
-        filter_subject=names.tasks_of_pool(pool),
+        # Tasks and calls for ranks on one consumer: a trainer holds one thing at a time,
+        # and an idle one takes whichever comes first.
+        filter_subjects=[names.tasks_of_pool(pool), names.calls_of_pool(pool)],
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=ack_wait_s,

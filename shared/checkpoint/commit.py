@@ -11,6 +11,11 @@ Before a checkpoint is committed, and again before one is restored, its files ar
 (`verify`): names and keys (`shared.checkpoint.files`), sizes and sha256, and each tensor
 file's safetensors header. `restorable` is the one place that decides a checkpoint is damaged.
 
+A run of several ranks commits one checkpoint for all of them: the request lists every
+rank's shard (`CommitRequest.ranks`), and one that lacks any is refused before anything is
+written — a checkpoint some rank cannot resume from is no checkpoint. The manifest records
+the group's size, and a checkpoint resumes only at that size (`check_ranks`).
+
 A checkpoint exists once `latest` names its manifest. Step 3 is decided by the store: the
 pointer write is conditional on the version just read, and the order check is made on that
 same version, so a fenced worker (lower token) can never overwrite a newer pointer however
@@ -50,6 +55,11 @@ def data_key(run_id: str, token: int, step: int, name: str) -> str:
 
 def manifest_key(run_id: str, step: int, token: int) -> str:
     return f"runs/{run_id}/manifests/{step:012d}-{token:012d}.json"
+
+
+def key_of(manifest: Manifest) -> str:
+    """Where a manifest is stored."""
+    return manifest_key(manifest.run_id, manifest.step, manifest.token)
 
 
 def witness_key(run_id: str, step: int) -> str:
@@ -110,11 +120,16 @@ async def commit(store: Store, req: CommitRequest) -> tuple[Pointer, int]:
     names files outside its own immutable prefix or by names that are not checkpoint file
     names. Safe to repeat: a redelivered request that already committed returns the same
     pointer.
+
+    A request that lacks a rank's shard (`req.ranks`) raises `IntegrityError`, before any
+    write: the checkpointer then tells the trainer (`commit_refused`) rather than only
+    dead-lettering the request, so an attempt waiting for that commit learns of it at once.
     """
     try:
         checkpoint_files.check_refs(req.files, data_key(req.run_id, req.token, req.step, ""))
     except IntegrityError as exc:
         raise ContractError(str(exc)) from None  # a bad request, not bad stored bytes
+    checkpoint_files.check_shards({f.name for f in req.files}, req.ranks)
     size = await verify(store, req.files)
     wanted = Pointer(
         run_id=req.run_id,
@@ -139,6 +154,7 @@ async def commit(store: Store, req: CommitRequest) -> tuple[Pointer, int]:
         digest=req.digest,
         previous=current[0].manifest if current else None,
         created_at=time.time(),
+        ranks=req.ranks,
     )
     try:
         await store.put_once(wanted.manifest, encode(manifest))
@@ -160,6 +176,17 @@ async def commit(store: Store, req: CommitRequest) -> tuple[Pointer, int]:
             if current is not None and current[0] == wanted:
                 return wanted, size
             _check_order(wanted, current)
+
+
+def check_ranks(manifest: Manifest, ranks: int) -> None:
+    """Refuse to resume a group of `ranks` from a checkpoint written by a group of another
+    size: its shards hold one data position and RNG state per rank it was written by, and
+    there is no sound way yet to split or merge them."""
+    if manifest.ranks != ranks:
+        raise IntegrityError(
+            f"checkpoint {manifest.step} was written by {manifest.ranks} rank(s) and cannot be"
+            f" resumed by {ranks}: a run keeps the number of ranks it started with"
+        )
 
 
 def _check_order(wanted: Pointer, current: tuple[Pointer, str] | None) -> None:
@@ -201,6 +228,7 @@ async def restorable(store: Store, run_id: str) -> tuple[Manifest | None, list[i
                 raise IntegrityError(f"manifest {key} belongs to run {manifest.run_id!r}")
             prefix = data_key(run_id, manifest.token, manifest.step, "")
             checkpoint_files.check_refs(manifest.files, prefix)
+            checkpoint_files.check_shards({f.name for f in manifest.files}, manifest.ranks)
             await verify(store, manifest.files)
             return manifest, damaged
         except IntegrityError as exc:

@@ -2,8 +2,11 @@
 
 A checkpoint is a set of plain files: `<group>.safetensors` (one per registered object, plus
 `rng`) and `meta.json`, stored under its own immutable prefix
-`runs/<run>/data/<token>/<step>/`. Everything about them comes from storage or from a
-message, so nothing is trusted before it is checked here:
+`runs/<run>/data/<token>/<step>/`. In a run of several ranks, rank k >= 1 adds its own shard
+under the same prefix, each name prefixed `rank<k>.` (`rank1.meta.json`,
+`rank1.rng.safetensors`, `rank1.data.safetensors`); rank 0's names are unprefixed.
+Everything about them comes from storage or from a message, so nothing is trusted before it
+is checked here:
 
 * a name is a plain file name from that set, never a path (it becomes a local path when a
   checkpoint is downloaded), and a key is exactly the checkpoint's prefix plus the name;
@@ -61,6 +64,9 @@ MAX_HEADER_BYTES = 16 * 1024 * 1024
 _MAX_ELEMENTS = 2**62
 """safetensors multiplies dimensions in 64 bits; a product past this is refused first."""
 _GROUP = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
+_RANKED = re.compile(r"rank([1-9][0-9]{0,2})\.(.+)")
+"""A rank's shard: `rank<k>.` (k >= 1, no leading zero) before a plain file name. A group name
+has no dot, so a name is either plain or ranked, never both."""
 _ENTRY_FIELDS = {"dtype", "shape", "data_offsets"}
 
 
@@ -78,13 +84,40 @@ def check_name(name: str) -> str:
         problem = "starts with a dot"
     elif len(name) > MAX_NAME:
         problem = f"is longer than {MAX_NAME} characters"
-    elif name != META and not (
-        name.endswith(SUFFIX) and _GROUP.fullmatch(name.removesuffix(SUFFIX))
-    ):
-        problem = f"is neither {META} nor <group>{SUFFIX}"
+    elif not _plain(name) and not ((m := _RANKED.fullmatch(name)) and _plain(m.group(2))):
+        problem = f"is neither {META} nor <group>{SUFFIX}, nor one of them after rank<k>."
     else:
         return name
     raise IntegrityError(f"checkpoint file name {name!r} {problem}")
+
+
+def _plain(name: str) -> bool:
+    return name == META or (name.endswith(SUFFIX) and bool(_GROUP.fullmatch(name[: -len(SUFFIX)])))
+
+
+def rank_prefix(rank: int) -> str:
+    """What rank `rank`'s own files are named with: nothing for rank 0."""
+    return f"rank{rank}." if rank else ""
+
+
+def rank_of(name: str) -> int:
+    """The rank whose shard a (checked) file name belongs to: 0 for a plain name."""
+    m = None if _plain(name) else _RANKED.fullmatch(name)
+    return int(m.group(1)) if m else 0
+
+
+def check_shards(names: Collection[str], ranks: int) -> None:
+    """Every rank of a group of `ranks` has its shard among `names` (its meta.json and RNG
+    state at least), and no file belongs to a rank outside the group."""
+    strays = sorted(n for n in names if rank_of(n) >= ranks)
+    if strays:
+        raise IntegrityError(f"{strays[0]} belongs to no rank of a group of {ranks}")
+    if ranks == 1:
+        return  # a single process wrote all of it at once; nothing can be missing
+    for rank in range(ranks):
+        for base in (META, f"rng{SUFFIX}"):
+            if (name := rank_prefix(rank) + base) not in names:
+                raise IntegrityError(f"rank {rank}'s shard is incomplete: no {name}")
 
 
 def is_tensor_file(name: str) -> bool:

@@ -34,6 +34,9 @@ class CommitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """sha256 over the model tensors in name order (see `shared.checkpoint.digest`)."""
     keep_last: Annotated[int, Meta(ge=1)] = 3
     """The job's retention: committed checkpoints to keep besides pinned and final ones."""
+    ranks: Annotated[int, Meta(ge=1, le=64)] = 1
+    """Ranks whose shards the checkpoint must hold: one that lacks any rank's cannot be
+    committed (`shared.checkpoint.commit`)."""
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -51,6 +54,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     """Manifest key `latest` named when this one was committed: the walk-back chain used
     when a checkpoint fails verification on restore."""
     created_at: float
+    ranks: int = 1
+    """The group size the checkpoint was written at; every rank's files are listed."""
 
 
 class Pointer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

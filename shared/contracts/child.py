@@ -13,6 +13,11 @@ from shared.contracts.tasks import Task
 EXIT_BAD_LAUNCH = 2
 """The child's exit status when the run's entry point cannot be loaded; the trainer then
 fails the run without retrying it."""
+EXIT_USER_ERROR = 1
+"""The child's exit status when the user's code raised (its traceback is in the output)."""
+EXIT_GROUP_BROKEN = 3
+"""The child's exit status when its group broke under it: a collective failed because a peer
+was gone or too slow (torch.distributed's error, not the user's). Not a user failure."""
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
@@ -22,11 +27,32 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
 # parent -> child
 
 
+class Rendezvous(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Where a rank of a group finds its peers. Rank 0's process serves torch.distributed's
+    store (on `addr`, any free port: it reports the port in `Listening`); the others connect
+    to `addr:port`. Every key in that store is prefixed by the epoch, so a process of an
+    older group can never take part in a newer one."""
+
+    epoch: int
+    """The group's epoch: the leader's lease token, carried by every write of every rank."""
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    """This rank's index among the group's ranks on the same host."""
+    addr: str
+    port: int = 0
+    """Rank 0's store; 0 for rank 0 itself, which picks one."""
+    timeout_s: float = 60.0
+    """The job's `collective_timeout_s`."""
+
+
 class Launch(_Msg, tag="launch", frozen=True):
     task: Task
     token: int
     worker: str
     store_url: str
+    group: Rendezvous | None = None
+    """Set for a run of several ranks."""
 
 
 class Control(_Msg, tag="control", frozen=True):
@@ -81,6 +107,12 @@ class Divergence(_Msg, tag="divergence", frozen=True):
     got: str
 
 
+class Listening(_Msg, tag="listening", frozen=True):
+    """Rank 0's process serves its group's store on `port`; the other ranks may start."""
+
+    port: int
+
+
 class Finished(_Msg, tag="finished", frozen=True):
     step: int
     stopped: bool
@@ -88,4 +120,4 @@ class Finished(_Msg, tag="finished", frozen=True):
 
 
 ToChild = Launch | Control
-FromChild = Loaded | StepDone | CheckpointReady | Divergence | Finished
+FromChild = Loaded | StepDone | CheckpointReady | Divergence | Listening | Finished

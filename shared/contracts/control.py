@@ -43,4 +43,6 @@ class WorkerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     step: int | None = None
     site: str = ""
     """The site the trainer runs at; empty at the hub."""
+    rank: int | None = None
+    """The rank it holds of a run of several ranks (`token` is then the group's epoch)."""
     at: float

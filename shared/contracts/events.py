@@ -104,6 +104,8 @@ class AttemptFailed(_Event, tag="attempt_failed", frozen=True):
     attempt: int
     reason: str
     detail: str = ""
+    rank: int | None = None
+    """In a group: the rank whose code failed."""
 
 
 class Fenced(_Event, tag="fenced", frozen=True):
@@ -115,6 +117,29 @@ class Fenced(_Event, tag="fenced", frozen=True):
 class Preempted(_Event, tag="preempted", frozen=True):
     worker: str
     step: int
+
+
+class GroupFormed(_Event, tag="group_formed", frozen=True):
+    """Every rank of a group is held: `members` are their workers by rank; `worker` leads
+    (rank 0) and `epoch` (its lease token) fences every write of the group."""
+
+    worker: str
+    epoch: int
+    members: list[str]
+
+
+class RankLost(_Event, tag="rank_lost", frozen=True):
+    """A rank of a group is gone (its trainer died or went silent, or its process was killed):
+    every rank stops, and the group forms again from free trainers and resumes from the last
+    commit. Not the user's failure: it never counts against `max_retries`."""
+
+    worker: str
+    epoch: int
+    rank: int
+    lost: str
+    """The worker that held the rank."""
+    reason: str
+    step: int = 0
 
 
 class HandedOver(_Event, tag="handed_over", frozen=True):
@@ -158,6 +183,8 @@ Event = (
     | Fenced
     | Preempted
     | HandedOver
+    | GroupFormed
+    | RankLost
     | Redispatched
     | RunWarning
     | Cancelled

@@ -57,6 +57,15 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     deterministic: bool = False
     idempotency_key: Annotated[str, Meta(pattern=r"^[!-~]{1,128}$")] | None = None
     limits: Limits = Limits()
+    ranks: Annotated[int, Meta(ge=1, le=64)] = 1
+    """Training processes the run trains on at once, each held by its own trainer of the pool
+    (one per GPU): rank 0's trainer leads the group and the run trains only while every rank
+    is held. Their code sees `ctx.rank` and `ctx.world_size`, and may wrap its model in
+    `DistributedDataParallel`."""
+    collective_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 60.0
+    """How long a collective operation (an all-reduce, the group's start) may wait for a peer
+    before it fails. A lost rank is noticed by its trainer's silence within seconds whatever
+    this says; this bounds a peer that hangs while its trainer lives."""
 
 
 def job_schema() -> dict[str, Any]:

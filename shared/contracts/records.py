@@ -69,6 +69,11 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     that keeps it is repaired by the reaper (`shared.state.endings`)."""
     ending_site: str = ""
     """The site whose outbox carries the terminal event ("" for the hub)."""
+    waiting: str | None = None
+    """Why a QUEUED run of several ranks is not training yet (its group is forming, or gave
+    way to an older one); cleared when it starts."""
+    group: list[str] = []
+    """The workers holding the run's ranks, by rank, while a group of several trains."""
 
 
 def run_id_for(idempotency_key: str, owner: str = "") -> str:
@@ -88,6 +93,15 @@ def run_id_for(idempotency_key: str, owner: str = "") -> str:
     return f"{owner}.{run}" if owner else run
 
 
+_ADDED_LATER = {"ranks": 1, "collective_timeout_s": 60.0}
+"""Spec fields added after checkpoints were first written, with their defaults: left out of
+the hash while at their default, so a run's checkpoints keep matching its spec across
+versions."""
+
+
 def spec_hash(spec: JobSpec) -> str:
-    without_key = msgspec.structs.replace(spec, idempotency_key=None)
-    return hashlib.sha256(encode(without_key)).hexdigest()[:16]
+    fields = msgspec.to_builtins(msgspec.structs.replace(spec, idempotency_key=None))
+    for name, default in _ADDED_LATER.items():
+        if fields.get(name) == default:
+            del fields[name]
+    return hashlib.sha256(encode(fields)).hexdigest()[:16]

@@ -113,5 +113,8 @@ def _attribute(events: list[Event], starts: list[int], attempts: list[Attempt]) 
 
 def _ends(s: ev.Started, e: Event) -> bool:
     run_over = isinstance(e, ev.Completed | ev.Failed | ev.Cancelled)
-    mine = isinstance(e, ev.Preempted | ev.AttemptFailed | ev.Fenced) and e.worker == s.worker
+    mine = (
+        isinstance(e, ev.Preempted | ev.AttemptFailed | ev.Fenced | ev.RankLost)
+        and e.worker == s.worker
+    )
     return run_over or (mine and getattr(e, "token", s.token) == s.token)  # fenced has one

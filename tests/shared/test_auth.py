@@ -98,9 +98,13 @@ async def test_a_trainer_cannot_publish_tasks_or_submissions(servers: Servers) -
         await servers.refused("trainer", subject)
     assert await messages(operator, names.TASKS_STREAM) == 0
     assert await messages(operator, names.SUBMIT_STREAM) == 0
-    # What it may do goes through: its own events.
+    # What it may do goes through: its own events, and a group leader's calls for ranks
+    # (a call names a group whose key only the run's lease holder writes: a forged one is
+    # dropped by whoever takes it).
     ack = await trainer.jetstream().publish(names.event_subject("r1", "progress"), b"{}")
     assert ack.stream == names.EVENTS_STREAM
+    ack = await trainer.jetstream().publish(names.call_subject("default", "r1"), b"{}")
+    assert ack.stream == names.TASKS_STREAM
 
 
 async def test_no_service_may_delete_or_purge_a_stream(servers: Servers) -> None:

@@ -1,7 +1,8 @@
 """Data positions resume exactly: torchdata's StatefulDataLoader registered through
 `restore()` alone (its generator included), and `ctx.data_loader()`, mid-epoch and across
 epoch boundaries, with and without worker processes — and without reading again what the
-epoch had already read."""
+epoch had already read. In a run of several ranks, each rank's share of every epoch is its
+own, and resumes as exactly."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from baton.runtime.context import RunContext
+from baton.runtime.data import Batches
+from baton.runtime.slots import slot_for
 from tests.baton.harness import Run, spec
 
 EPOCH = 5  # batches of 4 over 20 items
@@ -157,3 +160,68 @@ def test_batches_report_the_epoch_and_refuse_an_empty_dataset(tmp_path: Path) ->
 
     with pytest.raises(ValueError, match="yields no batch"):
         Run(tmp_path / "empty", spec(total=2)).attempt(empty)
+
+
+# -- a run of several ranks: each rank its own share of every epoch ---------------------
+
+
+def shares(n: int, epochs: int, world: int = 2) -> list[list[list[int]]]:
+    """Per rank, the items of each of `epochs` epochs, drawn in batches of 2."""
+    out = []
+    for rank in range(world):
+        batches = Batches(Items(n), batch_size=2, seed=3, rank=rank, world_size=world)
+        per_epoch = (n // world + 1) // 2
+        mine: list[list[int]] = []
+        for _ in range(epochs):
+            mine.append([i for _ in range(per_epoch) for i in next(batches).tolist()])
+        out.append(mine)
+    return out
+
+
+def test_ranks_draw_disjoint_equal_shares_of_every_epoch() -> None:
+    """Every epoch is one permutation dealt out among the ranks: disjoint shares that
+    together cover it (cut to a multiple of the group's size), reshuffled every epoch."""
+    rank0, rank1 = shares(20, epochs=3)
+    for e in range(3):
+        assert not set(rank0[e]) & set(rank1[e]), (e, rank0[e], rank1[e])
+        assert sorted(rank0[e] + rank1[e]) == list(range(20)), e
+    assert rank0[0] != rank0[1] and rank0[1] != rank0[2], "epochs must be shuffled anew"
+    # 21 items: one is dropped each epoch, so both ranks' epochs end at the same step.
+    rank0, rank1 = shares(21, epochs=2)
+    for e in range(2):
+        assert len(rank0[e]) == len(rank1[e]) == 10
+        assert not set(rank0[e]) & set(rank1[e]) and set(rank0[e] + rank1[e]) < set(range(21))
+
+
+def checkpointed(batches: Batches) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The data position as a checkpoint holds it (the slot's tree and tensors)."""
+    tensors: dict[str, torch.Tensor] = {}
+    tree = slot_for("data", batches).capture(tensors)
+    return tree, {k: v.clone() for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize(
+    ("workers", "at"), [(0, 3), (0, 7), (2, 7)], ids=["mid-epoch", "next-epoch", "2-workers"]
+)
+def test_each_rank_resumes_its_own_share_exactly(workers: int, at: int) -> None:
+    """Each rank, put back at batch `at` (5 batches an epoch per rank), draws exactly what
+    it would have drawn — also when the position is saved again before any batch is drawn
+    (torchdata's sampler reports its loaded position only once it draws)."""
+    for rank in range(2):
+
+        def fresh(rank: int = rank) -> Batches:
+            return Batches(Items(), batch_size=2, seed=3, rank=rank, world_size=2,
+                           num_workers=workers)  # fmt: skip
+
+        reference = fresh()
+        whole = [next(reference).tolist() for _ in range(14)]
+        first = fresh()
+        assert [next(first).tolist() for _ in range(at)] == whole[:at]
+        tree, tensors = checkpointed(first)
+        second = fresh()
+        slot_for("data", second).load(tree, tensors)
+        tree, tensors = checkpointed(second)  # saved again before drawing anything
+        third = fresh()
+        slot_for("data", third).load(tree, tensors)
+        assert [next(third).tolist() for _ in range(14 - at)] == whole[at:], (rank, at)
+        assert third.epoch == 2

@@ -7,15 +7,17 @@ import contextlib
 import hashlib
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import save
 
+from baton.runtime.context import RunContext
 from shared.checkpoint import commit
 from shared.checkpoint.store.file import FileStore
 from shared.checkpoint.tensors import flatten, unflatten
-from shared.contracts import CommitRequest, FileRef, encode
-from shared.errors import AlreadyExists, ContractError, IntegrityError, StaleToken
+from shared.contracts import CommitRequest, FileRef, JobSpec, Task, encode
+from shared.errors import AlreadyExists, ContractError, IntegrityError, NotFound, StaleToken
 
 
 async def files(store: FileStore, run: str, token: int, step: int, payload: bytes) -> list[FileRef]:
@@ -117,3 +119,83 @@ def test_optimizer_state_round_trips_exactly_without_pickle() -> None:
             assert torch.equal(back["state"][k][name], t)
     tree2 = flatten({"x": float("inf")}, "m", {})
     assert unflatten(tree2, {}) == {"x": float("inf")}
+
+
+# -- a checkpoint of several ranks ---------------------------------------------------------
+
+
+async def shards(
+    store: FileStore, run: str, token: int, step: int, names: list[str]
+) -> list[FileRef]:
+    """Files of a checkpoint, one per name: a tensor file holds one tensor, meta.json `{}`."""
+    refs = []
+    for name in names:
+        if name.endswith(".safetensors"):
+            data = save({"x": torch.full((2,), float(len(refs)))})
+        else:
+            data = b"{}"
+        key = commit.data_key(run, token, step, name)
+        await store.put_once(key, data)
+        refs.append(FileRef(name=name, key=key, size=len(data),
+                            sha256=hashlib.sha256(data).hexdigest()))  # fmt: skip
+    return refs
+
+
+RANK0 = ["meta.json", "rng.safetensors", "model.safetensors", "data.safetensors"]
+RANK1 = ["rank1.meta.json", "rank1.rng.safetensors", "rank1.data.safetensors"]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "names", "needle"),
+    [
+        (2, RANK0, "rank 1's shard is incomplete: no rank1.meta.json"),
+        (2, RANK0 + RANK1[:1], "rank 1's shard is incomplete: no rank1.rng.safetensors"),
+        (2, RANK0[1:] + RANK1, "rank 0's shard is incomplete: no meta.json"),
+        (3, RANK0 + RANK1, "rank 2's shard is incomplete: no rank2.meta.json"),
+        (2, [*RANK0, *RANK1, "rank2.meta.json"], "rank2.meta.json belongs to no rank"),
+        (1, RANK0 + RANK1, "rank1.data.safetensors belongs to no rank of a group of 1"),
+    ],
+    ids=["no-rank-1", "rank-1-without-rng", "no-rank-0-meta", "3-ranks", "a-stray-rank", "1-rank"],
+)
+async def test_a_commit_lacking_a_ranks_shard_is_refused_and_writes_nothing(
+    tmp_path: Path, ranks: int, names: list[str], needle: str
+) -> None:
+    """Refused as `IntegrityError` (the checkpointer tells the trainer: commit_refused),
+    before anything is written: no manifest, and `latest` still names the last commit."""
+    store = FileStore(tmp_path)
+    good = await shards(store, "r", 1, 10, RANK0 + RANK1)
+    await commit.commit(store, msgspec.structs.replace(request("r", 1, 10, good), ranks=2))
+    before = await commit.read_latest(store, "r")
+    refs = await shards(store, "r", 1, 20, names)
+    with pytest.raises(IntegrityError, match=needle):
+        await commit.commit(store, msgspec.structs.replace(request("r", 1, 20, refs), ranks=ranks))
+    with pytest.raises(NotFound):
+        await store.get(commit.manifest_key("r", 20, 1))
+    assert await commit.read_latest(store, "r") == before
+
+
+async def test_a_checkpoint_of_two_ranks_resumes_only_at_two(tmp_path: Path) -> None:
+    """The manifest records the group's size; resuming at another size is refused by name,
+    by the protocol's check and by a real single-rank RunContext alike."""
+    store = FileStore(tmp_path)
+    refs = await shards(store, "r", 1, 10, RANK0 + RANK1)
+    await commit.commit(store, msgspec.structs.replace(request("r", 1, 10, refs), ranks=2))
+    manifest, damaged = await commit.restorable(store, "r")
+    assert manifest is not None and manifest.ranks == 2 and not damaged
+    commit.check_ranks(manifest, 2)
+    for other in (1, 3):
+        with pytest.raises(IntegrityError, match=f"written by 2 rank\\(s\\).*resumed by {other}"):
+            commit.check_ranks(manifest, other)
+    spec = JobSpec(name="t", entry_point="m:f", total_steps=20)
+    ctx = RunContext(Task(run_id="r", spec=spec), 2, store.url, tmp_path / "spool", [].append)
+    try:
+        with pytest.raises(IntegrityError, match="written by 2 rank"):
+            await asyncio.to_thread(ctx.restore, model=torch.nn.Linear(2, 2))
+    finally:
+        ctx.close()
+    # A manifest of one rank (as every manifest before groups) still resumes at one.
+    single = await shards(store, "s", 1, 10, RANK0)
+    await commit.commit(store, request("s", 1, 10, single))
+    manifest, _ = await commit.restorable(store, "s")
+    assert manifest is not None and manifest.ranks == 1
+    commit.check_ranks(manifest, 1)

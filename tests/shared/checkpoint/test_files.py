@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save, save_file
 
-from baton.runtime.context import RunContext, _download
+from baton.runtime.context import RunContext
+from baton.runtime.load import download
 from shared.checkpoint import commit
 from shared.checkpoint import files as checkpoint_files
 from shared.checkpoint.files import ITEMSIZE, TensorSpec
@@ -161,6 +162,14 @@ def test_a_file_written_by_safetensors_passes_with_its_dtypes_and_shapes(tmp_pat
         ("model.pt", "neither meta.json nor <group>.safetensors"),
         ("meta.json.safetensors", "neither"),
         ("mod\u00e8le.safetensors", "neither"),
+        # A rank's shard: rank<k>. (k >= 1, no leading zero) before a plain name, once.
+        ("rank0.meta.json", "neither"),
+        ("rank01.meta.json", "neither"),
+        ("rank1.", "neither"),
+        ("rank1.model.pt", "neither"),
+        ("rank1.rank1.meta.json", "neither"),
+        ("rank-1.meta.json", "neither"),
+        ("Rank1.meta.json", "neither"),
     ],
 )
 def test_a_file_name_that_is_not_a_plain_checkpoint_name_is_refused(
@@ -170,8 +179,13 @@ def test_a_file_name_that_is_not_a_plain_checkpoint_name_is_refused(
 
 
 def test_checkpoint_file_names_pass() -> None:
-    for name in ("meta.json", "model.safetensors", "rng.safetensors", "lr_sched-2.safetensors"):
+    for name in ("meta.json", "model.safetensors", "rng.safetensors", "lr_sched-2.safetensors",
+                 "rank1.meta.json", "rank12.rng.safetensors", "rank3.data.safetensors",
+                 "rank1.safetensors"):  # fmt: skip
         assert checkpoint_files.check_name(name) == name, name
+    ranks = {"meta.json": 0, "rank1.safetensors": 0, "rank1.meta.json": 1,
+             "rank12.rank1.safetensors": 12}  # fmt: skip
+    assert {n: checkpoint_files.rank_of(n) for n in ranks} == ranks
 
 
 def ref(name: str, key: str, data: bytes = b"") -> FileRef:
@@ -292,10 +306,10 @@ async def test_a_download_never_writes_outside_its_directory(tmp_path: Path) -> 
     into.mkdir(parents=True)
     for name in ("../x", "/tmp/x", "a/../../x", "meta.json\x00"):
         with pytest.raises(IntegrityError, match="checkpoint file name"):
-            await _download(store.url, [ref(name, f"runs/{RUN}/x", data)], into)
+            await download(store.url, [ref(name, f"runs/{RUN}/x", data)], into)
     twice = [ref("meta.json", f"runs/{RUN}/x", data)] * 2
     with pytest.raises(IntegrityError, match="cannot be downloaded"):
-        await _download(store.url, twice, into)
+        await download(store.url, twice, into)
     written = sorted(p.relative_to(tmp_path) for p in (tmp_path / "restore").rglob("*"))
     assert written == [Path("restore/into"), Path("restore/into/meta.json")], written
 

@@ -1,0 +1,170 @@
+"""Loading a committed checkpoint into a run's registered objects and global RNGs.
+
+Every file is checked before any object is touched: its tensors against what meta.json
+recorded and against the live object they go into. A mismatch is refused naming the tensor
+and leaves the objects as they were, where `load_state_dict` would fail half-way with torch's
+message.
+
+In a run of several ranks each rank loads the replicated objects (model, optimizer, …) from
+rank 0's files and its own data positions, generators, RNG states and cursor from its own
+shard (`rank<k>.` files; rank 0's are the plain ones): a rank downloads only what it loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from baton.runtime.slots import Slot
+from shared.checkpoint import commit
+from shared.checkpoint import files as checkpoint_files
+from shared.checkpoint.files import META, SUFFIX
+from shared.checkpoint.store import Store, open_store
+from shared.checkpoint.store.base import sha256_file
+from shared.checkpoint.tensors import declared, specs_of
+from shared.contracts import FileRef, Manifest
+from shared.errors import ContractError, IntegrityError
+
+
+async def chosen(store: Store, key: str, run_id: str) -> Manifest | None:
+    """The manifest rank 0 chose to resume from (`key`; "" for none), for another rank:
+    checked as any manifest read from the store. Rank 0 verified its files."""
+    if not key:
+        return None
+    try:
+        manifest = await commit.load_manifest(store, key)
+    except ContractError as exc:
+        raise IntegrityError(f"manifest {key}: {exc}") from None
+    if manifest.run_id != run_id or commit.key_of(manifest) != key:
+        raise IntegrityError(f"manifest {key} is not one of run {run_id!r}")
+    return manifest
+
+
+def load(
+    store_url: str,
+    manifest: Manifest,
+    slots: Sequence[Slot],
+    *,
+    run_id: str,
+    spec_hash: str,
+    rank: int = 0,
+) -> tuple[int, dict[str, Any]]:
+    """Load a checkpoint that was verified (`commit.restorable`: every file, by rank 0;
+    other ranks check the hashes of what they download). Returns its step and cursor."""
+    step, own = manifest.step, checkpoint_files.rank_prefix(rank)
+
+    def file_of(slot: Slot) -> str:
+        return f"{own if slot.per_rank else ''}{slot.name}{SUFFIX}"
+
+    rng_file = f"{own}rng{SUFFIX}"
+    wanted = {META, own + META, rng_file, *map(file_of, slots)}
+    refs = [f for f in manifest.files if f.name in wanted]
+    if missing := sorted(wanted - {f.name for f in refs}):
+        raise IntegrityError(f"checkpoint {step} lacks {', '.join(missing)}")
+    with tempfile.TemporaryDirectory(prefix="baton-restore-") as tmp:
+        local = asyncio.run(download(store_url, refs, Path(tmp), check_hashes=rank > 0))
+        shared = _meta(local[META], step, run_id, spec_hash)
+        mine = shared if not rank else _meta(local[own + META], step, run_id, spec_hash)
+        if mine["step"] != shared["step"] or mine.get("rank", 0) != rank:
+            raise IntegrityError(f"checkpoint {step}: {own}{META} is not rank {rank}'s of it")
+        trees: dict[str, Any] = {}
+        for slot in slots:
+            state = (mine if slot.per_rank else shared)["state"]
+            if slot.name not in state:
+                raise IntegrityError(f"checkpoint {step} has no state for {slot.name!r}")
+            trees[slot.name] = state[slot.name]
+            checkpoint_files.check_tensors(
+                local[file_of(slot)],
+                file_of(slot),
+                recorded=declared(trees[slot.name]),
+                live=slot.live(),
+                live_name=f"the {slot.name} being restored",
+            )
+        checkpoint_files.check_tensors(
+            local[rng_file],
+            rng_file,
+            live=specs_of(rng_state()[0]),
+            live_name="this process's RNG",
+            required=("torch", "numpy"),
+        )
+        # Objects, then data loaders, then generators (`baton.runtime.slots`); the global
+        # RNGs last.
+        for slot in sorted(slots, key=lambda s: s.phase):
+            name = file_of(slot)
+            tensors = checkpoint_files.load_tensors(local[name], name)
+            try:
+                slot.load(trees[slot.name], tensors)
+            except RecursionError:
+                raise IntegrityError(f"checkpoint {step}: {name!r} nested too deeply") from None
+            except (KeyError, TypeError, ValueError) as exc:
+                raise IntegrityError(f"checkpoint {step}: cannot restore {name!r}: {exc}") from exc
+        rng = checkpoint_files.load_tensors(local[rng_file], rng_file)
+        try:
+            set_rng_state(rng, mine["rng"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise IntegrityError(f"checkpoint {step}: malformed RNG state: {exc!r}") from None
+    return mine["step"], mine["cursor"]
+
+
+def _meta(path: Path, step: int, run_id: str, spec_hash: str) -> dict[str, Any]:
+    meta = checkpoint_files.read_meta(path)
+    if meta.get("run_id") != run_id or meta.get("spec_hash") != spec_hash:
+        raise IntegrityError(f"checkpoint {step} belongs to another run or job spec")
+    state, cursor, saved = meta.get("state"), meta.get("cursor"), meta.get("step")
+    if not (isinstance(state, dict) and isinstance(cursor, dict) and type(saved) is int):
+        raise IntegrityError(f"checkpoint {step}: {path.name} lacks state, cursor or step")
+    return meta
+
+
+async def download(
+    store_url: str, files: list[FileRef], into: Path, *, check_hashes: bool = False
+) -> dict[str, Path]:
+    out = {}
+    async with open_store(store_url) as store:
+        for ref in files:
+            # A name becomes a local path here: refuse one that would land outside `into`,
+            # whatever checks the manifest passed before.
+            path = into / checkpoint_files.check_name(ref.name)
+            if path.parent != into or ref.name in out:
+                raise IntegrityError(f"checkpoint file {ref.name!r} cannot be downloaded")
+            out[ref.name] = path
+            await store.download(ref.key, path)
+            if check_hashes and await asyncio.to_thread(sha256_file, path) != (
+                ref.size,
+                ref.sha256,
+            ):
+                raise IntegrityError(f"{ref.name}: its bytes differ from the manifest's")
+    return out
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This process's global RNG states: torch's (CUDA's too), numpy's and Python's."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["numpy"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
+    version, internal, gauss_next = random.getstate()
+    return tensors, {
+        "numpy": [kind, int(pos), int(has_gauss), float(cached)],
+        "python": [version, list(internal), gauss_next],
+    }
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("cuda.")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    kind, pos, has_gauss, cached = js["numpy"]
+    np.random.set_state((kind, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, internal, gauss_next = js["python"]
+    random.setstate((version, tuple(internal), gauss_next))

@@ -1,0 +1,343 @@
+"""Groups of ranks: forming one without deadlock, and noticing within seconds that it broke.
+
+A run of N ranks has one task, like any run. The trainer that takes it leads the group as
+rank 0 (`Leader`): it takes the run's lease — whose token is the group's **epoch** — writes
+the group's key, and publishes one `RankCall` per other rank on the pool's work queue. An
+idle trainer that takes a call joins as that rank (`services/trainer/rank.py`) and keeps a
+member key. Once every rank is held, rank 0's process opens the group's store and the leader
+writes its address into the group's key; the members start their processes from it. A
+partly formed group never trains.
+
+**Priority.** Groups of one pool compete for its trainers. Two groups that each hold some
+of the trainers the other needs would wait for ever, so the older run (earlier submission,
+then run id) always wins: a trainer leading or joining a forming group gives way the moment
+it sees an older group of its pool still forming — the leader gives its task back for a
+moment, a member hands its call back — and so joins the older one on its next fetch. The
+oldest forming group only ever gains trainers, so some group always forms. A group that
+cannot form at all (more ranks than the pool has trainers) gives its leader back after
+`BATON_FORM_WAIT` for as long again, so it never keeps the pool from other work.
+
+**Liveness.** Every key has a server-side TTL of a third of the lease TTL (at least 2 s),
+renewed by its writer twice as often. The leader reads its members' keys every half second:
+a key gone means that rank's trainer died or went silent; a key that says its process exited
+tells how. Members read the group's key: gone, or naming another epoch, means the group is
+over and their process is killed at once. So a rank lost is noticed in seconds, whatever
+torch.distributed's own timeout says, and no rank's process outlives its group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from shared.bus import names
+from shared.bus.connect import publish
+from shared.bus.emit import emit
+from shared.contracts import RunRecord, Task, encode
+from shared.contracts.child import EXIT_GROUP_BROKEN, EXIT_USER_ERROR
+from shared.contracts.events import GroupFormed
+from shared.contracts.groups import GroupKey, MemberKey, RankCall
+from shared.state.groups import GroupStore
+from shared.state.lease import Lease
+from shared.state.runs import Runs
+
+log = logging.getLogger("baton.trainer")
+
+POLL_S = 0.5
+SILENT_S = 3 * POLL_S
+"""A member whose key was not renewed for this long, once its group broke, is taken for
+lost without waiting for the key's TTL."""
+GIVE_WAY_S = 2.0
+"""How long a trainer that gave way keeps its task or call off the queue: long enough that
+its next fetch finds the older group's calls first."""
+
+
+@dataclass(frozen=True)
+class Formed:
+    members: list[MemberKey]
+
+
+@dataclass(frozen=True)
+class GaveWay:
+    reason: str
+    delay: float
+
+
+@dataclass(frozen=True)
+class Breakage:
+    """Why a group stopped, decided once every rank's end is known (`Leader.settle`)."""
+
+    rank: int
+    worker: str
+    reason: str
+    user: bool
+    """The user's code failed in `rank` (a retry counts); otherwise the group lost a rank."""
+    tail: str = ""
+
+
+class Leader:
+    """Rank 0's trainer: forms the group under its lease, then watches its members."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        store: GroupStore,
+        runs: Runs,
+        task: Task,
+        lease: Lease,
+        record: RunRecord,
+        worker: str,
+        addr: str,
+        site: str = "",
+    ) -> None:
+        self.js = js
+        self.store = store
+        self.runs = runs
+        self.task = task
+        self.lease = lease
+        self.worker = worker
+        self.site = site
+        self.ranks = task.spec.ranks
+        self.key = GroupKey(
+            run_id=task.run_id, pool=task.spec.pool, epoch=lease.token, ranks=self.ranks,
+            leader=worker, priority=record.created_at, addr=addr,
+        )  # fmt: skip
+        self.members: list[MemberKey] = []
+        self.broken = asyncio.Event()
+        """Set when a member is lost or its process ended before the group finished."""
+        self.breakage: Breakage | None = None
+        self._waiting = ""
+        self._revision = 0
+        """Of this leader's last write of the group's key: every write is a compare-and-swap
+        on it, so a leader whose group was replaced (a zombie) can never overwrite or delete
+        the newer group's key."""
+
+    @property
+    def epoch(self) -> int:
+        return self.key.epoch
+
+    @property
+    def group_key(self) -> str:
+        return names.group_key(self.task.spec.pool, self.task.run_id)
+
+    def rendezvous_hosts(self) -> list[str]:
+        return [socket.gethostname(), *(m.host for m in self.members)]
+
+    # -- forming ---------------------------------------------------------------------------
+
+    async def form(self, msg: Msg, stop: asyncio.Event, wait_s: float) -> Formed | GaveWay:
+        """Hold the run while its ranks are called for, until every rank is held (Formed),
+        or an older group of the pool is forming, `wait_s` passed, or the trainer is asked
+        to stop (GaveWay). The lease and the task message are kept alive meanwhile; a lease
+        lost raises `LeaseLost`."""
+        current, revision = await self.store.revision(self.group_key)
+        if current is not None and current.epoch > self.epoch:
+            raise Superseded()
+        self._revision = revision
+        await self.renew()
+        for rank in range(1, self.ranks):
+            call = RankCall(task=self.task, epoch=self.epoch, rank=rank)
+            await publish(
+                self.js, names.call_subject(self.task.spec.pool, self.task.run_id), encode(call),
+                msg_id=names.call_id(self.task.run_id, self.epoch, rank),
+            )  # fmt: skip
+        began = last_beat = time.monotonic()
+        while True:
+            held = [m for m in [await self._member(r) for r in range(1, self.ranks)] if m]
+            if len(held) == self.ranks - 1:
+                self.members = sorted(held, key=lambda m: m.rank)
+                return Formed(self.members)
+            gave = await self._give_way(len(held) + 1, time.monotonic() - began, wait_s, stop)
+            if gave is not None:
+                return gave
+            await self._say_waiting(
+                f"forming a group of {self.ranks}: {len(held) + 1} of {self.ranks} ranks held, "
+                f"waiting for {self.ranks - 1 - len(held)} more trainer(s) of pool "
+                f"{self.task.spec.pool!r}"
+            )
+            if time.monotonic() - last_beat >= self.lease.ttl_s / 3:
+                last_beat = time.monotonic()
+                await msg.in_progress()
+                if (over := await self._beat()) is not None:
+                    return over
+            await self.renew()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), POLL_S)
+
+    async def _give_way(
+        self, held: int, waited: float, wait_s: float, stop: asyncio.Event
+    ) -> GaveWay | None:
+        older = await self.store.older_forming(self.key)
+        if older is not None:
+            return GaveWay(f"gave way to the older run {older.run_id}, forming too", GIVE_WAY_S)
+        if waited > wait_s:
+            return GaveWay(
+                f"no group of {self.ranks} formed within {wait_s:.0f}s ({held} of "
+                f"{self.ranks} ranks held); trying again later",
+                wait_s,
+            )
+        if stop.is_set():
+            return GaveWay("its trainer is stopping", 0.0)
+        return None
+
+    async def _beat(self) -> GaveWay | None:
+        """Renew the lease (`Superseded` if it was taken) and read the record's orders."""
+        if not await self.lease.renew():
+            raise Superseded()
+        found = await self.runs.get(self.task.run_id)
+        if found is None or found[0].state.terminal:
+            return GaveWay("the run is over", 0.0)
+        if found[0].cancel_requested is not None:
+            return GaveWay("asked to cancel", 0.0)
+        return None
+
+    async def _member(self, rank: int) -> MemberKey | None:
+        m = await self.store.member(self.task.run_id, self.epoch, rank)
+        return m if m is not None and m.state == "joined" else None
+
+    async def _say_waiting(self, why: str) -> None:
+        """Tell `baton status` why the run is not training (only when that changes)."""
+        if why == self._waiting:
+            return
+        self._waiting = why
+        token = self.lease.token
+
+        def change(r: RunRecord) -> RunRecord | None:
+            if r.state.terminal or (r.token or 0) > token or r.waiting == why:
+                return None
+            return msgspec.structs.replace(r, waiting=why)
+
+        with contextlib.suppress(Exception):  # advisory: the next change says it again
+            await self.runs.update(self.task.run_id, change)
+
+    # -- training --------------------------------------------------------------------------
+
+    async def go(self, port: int) -> None:
+        """Rank 0's process listens on `port`: let the members start theirs."""
+        self.key = msgspec.structs.replace(
+            self.key, port=port, members=[self.worker, *(m.worker for m in self.members)],
+            hosts=self.rendezvous_hosts(),
+        )  # fmt: skip
+        await self.renew()
+        formed = GroupFormed(
+            run_id=self.task.run_id, worker=self.worker, epoch=self.epoch, members=self.key.members
+        )
+        await emit(self.js, formed, site=self.site)
+        log.info("%s: group of %d formed, epoch %d: %s", self.task.run_id, self.ranks,
+                 self.epoch, ", ".join(self.key.members))  # fmt: skip
+
+    async def watch(self) -> None:
+        """Renew the group's key and read the members' until one is lost or its process
+        ends; then set `broken`. Runs for the whole attempt (cancelled at its end)."""
+        while True:
+            try:
+                await self.renew()
+            except Superseded:
+                self.breakage = Breakage(0, self.worker, "a newer group replaced it", False)
+                self.broken.set()
+                return
+            except Exception:  # a blip: the keys outlive a few misses
+                await asyncio.sleep(POLL_S)
+                continue
+            with contextlib.suppress(Exception):
+                for m in self.members:
+                    now = await self.store.member(self.task.run_id, self.epoch, m.rank)
+                    cause = _cause(m, now)
+                    if cause is not None and self.breakage is None:
+                        self.breakage = cause
+                        self.broken.set()
+            await asyncio.sleep(POLL_S)
+
+    async def settle(self, own_code: int, own_tail: str) -> Breakage:
+        """Once rank 0's process has ended: wait until every member's end is known — its key
+        says its process exited, or its trainer is silent (the key gone, or not renewed for
+        `SILENT_S`) — then say why the group stopped. A rank lost outweighs a user failure
+        (the user's code may have failed only because a peer vanished); a user failure
+        outweighs a collective that merely failed."""
+        ends = await self._ends()
+        causes = [c for m in self.members if (c := _cause(m, ends.get(m.rank, m))) is not None]
+        if self.breakage is not None:
+            causes.insert(0, self.breakage)
+        lost = [c for c in causes if not c.user and c.reason != _PEER_FAILED]
+        if lost:
+            return lost[0]
+        if own_code == EXIT_USER_ERROR:
+            causes.insert(0, Breakage(0, self.worker, "rank 0's code failed", True, own_tail))
+        users = [c for c in causes if c.user]
+        if users:
+            return users[0]
+        return Breakage(0, self.worker, "a collective failed (a peer was too slow)", False)
+
+    async def _ends(self) -> dict[int, MemberKey | None]:
+        """How each member ended: its exited key, or None for a silent trainer. A dead
+        trainer's key outlives it by up to its TTL; it is known silent sooner, once its
+        revision stops moving (a live one renews it every `POLL_S`). At most a key's TTL."""
+        deadline = time.monotonic() + self.store.ttl_s + 2 * POLL_S
+        ends: dict[int, MemberKey | None] = {}
+        seen: dict[int, tuple[int, float]] = {}
+        while len(ends) < len(self.members) and time.monotonic() < deadline:
+            for m in (m for m in self.members if m.rank not in ends):
+                now, revision = await self.store.member_revision(
+                    self.task.run_id, self.epoch, m.rank
+                )
+                since = seen.setdefault(m.rank, (revision, time.monotonic()))
+                if revision != since[0]:
+                    seen[m.rank] = (revision, time.monotonic())
+                if now is None or now.state == "exited":
+                    ends[m.rank] = now
+                elif time.monotonic() - seen[m.rank][1] >= SILENT_S:
+                    ends[m.rank] = None
+            if len(ends) < len(self.members):
+                await asyncio.sleep(POLL_S)
+        return ends
+
+    async def renew(self) -> None:
+        """Write the group's key again (its TTL starts over); `Superseded` if it changed
+        since this leader's last write."""
+        revision = await self.store.write(self.group_key, self.key, self._revision)
+        if revision is None:
+            raise Superseded()
+        self._revision = revision
+
+    async def end(self) -> None:
+        """The group is over (whatever the outcome): its members' processes stop. Only the
+        key this leader wrote last is deleted, never a newer group's."""
+        if self._revision:
+            await self.store.delete(self.group_key, expected=self._revision)
+
+
+class Superseded(Exception):
+    """The run moved on under this leader: its lease was taken, or a newer group's key
+    replaced its own."""
+
+
+_PEER_FAILED = "its process stopped because a peer failed"
+
+
+def _cause(was: MemberKey, now: MemberKey | None) -> Breakage | None:
+    """What a member's key, read now, says about the group; None while all is well."""
+    if now is None:
+        why = "its trainer went silent (its key was not renewed)"
+        return Breakage(was.rank, was.worker, why, False)
+    if now.state != "exited" or now.code == 0:
+        return None
+    if now.user_error:
+        return Breakage(now.rank, now.worker, f"rank {now.rank}'s code failed", True, now.tail)
+    if now.code == EXIT_GROUP_BROKEN:
+        return Breakage(now.rank, now.worker, _PEER_FAILED, False, now.tail)
+    code = now.code if now.code is not None else -1
+    why = f"its process was killed by signal {-code}" if code < 0 else f"its process exited {code}"
+    return Breakage(now.rank, now.worker, why, False, now.tail)
+
+
+def local_rank(hosts: list[str], rank: int) -> int:
+    """This rank's index among the group's ranks on its host."""
+    return sum(1 for h in hosts[:rank] if h == hosts[rank])

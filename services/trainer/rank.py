@@ -1,0 +1,203 @@
+"""Holding a rank of another trainer's group (`group.py` says how groups form and break).
+
+A trainer that takes a `RankCall` joins the group of that epoch — if it is still forming —
+by writing its member key, and keeps the call in hand until the group forms: a call handed
+back (the trainer stops, or gives way to an older group) goes to the next idle trainer. Once
+the leader writes the group's address, the trainer acks the call and runs its rank's
+process. It reports through its key: renewed every half second while it lives, `exited` with
+the exit code (and the tail of the output when the user's code failed) once the process
+ends, kept until the leader has ended the group. It kills its process the moment the group's
+key is gone or names another epoch, so no rank outlives its group.
+
+The run's lease, its record and its commits are the leader's alone: a member writes only
+its own key, and its process's files carry the epoch, which the store fences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+from nats.aio.msg import Msg
+
+from services.trainer.attempt import OUTPUT_DRAIN_S, tail_of
+from services.trainer.child_proc import Child, Zygote
+from services.trainer.group import GIVE_WAY_S, POLL_S, local_rank
+from shared.bus import names
+from shared.contracts.child import EXIT_USER_ERROR, Control, Launch, Rendezvous, StepDone
+from shared.contracts.groups import GroupKey, MemberKey, RankCall
+from shared.state.groups import GroupStore
+
+log = logging.getLogger("baton.trainer")
+
+
+class Member:
+    def __init__(
+        self,
+        groups: GroupStore,
+        zygote: Zygote,
+        call: RankCall,
+        worker: str,
+        store_url: str,
+        work_dir: Path,
+        signals: tuple[asyncio.Event, asyncio.Event],
+        publish_output: Callable[[str, bytes], Awaitable[None]],
+        ack_wait_s: float,
+    ) -> None:
+        self.groups = groups
+        self.zygote = zygote
+        self.call = call
+        self.task = call.task
+        self.run_id = call.task.run_id
+        self.rank: int | None = call.rank
+        self.token = call.epoch
+        """The group's epoch (the heartbeat shows it as the token this trainer works under)."""
+        self.worker = worker
+        self.store_url = store_url
+        self.log_path = work_dir / "logs" / f"{self.run_id}.log"
+        self.stop, self.hurry = signals
+        self._publish_output = publish_output
+        self._ack_wait_s = ack_wait_s
+        self.step = 0
+        self.key = names.member_key(self.run_id, call.epoch, call.rank)
+        self.me = MemberKey(
+            run_id=self.run_id, epoch=call.epoch, rank=call.rank, worker=worker,
+            host=socket.gethostname(),
+        )  # fmt: skip
+        self._child: Child | None = None
+
+    async def run(self, msg: Msg) -> None:
+        group = await self._group()
+        if group is None or group.formed:  # a call of an epoch that is over, or taken
+            await msg.ack()
+            return
+        if not await self.groups.claim(self.key, self.me):
+            await msg.ack()  # someone holds this rank already
+            return
+        try:
+            formed = await self._wait_formed(msg)
+            if formed is None:
+                return
+            await msg.ack()
+            await self._train(formed)
+        finally:
+            await self.groups.delete(self.key)
+
+    def orphaned(self, reason: str) -> None:
+        """The reaper saw this worker run a run that is not its own any more: stop."""
+        log.warning("%s: rank %s killed: %s", self.run_id, self.rank, reason)
+        if self._child is not None:
+            self._child.kill()
+
+    async def _group(self) -> GroupKey | None:
+        group = await self.groups.group(self.task.spec.pool, self.run_id)
+        return group if group is not None and group.epoch == self.call.epoch else None
+
+    async def _wait_formed(self, msg: Msg) -> GroupKey | None:
+        """The group once formed with this trainer in it; None if the call was answered
+        otherwise (the group is over, or gave this rank to another, or this trainer gave
+        way or is stopping)."""
+        touched = time.monotonic()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), POLL_S)
+            if self.stop.is_set():
+                await msg.nak()  # to the next idle trainer, at once
+                return None
+            group = await self._group()
+            if group is None:
+                await msg.ack()
+                return None
+            if group.formed:
+                if self.worker in group.members[self.call.rank : self.call.rank + 1]:
+                    return group
+                await msg.ack()
+                return None
+            older = await self.groups.older_forming(group)
+            if older is not None:
+                log.info("%s: rank %d given back: the older run %s is forming",
+                         self.run_id, self.call.rank, older.run_id)  # fmt: skip
+                await msg.nak(delay=GIVE_WAY_S)
+                return None
+            await self.groups.put(self.key, self.me)
+            if time.monotonic() - touched > self._ack_wait_s / 3:
+                touched = time.monotonic()
+                await msg.in_progress()
+
+    async def _train(self, group: GroupKey) -> None:
+        child = self._child = await self.zygote.fork()
+        rendezvous = Rendezvous(
+            epoch=group.epoch, rank=self.call.rank, world_size=group.ranks,
+            local_rank=local_rank(group.hosts, self.call.rank), addr=group.addr, port=group.port,
+            timeout_s=self.task.spec.collective_timeout_s,
+        )  # fmt: skip
+        launch = Launch(
+            task=self.task, token=group.epoch, worker=self.worker, store_url=self.store_url,
+            group=rendezvous,
+        )  # fmt: skip
+        child.send(launch)
+        log.info("%s: rank %d of %d, epoch %d", self.run_id, self.call.rank, group.ranks,
+                 group.epoch)  # fmt: skip
+        self.me = msgspec.structs.replace(self.me, state="running")
+        copying = asyncio.create_task(
+            child.copy_output(self.log_path, lambda b: self._publish_output(self.run_id, b))
+        )
+        reading = asyncio.create_task(self._read(child))
+        exited = asyncio.ensure_future(child.wait())
+        try:
+            await self._follow(child, exited)
+            code = exited.result()
+            await asyncio.wait({copying}, timeout=OUTPUT_DRAIN_S)
+            self.me = msgspec.structs.replace(
+                self.me, state="exited", code=code, step=self.step,
+                user_error=code == EXIT_USER_ERROR, tail=tail_of(self.log_path) if code else "",
+            )  # fmt: skip
+            log.info("%s: rank %d's process exited %d", self.run_id, self.call.rank, code)
+            # Stay until the leader has read how this rank ended: it ends the group.
+            while await self._group() is not None:
+                with contextlib.suppress(Exception):
+                    await self.groups.put(self.key, self.me)
+                await asyncio.sleep(POLL_S)
+        finally:
+            child.kill()
+            await child.wait()
+            for t in (copying, reading):
+                t.cancel()
+            await asyncio.gather(copying, reading, return_exceptions=True)
+            self._child = None
+
+    async def _follow(self, child: Child, exited: asyncio.Future[int]) -> None:
+        """Until the process exits: renew this rank's key, pass a stop on, and kill the
+        process the moment the group is over."""
+        asked = False
+        while not exited.done():
+            await asyncio.wait({exited}, timeout=POLL_S)
+            if exited.done():
+                return
+            if self.stop.is_set() and not asked:
+                # A preemption notice for this rank: every rank checkpoints at the same
+                # step boundary (the processes agree on it) and the group hands over.
+                child.send(Control(action="stop"))
+                asked = True
+            if self.hurry.is_set():
+                child.kill()
+            try:
+                alive = await self._group() is not None
+                await self.groups.put(self.key, msgspec.structs.replace(self.me, step=self.step))
+            except Exception:  # a blip: the keys outlive a few misses
+                continue
+            if not alive:
+                log.warning("%s: the group of epoch %d is over; rank %d's process killed",
+                            self.run_id, self.call.epoch, self.call.rank)  # fmt: skip
+                child.kill()
+
+    async def _read(self, child: Child) -> None:
+        async for msg in child.messages():
+            if isinstance(msg, StepDone):
+                self.step = msg.step

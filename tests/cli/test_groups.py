@@ -1,0 +1,44 @@
+"""What the CLI shows of a run of several ranks: its group (workers by rank and its epoch)
+or why it is not training yet, and the group's events as lines of `watch` and `logs`."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from baton.cli.app import _group_rows
+from baton.cli.watch import describe
+from shared.contracts import JobSpec, RunRecord, RunState
+from shared.contracts.events import AttemptFailed, GroupFormed, RankLost
+
+SPEC = JobSpec(name="g", entry_point="m:f", total_steps=10, ranks=2)
+
+
+def record(**fields: object) -> RunRecord:
+    now = time.time()
+    return RunRecord(
+        run_id="r1", spec=SPEC, spec_hash="h", created_at=now, updated_at=now, **fields
+    )  # type: ignore[arg-type]
+
+
+def test_status_shows_the_group_or_why_it_waits() -> None:
+    why = "forming a group of 2: 1 of 2 ranks held, waiting for 1 more trainer(s)"
+    assert _group_rows(record(waiting=why)) == [("ranks", "2"), ("waiting", why)]
+    running = record(state=RunState.RUNNING, token=41, group=["t1", "t3"], worker="t1")
+    assert _group_rows(running) == [("ranks", "2"), ("group", "epoch 41; 0: t1, 1: t3")]
+    one = JobSpec(name="g", entry_point="m:f", total_steps=10)
+    assert _group_rows(msgspec.structs.replace(running, spec=one)) == []
+
+
+def test_watch_names_the_group_the_lost_rank_and_the_failed_rank() -> None:
+    formed = GroupFormed(run_id="r1", worker="t1", epoch=7, members=["t1", "t2"])
+    assert describe(formed) == "group of 2 formed, epoch 7 (0: t1, 1: t2)"
+    lost = RankLost(run_id="r1", worker="t1", epoch=7, rank=1, lost="t2", reason="silent", step=30)
+    line = describe(lost)
+    assert line is not None and "rank 1 lost" in line and "t2" in line and "step 30" in line
+    failed = AttemptFailed(
+        run_id="r1", worker="t1", attempt=1, reason="rank 1's code failed", rank=1
+    )
+    line = describe(failed)
+    assert line is not None and "rank 1" in line

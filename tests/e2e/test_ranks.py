@@ -1,0 +1,327 @@
+"""Runs of several ranks, end to end: a 2-rank DDP job (`examples/ddp.py`, gloo on CPU) on
+real trainers, whose ranks are SIGKILLed, SIGTERMed, SIGSTOPped and made to fail.
+
+Two stacks for the module. Three trainers, restarted when they die as `baton up` does: a
+rank lost re-forms the group on the spare and the run ends bitwise equal to the
+uninterrupted 2-rank run; a preempted rank costs no step; a zombie leader is fenced and its
+commit refused; a crash in one rank's code fails the attempt with that rank's traceback.
+And a pool that starts with one trainer: a 2-rank job waits and says why, then two 3-rank
+jobs compete for four trainers and both finish.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+
+from shared.bus import names
+from shared.checkpoint import commit
+from shared.checkpoint.store import open_store
+from shared.contracts import CommitRequest, FileRef, JobSpec, RunState, encode
+from shared.contracts.events import (
+    AttemptFailed,
+    CheckpointCommitted,
+    CommitRefused,
+    Failed,
+    Fenced,
+    GroupFormed,
+    Preempted,
+    Progress,
+    RankLost,
+    Restored,
+    Started,
+)
+from shared.state.runs import Runs
+from tests.e2e.jobs import EventLog, finished, history, job, submit
+from tests.support.stack import (
+    Stack,
+    alive,
+    attempt_processes,
+    eventually,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+TRAINERS = ("t1", "t2", "t3")
+
+
+def ddp(
+    key: str, *, total: int = 80, ranks: int = 2, pool: str = "default", **config: Any
+) -> JobSpec:
+    return job(
+        name="ddp",
+        entry_point="examples.ddp:train",
+        total_steps=total,
+        ranks=ranks,
+        pool=pool,
+        seed=11,
+        checkpoint={"every_steps": 10},
+        config={"steps_sleep": 0.04, **config},
+        idempotency_key=key,
+    )
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def three(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("ranks") / "stack", trainers=0, lease_ttl=4)
+    try:
+        await s.start(("dispatcher", "checkpointer", "reaper"))
+        for name in TRAINERS:
+            await s.add_trainer(name, restart=True)
+        await s.ready(("trainer",))
+        yield s
+    finally:
+        await s.stop()
+
+
+_reference: dict[int, str] = {}
+
+
+async def reference(nc: Client, total: int = 80) -> str:
+    """The weights of the uninterrupted 2-rank run of `total` steps (the pace changes no
+    arithmetic)."""
+    if total not in _reference:
+        run_id = await submit(nc, ddp(f"reference-{total}", total=total, steps_sleep=0.0))
+        record = await finished(nc, run_id, timeout=120)
+        assert record.state is RunState.COMPLETED, record.reason
+        assert record.digest
+        _reference[total] = record.digest
+    return _reference[total]
+
+
+async def all_dead(pids: list[int], what: str) -> None:
+    async def gone() -> bool:
+        return not any(alive(p) for p in pids)
+
+    await eventually(gone, 15, what)
+
+
+async def test_a_rank_killed_reforms_on_the_spare_and_ends_bitwise_equal(three: Stack) -> None:
+    nc = await three.client()
+    want = await reference(nc)
+    run_id = await submit(nc, ddp("kill-ranks"))
+    log = EventLog(nc, run_id)
+    first = await log.wait_for(lambda e: isinstance(e, GroupFormed), 60, "the group")
+    assert isinstance(first, GroupFormed) and len(set(first.members)) == 2
+    await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step >= 10, 60, "commit")
+    leader_child = attempt_processes(three.pid(first.members[0]))
+
+    # Rank 1's trainer dies: every rank of its group stops, the group forms again.
+    three.signal(first.members[1], signal.SIGKILL)
+    lost = await log.wait_for(lambda e: isinstance(e, RankLost), 30, "the rank's loss")
+    assert isinstance(lost, RankLost)
+    assert (lost.rank, lost.lost, lost.epoch) == (1, first.members[1], first.epoch)
+    await all_dead(leader_child, "rank 0's process of the broken group")
+    second = await log.wait_for(
+        lambda e: isinstance(e, GroupFormed) and e.epoch > first.epoch, 60, "the group again"
+    )
+    assert isinstance(second, GroupFormed)
+    await log.wait_for(
+        lambda e: isinstance(e, Progress) and e.worker == second.members[0] and e.step > lost.step,
+        60,
+        "the re-formed group training",
+    )
+
+    # Now rank 0's: its successor on the host hands the run over, and it forms once more.
+    three.signal(second.members[0], signal.SIGKILL)
+    third = await log.wait_for(
+        lambda e: isinstance(e, GroupFormed) and e.epoch > second.epoch, 60, "a third group"
+    )
+    assert isinstance(third, GroupFormed)
+    record = await finished(nc, run_id, timeout=120)
+    assert record.state is RunState.COMPLETED, record.reason
+    assert record.digest == want
+    assert record.retries == 0 and not log.of(AttemptFailed)  # never the user's failure
+    # Every group resumed from a committed step.
+    committed = {e.step for e in log.of(CheckpointCommitted)} | {0}
+    assert all(r.step in committed for r in log.of(Restored))
+    log.close()
+
+
+async def test_sigterm_to_one_rank_checkpoints_the_group_and_loses_no_step(three: Stack) -> None:
+    nc = await three.client()
+    want = await reference(nc)
+    run_id = await submit(nc, ddp("term-rank"))
+    log = EventLog(nc, run_id)
+    first = await log.wait_for(lambda e: isinstance(e, GroupFormed), 60, "the group")
+    assert isinstance(first, GroupFormed)
+    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 15, 60, "step 15")
+    member_child = attempt_processes(three.pid(first.members[1]))
+    three.signal(first.members[1], signal.SIGTERM)
+
+    pre = await log.wait_for(lambda e: isinstance(e, Preempted), 30, "the group's preemption")
+    assert isinstance(pre, Preempted) and pre.worker == first.members[0]
+    assert any(e.step == pre.step and e.token == first.epoch for e in log.of(CheckpointCommitted))
+    await all_dead(member_child, "the preempted rank's process")
+    second = await log.wait_for(
+        lambda e: isinstance(e, GroupFormed) and e.epoch > first.epoch, 60, "the group again"
+    )
+    assert isinstance(second, GroupFormed)
+    resumed = await log.wait_for(
+        lambda e: isinstance(e, Restored) and e.at >= second.at, 60, "the resume"
+    )
+    assert isinstance(resumed, Restored) and resumed.step == pre.step  # zero lost steps
+    record = await finished(nc, run_id, timeout=120)
+    assert record.state is RunState.COMPLETED and record.digest == want
+    assert not log.of(RankLost) and record.retries == 0
+    log.close()
+
+
+async def test_a_zombie_leader_is_fenced_and_its_commit_refused(three: Stack) -> None:
+    nc = await three.client()
+    want = await reference(nc, 150)
+    run_id = await submit(nc, ddp("zombie-rank", total=150))
+    log = EventLog(nc, run_id)
+    first = await log.wait_for(lambda e: isinstance(e, GroupFormed), 60, "the group")
+    assert isinstance(first, GroupFormed)
+    await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step >= 10, 60, "commit")
+    zombie = first.members[0]
+    pid = three.pid(zombie)
+    family = attempt_processes(pid)
+    os.kill(pid, signal.SIGSTOP)  # past the TTL: its lease lapses, its group is over
+    try:
+        second = await log.wait_for(
+            lambda e: isinstance(e, GroupFormed) and e.epoch > first.epoch, 60, "a new group"
+        )
+        assert isinstance(second, GroupFormed) and zombie not in second.members
+        await log.wait_for(
+            lambda e: isinstance(e, CheckpointCommitted) and e.token == second.epoch,
+            60,
+            "the new group's commit",
+        )
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    fenced = await log.wait_for(
+        lambda e: isinstance(e, Fenced) and e.worker == zombie, 30, "the zombie to notice"
+    )
+    assert isinstance(fenced, Fenced) and fenced.token == first.epoch
+    await all_dead(family, "the zombie's training process")
+
+    # The old group's newest complete checkpoint, committed again now: the store refuses it.
+    async with open_store(three.store_url) as store:
+        prefix = f"runs/{run_id}/data/{first.epoch:012d}/"
+        mine = await store.list(prefix)
+        late = max(int(k.split("/")[4]) for k in mine)
+        files = []
+        for key in (k for k in mine if int(k.split("/")[4]) == late):
+            size, digest = await store.stat(key)
+            files.append(FileRef(name=key.rsplit("/", 1)[1], key=key, size=size, sha256=digest))
+        latest = await commit.read_latest(store, run_id)
+        assert latest is not None and latest[0].token == second.epoch
+    req = CommitRequest(
+        run_id=run_id, token=first.epoch, step=late, worker=zombie, files=files, ranks=2
+    )
+    await nc.jetstream().publish(names.commit_subject(run_id), encode(req))
+    refused = await log.wait_for(
+        lambda e: isinstance(e, CommitRefused) and e.token == first.epoch and e.step == late,
+        30,
+        "the refusal",
+    )
+    assert isinstance(refused, CommitRefused)
+    record = await finished(nc, run_id, timeout=120)
+    assert record.state is RunState.COMPLETED and record.digest == want
+    log.close()
+
+
+async def test_a_crash_in_one_ranks_code_is_a_user_failure(three: Stack) -> None:
+    nc = await three.client()
+    spec = ddp("crash-rank", fail_rank=1, fail_at=5, steps_sleep=0.0)
+    spec = job(**{**_fields(spec), "limits": {"max_retries": 1}})
+    run_id = await submit(nc, spec)
+    record = await finished(nc, run_id, timeout=120)
+    assert record.state is RunState.FAILED
+    events = await history(nc, run_id)
+    # The first attempt failed and was retried; the second used up the retries.
+    (tried,) = [e for e in events if isinstance(e, AttemptFailed)]
+    assert tried.rank == 1 and "ValueError" in tried.detail and record.retries == 2
+    failed = next(e for e in events if isinstance(e, Failed))
+    assert "ValueError" in failed.detail and "rank 1" in failed.reason
+    assert not [e for e in events if isinstance(e, RankLost)]
+
+    # Every rank of every attempt stopped.
+    async def none_left() -> bool:
+        return not any(attempt_processes(three.pid(t)) for t in TRAINERS)
+
+    await eventually(none_left, 15, "every rank's process to exit")
+
+
+def _fields(spec: JobSpec) -> dict[str, Any]:
+    import msgspec
+
+    out: dict[str, Any] = msgspec.to_builtins(spec)
+    return out
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    """One trainer to begin with; tests add more."""
+    s = Stack(tmp_path_factory.mktemp("pool") / "stack", trainers=0, lease_ttl=4)
+    try:
+        await s.start(("dispatcher", "checkpointer", "reaper"))
+        await s.add_trainer("p1")
+        await s.ready(("trainer",))
+        yield s
+    finally:
+        await s.stop()
+
+
+async def test_a_group_never_trains_partly_formed_and_says_why(pool: Stack) -> None:
+    nc = await pool.client()
+    run_id = await submit(nc, ddp("alone", total=30, steps_sleep=0.0))
+    runs = await Runs.open(nc.jetstream())
+
+    async def waiting() -> str | None:
+        found = await runs.get(run_id)
+        return found[0].waiting if found else None
+
+    why = await eventually(waiting, 30, "the run to say why it waits")
+    assert "1 of 2 ranks held" in why and "default" in why
+    found = await runs.get(run_id)
+    assert found is not None
+    record = found[0]
+    assert record.state is RunState.QUEUED and record.attempts == 0 and not record.group
+    assert not attempt_processes(pool.pid("p1"))  # no rank's process was even started
+    assert not [e for e in await history(nc, run_id) if isinstance(e, Started | GroupFormed)]
+
+    await pool.add_trainer("p2")
+    record = await finished(nc, run_id, timeout=90)
+    assert record.state is RunState.COMPLETED
+    formed = [e for e in await history(nc, run_id) if isinstance(e, GroupFormed)]
+    assert len(formed) == 1 and sorted(formed[0].members) == ["p1", "p2"]
+    assert record.waiting is None
+
+
+async def test_two_leaders_waiting_on_each_other_do_not_deadlock(pool: Stack) -> None:
+    """Both runs' tasks are taken before either calls for a rank, so each leader holds the
+    one trainer the other needs: only the younger giving way lets either form. (Their
+    trainers never give up on their own: `BATON_FORM_WAIT` is far beyond the test's bound.)"""
+    nc = await pool.client()
+    a = await submit(nc, ddp("race-a", total=30, steps_sleep=0.0, pool="race"))
+    b = await submit(nc, ddp("race-b", total=30, steps_sleep=0.0, pool="race"))
+    race = {"BATON_POOL": "race", "BATON_FORM_WAIT": "600"}
+    for name in ("r1", "r2"):  # the tasks come first in the queue: one each
+        await pool.add_trainer(name, race)
+    for run_id in (a, b):
+        record = await finished(nc, run_id, timeout=90)
+        assert record.state is RunState.COMPLETED, record.reason
+    leaders = {e.worker for r in (a, b) for e in await history(nc, r) if isinstance(e, Started)}
+    assert leaders == {"r1", "r2"}, "both runs were led before either formed"
+
+
+async def test_two_groups_competing_for_the_same_trainers_both_finish(pool: Stack) -> None:
+    nc = await pool.client()
+    for name in ("p3", "p4"):
+        await pool.add_trainer(name, {"BATON_FORM_WAIT": "600"})
+    a = await submit(nc, ddp("group-a", total=30, ranks=3, steps_sleep=0.0))
+    b = await submit(nc, ddp("group-b", total=30, ranks=3, steps_sleep=0.0))
+    for run_id in (a, b):
+        record = await finished(nc, run_id, timeout=150)
+        assert record.state is RunState.COMPLETED, record.reason
+        formed = [e for e in await history(nc, run_id) if isinstance(e, GroupFormed)]
+        assert formed and all(len(set(f.members)) == 3 for f in formed)

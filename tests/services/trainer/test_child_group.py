@@ -1,0 +1,243 @@
+"""A run of two ranks, as real training processes forked by a real zygote, on gloo: they
+stop together and resume exactly, one commit holding both ranks' files; a rank that is
+killed, or whose code raises, ends its peer with the right exit status.
+
+The test plays both trainers (launching rank 0, then rank 1 on the port rank 0 reports) and
+the checkpointer (committing rank 0's `CheckpointReady` messages with the real protocol).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.trainer.child_proc import Child, Zygote
+from shared.checkpoint import commit
+from shared.checkpoint.store.file import FileStore
+from shared.contracts import CommitRequest, JobSpec, Task, convert
+from shared.contracts.child import (
+    EXIT_GROUP_BROKEN,
+    EXIT_USER_ERROR,
+    CheckpointReady,
+    Control,
+    Finished,
+    FromChild,
+    Launch,
+    Listening,
+    Rendezvous,
+    StepDone,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+WAIT_S = 60  # a bound on every wait: a hang fails the test instead of stalling the suite
+
+
+def job(total: int, timeout_s: float = 20, **config: Any) -> JobSpec:
+    return convert(
+        {
+            "name": "ddp",
+            "entry_point": "examples.ddp:train",
+            "total_steps": total,
+            "deterministic": True,
+            "seed": 7,
+            "ranks": 2,
+            "collective_timeout_s": timeout_s,
+            "checkpoint": {"every_steps": 25},
+            "config": config,
+        },
+        JobSpec,
+    )
+
+
+class Rank:
+    """One rank's training process: what it sent, and what it printed."""
+
+    def __init__(self, child: Child, log: Path) -> None:
+        self.child = child
+        self.log = log
+        self.sent: list[FromChild] = []
+        self.news = asyncio.Event()
+        self._tasks = [
+            asyncio.create_task(self._read()),
+            asyncio.create_task(child.copy_output(log)),
+        ]
+
+    async def _read(self) -> None:
+        async for msg in self.child.messages():
+            self.sent.append(msg)
+            self.news.set()
+
+    async def until(self, what: type[Any], check: Any = lambda m: True) -> Any:
+        async def found() -> Any:
+            while True:
+                for msg in self.sent:
+                    if isinstance(msg, what) and check(msg):
+                        return msg
+                self.news.clear()
+                await self.news.wait()
+
+        return await asyncio.wait_for(found(), WAIT_S)
+
+    async def exit_code(self) -> int:
+        code = await asyncio.wait_for(self.child.wait(), WAIT_S)
+        await asyncio.wait_for(asyncio.gather(*self._tasks), WAIT_S)
+        return code
+
+    def of(self, kind: type[Any]) -> list[Any]:
+        return [m for m in self.sent if isinstance(m, kind)]
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class Group:
+    """Two ranks of one run, on one file store."""
+
+    def __init__(self, root: Path, zygote: Zygote, run_id: str, spec: JobSpec) -> None:
+        self.root = root
+        self.zygote = zygote
+        self.task = Task(run_id=run_id, spec=spec)
+        self.store = FileStore(root / "store")
+        self.epoch = 0
+
+    async def start(self) -> list[Rank]:
+        """One attempt: a new epoch (a higher token), rank 0 first, then rank 1 at its port."""
+        self.epoch += 1
+        ranks = [await self._fork(r) for r in range(2)]
+        ranks[0].child.send(self._launch(0, 0))
+        listening = await ranks[0].until(Listening)
+        ranks[1].child.send(self._launch(1, listening.port))
+        return ranks
+
+    async def _fork(self, rank: int) -> Rank:
+        return Rank(await self.zygote.fork(), self.root / f"e{self.epoch}-rank{rank}.log")
+
+    def _launch(self, rank: int, port: int) -> Launch:
+        rdv = Rendezvous(epoch=self.epoch, rank=rank, world_size=2, addr="127.0.0.1",
+                         port=port, timeout_s=self.task.spec.collective_timeout_s)  # fmt: skip
+        return Launch(task=self.task, token=self.epoch, worker=f"w{rank}",
+                      store_url=self.store.url, group=rdv)  # fmt: skip
+
+    async def commit(self, leader: Rank) -> None:
+        """What the checkpointer does with rank 0's checkpoints, in order."""
+        for ready in leader.of(CheckpointReady):
+            req = CommitRequest(
+                run_id=self.task.run_id, token=ready.token, step=ready.step, worker="w0",
+                files=ready.files, final=ready.final, metrics=ready.metrics,
+                digest=ready.digest, ranks=2,
+            )  # fmt: skip
+            await commit.commit(self.store, req)
+
+
+@pytest.fixture
+async def zygote(tmp_path: Path) -> AsyncIterator[Zygote]:
+    """Forks every rank's process, as a trainer does; the ranks of a host share its spool."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO),
+           "BATON_SPOOL": str(tmp_path / "spool")}  # fmt: skip
+    zygote = Zygote(env)
+    await zygote.start()
+    yield zygote
+    await zygote.stop()
+
+
+async def test_two_ranks_stop_together_and_resume_exactly(tmp_path: Path, zygote: Zygote) -> None:
+    """An uninterrupted run, and one whose rank 1 alone is told to stop mid-run and that a
+    new group (a higher epoch) resumes: both ranks stop at the same step, rank 0's one
+    checkpoint lists both ranks' files, and the final weights are the same bit for bit."""
+    spec = job(60, steps_sleep=0.01)
+    whole = Group(tmp_path / "whole", zygote, "ddp-whole", spec)
+    ranks = await whole.start()
+    assert [await r.exit_code() for r in ranks] == [0, 0], [r.output() for r in ranks]
+    assert not ranks[1].of(CheckpointReady), "only rank 0 sends checkpoints"
+    await whole.commit(ranks[0])
+    reference = ranks[0].of(CheckpointReady)[-1]
+    assert reference.final and reference.step == 60
+
+    run = Group(tmp_path / "run", zygote, "ddp-run", spec)
+    ranks = await run.start()
+    await ranks[1].until(StepDone, lambda m: m.step >= 10)
+    ranks[1].child.send(Control(action="stop"))
+    assert [await r.exit_code() for r in ranks] == [0, 0], [r.output() for r in ranks]
+    stopped = [r.of(Finished)[-1] for r in ranks]
+    assert all(f.stopped for f in stopped) and stopped[0].step == stopped[1].step < 60, stopped
+    last = ranks[0].of(CheckpointReady)[-1]
+    assert last.step == stopped[0].step and not last.final
+    names = {f.name for f in last.files}
+    assert {"meta.json", "rng.safetensors", "model.safetensors", "data.safetensors"} <= names
+    assert {"rank1.meta.json", "rank1.rng.safetensors", "rank1.data.safetensors"} <= names
+    assert not any(n.startswith("rank1.model") or n.startswith("rank1.opt") for n in names)
+    await run.commit(ranks[0])
+
+    ranks = await run.start()
+    assert [await r.exit_code() for r in ranks] == [0, 0], [r.output() for r in ranks]
+    resumed = ranks[0].of(CheckpointReady)[-1]
+    assert resumed.token == 2 and resumed.final and resumed.step == 60
+    assert resumed.digest == reference.digest, "the resumed run's weights differ"
+    assert resumed.metrics == reference.metrics, (resumed.metrics, reference.metrics)
+    await run.commit(ranks[0])
+    latest = await commit.read_latest(run.store, "ddp-run")
+    assert latest is not None and latest[0].final
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+async def test_a_killed_rank_breaks_the_group(tmp_path: Path, zygote: Zygote, victim: int) -> None:
+    """SIGKILL one rank mid-run (the store's host, rank 0, or rank 1): its peer's next
+    collective fails at once (gloo: the connection is closed), and the peer exits as a
+    broken group, not as a user error. Bounded by WAIT_S, far below the 20 s collective
+    timeout a hang would wait for."""
+    group = Group(tmp_path, zygote, "ddp-kill", job(100_000, steps_sleep=0.01))
+    ranks = await group.start()
+    await ranks[victim].until(StepDone, lambda m: m.step >= 5)
+    ranks[victim].child.kill()
+    survivor = ranks[1 - victim]
+    assert await survivor.exit_code() == EXIT_GROUP_BROKEN, survivor.output()
+    assert await ranks[victim].exit_code() == -signal.SIGKILL
+    assert "gloo" in survivor.output(), survivor.output()  # the traceback is in the log
+    assert not survivor.of(Finished)
+
+
+async def test_a_rank_that_hangs_or_never_comes_breaks_the_group_after_the_timeout(
+    tmp_path: Path, zygote: Zygote
+) -> None:
+    """A peer that lives but takes no part (SIGSTOPped): the survivor's collective times out
+    after `collective_timeout_s` and it exits as a broken group — by `os._exit`, since
+    gloo's teardown would abort it (SIGABRT) after a timed-out operation. A peer that never
+    joins: the group's set-up times out the same way."""
+    group = Group(tmp_path, zygote, "ddp-hang", job(100_000, timeout_s=1.5, steps_sleep=0.01))
+    ranks = await group.start()
+    await ranks[1].until(StepDone, lambda m: m.step >= 2)
+    os.kill(ranks[1].child.pid, signal.SIGSTOP)
+    try:
+        assert await ranks[0].exit_code() == EXIT_GROUP_BROKEN, ranks[0].output()
+        assert "Timed out" in ranks[0].output(), ranks[0].output()
+    finally:
+        ranks[1].child.kill()
+    await ranks[1].exit_code()
+
+    alone = Rank(await zygote.fork(), tmp_path / "alone.log")
+    alone.child.send(group._launch(0, 0))
+    await alone.until(Listening)
+    assert await alone.exit_code() == EXIT_GROUP_BROKEN, alone.output()
+    assert "DistStoreError" in alone.output(), alone.output()
+
+
+async def test_a_user_error_in_one_rank_fails_it_and_breaks_its_peer(
+    tmp_path: Path, zygote: Zygote
+) -> None:
+    """Rank 1's code raises at step 5: rank 1 exits as a user error with its traceback in
+    its log; rank 0, left waiting in a collective, exits as a broken group — the user's
+    failure is rank 1's, and rank 0's status must not count it a second time."""
+    group = Group(tmp_path, zygote, "ddp-fail", job(1000, fail_rank=1, fail_at=5))
+    ranks = await group.start()
+    codes = [await r.exit_code() for r in ranks]
+    assert codes == [EXIT_GROUP_BROKEN, EXIT_USER_ERROR], [codes, *[r.output() for r in ranks]]
+    out = ranks[1].output()
+    assert "Traceback" in out and "ValueError: rank 1 fails at step 5, as configured" in out, out
+    assert all(not r.of(Finished) for r in ranks)
+    assert max(m.step for m in ranks[0].of(StepDone)) <= 5

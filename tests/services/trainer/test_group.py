@@ -1,0 +1,210 @@
+"""Forming a group, against a real nats-server: the calls a leader publishes, the priority
+that keeps two groups from waiting on each other for ever, the keys that say a rank is
+gone, and a zombie leader that can no longer touch the group that replaced it.
+
+Members are played here by writing their keys; `tests/e2e/test_ranks.py` runs real ones."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.trainer.group import Formed, GaveWay, Leader, Superseded
+from shared.bus import names
+from shared.contracts import JobSpec, RunRecord, Task, convert, decode, spec_hash
+from shared.contracts.child import EXIT_GROUP_BROKEN, EXIT_USER_ERROR
+from shared.contracts.groups import GroupKey, MemberKey, RankCall
+from shared.state.groups import GroupStore, key_ttl
+from shared.state.lease import Lease
+from shared.state.runs import Runs
+from tests.support.stack import eventually
+
+
+def spec(ranks: int) -> JobSpec:
+    return convert({"name": "g", "entry_point": "m:f", "total_steps": 10, "ranks": ranks}, JobSpec)
+
+
+@dataclass
+class Run:
+    task: Task
+    lease: Lease
+    record: RunRecord
+    msg: Msg
+
+
+async def queued(nc: Client, run_id: str, ranks: int, created_at: float) -> Run:
+    """A run's record, its task fetched from the pool's consumer, and its lease taken."""
+    js = nc.jetstream()
+    runs = await Runs.open(js)
+    s = spec(ranks)
+    record = RunRecord(
+        run_id=run_id, spec=s, spec_hash=spec_hash(s), created_at=created_at,
+        updated_at=created_at,
+    )  # fmt: skip
+    assert await runs.create(record)
+    task = Task(run_id=run_id, spec=s)
+    await js.publish(names.task_subject("default", run_id), msgspec.json.encode(task))
+    sub = await js.pull_subscribe(names.task_subject("default", run_id), durable=f"d{run_id}")
+    (msg,) = await sub.fetch(1, timeout=5)
+    lease = Lease(js, run_id, f"lead-{run_id}", 6)
+    assert await lease.acquire()
+    return Run(task, lease, record, msg)
+
+
+@pytest.fixture
+async def groups(declared: Client) -> AsyncIterator[GroupStore]:
+    yield GroupStore(declared.jetstream(), None, key_ttl(6))
+
+
+def leader(nc: Client, store: GroupStore, run: Run, runs: Runs) -> Leader:
+    return Leader(
+        nc.jetstream(), store, runs, run.task, run.lease, run.record, run.lease.worker,
+        "127.0.0.1",
+    )  # fmt: skip
+
+
+async def join(store: GroupStore, run: Run, rank: int, worker: str) -> MemberKey:
+    me = MemberKey(
+        run_id=run.task.run_id, epoch=run.lease.token, rank=rank, worker=worker, host="h"
+    )
+    assert await store.claim(names.member_key(run.task.run_id, run.lease.token, rank), me)
+    return me
+
+
+async def test_a_leader_calls_for_its_ranks_and_forms_once_all_are_held(
+    declared: Client, groups: GroupStore
+) -> None:
+    runs = await Runs.open(declared.jetstream())
+    run = await queued(declared, "rform", 3, time.time())
+    lead = leader(declared, groups, run, runs)
+    forming = asyncio.create_task(lead.form(run.msg, asyncio.Event(), wait_s=60))
+
+    # One call per other rank, on the pool's calls subject, for this epoch.
+    js = declared.jetstream()
+    sub = await js.pull_subscribe(names.calls_of_pool("default"), durable="calls")
+    calls: list[RankCall] = []
+    while len(calls) < 2:
+        calls += [decode(m.data, RankCall) for m in await sub.fetch(2, timeout=10)]
+    assert sorted(c.rank for c in calls) == [1, 2]
+    assert {c.epoch for c in calls} == {run.lease.token}
+
+    # Partly formed: it waits, and the record says why.
+    await join(groups, run, 1, "w1")
+
+    async def says_why() -> bool:
+        found = await runs.get("rform")
+        return found is not None and "2 of 3 ranks held" in (found[0].waiting or "")
+
+    await eventually(says_why, 10, "the record to say why the run waits")
+    assert not forming.done()
+    # A rank held by one trainer cannot be taken by another.
+    other = MemberKey(run_id="rform", epoch=run.lease.token, rank=1, worker="w9", host="h")
+    assert not await groups.claim(names.member_key("rform", run.lease.token, 1), other)
+
+    await join(groups, run, 2, "w2")
+    formed = await asyncio.wait_for(forming, 10)
+    assert isinstance(formed, Formed) and [m.worker for m in formed.members] == ["w1", "w2"]
+
+
+async def test_the_younger_of_two_forming_groups_gives_way(
+    declared: Client, groups: GroupStore
+) -> None:
+    """Each holds a trainer the other needs: without priority both would wait for ever."""
+    runs = await Runs.open(declared.jetstream())
+    now = time.time()
+    older = await queued(declared, "rold", 2, now - 10)
+    younger = await queued(declared, "ryoung", 2, now)
+    a = asyncio.create_task(
+        leader(declared, groups, older, runs).form(older.msg, asyncio.Event(), 60)
+    )
+    b = leader(declared, groups, younger, runs)
+    gave = await asyncio.wait_for(b.form(younger.msg, asyncio.Event(), 60), 10)
+    assert isinstance(gave, GaveWay) and "rold" in gave.reason and gave.delay > 0
+    await b.end()
+    assert not a.done()  # the oldest never gives way to a younger one
+    await join(groups, older, 1, "lead-ryoung")  # the trainer that gave way joins it
+    assert isinstance(await asyncio.wait_for(a, 10), Formed)
+
+
+async def test_a_group_that_cannot_form_gives_its_leader_back(
+    declared: Client, groups: GroupStore
+) -> None:
+    runs = await Runs.open(declared.jetstream())
+    run = await queued(declared, "rnever", 4, time.time())
+    gave = await leader(declared, groups, run, runs).form(run.msg, asyncio.Event(), wait_s=1)
+    assert isinstance(gave, GaveWay) and "1 of 4 ranks held" in gave.reason
+    assert gave.delay == 1  # kept off the queue as long, so other runs get the trainer
+
+
+async def test_a_silent_member_is_lost_and_a_failed_one_is_the_users(
+    declared: Client, groups: GroupStore
+) -> None:
+    runs = await Runs.open(declared.jetstream())
+    run = await queued(declared, "rwatch", 3, time.time())
+    lead = leader(declared, groups, run, runs)
+    forming = asyncio.create_task(lead.form(run.msg, asyncio.Event(), 60))
+    one = await join(groups, run, 1, "w1")
+    two = await join(groups, run, 2, "w2")
+    assert isinstance(await asyncio.wait_for(forming, 10), Formed)
+    await lead.go(port=12345)
+    watching = asyncio.create_task(lead.watch())
+    keep = asyncio.create_task(renew(groups, one, two))
+    try:
+        # w2's process fails in the user's code; w1 stops renewing (its trainer died).
+        two = msgspec.structs.replace(
+            two, state="exited", code=EXIT_USER_ERROR, user_error=True, tail="ValueError: x"
+        )
+        keep.cancel()
+        keep = asyncio.create_task(renew(groups, two))
+        await asyncio.wait_for(lead.broken.wait(), 10)
+        cause = await lead.settle(EXIT_GROUP_BROKEN, "")
+        # The lost rank outweighs the failure, which may only be a consequence of it.
+        assert (cause.rank, cause.worker, cause.user) == (1, "w1", False)
+        assert "silent" in cause.reason
+    finally:
+        keep.cancel()
+        watching.cancel()
+        await lead.end()
+
+
+async def renew(store: GroupStore, *members: MemberKey) -> None:
+    while True:
+        for m in members:
+            await store.put(names.member_key(m.run_id, m.epoch, m.rank), m)
+        await asyncio.sleep(0.3)
+
+
+async def test_a_zombie_leader_cannot_touch_the_group_that_replaced_it(
+    declared: Client, groups: GroupStore
+) -> None:
+    runs = await Runs.open(declared.jetstream())
+    run = await queued(declared, "rzomb", 2, time.time())
+    old = leader(declared, groups, run, runs)
+    forming = asyncio.create_task(old.form(run.msg, asyncio.Event(), 60))
+    await join(groups, run, 1, "w1")
+    assert isinstance(await asyncio.wait_for(forming, 10), Formed)
+    await old.go(port=1)
+
+    # Its lease lapses; a new leader takes the run under a higher epoch.
+    newer = Lease(declared.jetstream(), "rzomb", "heir", 6)
+    await run.lease.release()
+    assert await newer.acquire() and newer.token > old.epoch
+    new_key = GroupKey(
+        run_id="rzomb", pool="default", epoch=newer.token, ranks=2, leader="heir",
+        priority=run.record.created_at,
+    )  # fmt: skip
+    await groups.put(names.group_key("default", "rzomb"), new_key)
+
+    # The zombie wakes: its renewal is refused, and its end leaves the new key alone.
+    with pytest.raises(Superseded):
+        await old.renew()
+    await old.end()
+    now = await groups.group("default", "rzomb")
+    assert now is not None and now.epoch == newer.token
