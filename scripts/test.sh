@@ -16,4 +16,4 @@ if ! command -v chromium >/dev/null 2>&1; then
     exit 1
   fi
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 "$@"

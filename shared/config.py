@@ -75,8 +75,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     suits one machine (`baton up`); across hosts, this host's address on their network."""
     form_wait_s: float = 30.0
     """`BATON_FORM_WAIT`: seconds a run of several ranks holds its leader's trainer while
-    its group forms; then it gives the trainer back for that long, so a group that cannot
-    form never keeps other runs off the pool."""
+    its group forms; then it gives the trainer back for that long times its tries so far (at
+    most 10 minutes), so a group that cannot form never keeps other runs off the pool."""
     retain_ended_s: float = 86400.0
     """`BATON_RETAIN_ENDED`: seconds an ended run's record stays in the runs bucket after
     the reaper archived it; afterwards it is read from the archive (`baton status`,

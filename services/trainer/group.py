@@ -52,6 +52,7 @@ from shared.state.runs import Runs
 log = logging.getLogger("baton.trainer")
 
 POLL_S = 0.5
+MAX_FORM_DELAY_S = 600.0
 SILENT_S = 3 * POLL_S
 """A member whose key was not renewed for this long, once its group broke, is taken for
 lost without waiting for the key's TTL."""
@@ -116,6 +117,8 @@ class Leader:
         self.breakage: Breakage | None = None
         self._waiting = ""
         self._revision = 0
+        self._tries = 1
+        """Deliveries of the run's task so far (`form` gives it back this often)."""
         """Of this leader's last write of the group's key: every write is a compare-and-swap
         on it, so a leader whose group was replaced (a zombie) can never overwrite or delete
         the newer group's key."""
@@ -138,6 +141,7 @@ class Leader:
         or an older group of the pool is forming, `wait_s` passed, or the trainer is asked
         to stop (GaveWay). The lease and the task message are kept alive meanwhile; a lease
         lost raises `LeaseLost`."""
+        self._tries = msg.metadata.num_delivered or 1
         current, revision = await self.store.revision(self.group_key)
         if current is not None and current.epoch > self.epoch:
             raise Superseded()
@@ -179,10 +183,14 @@ class Leader:
         if older is not None:
             return GaveWay(f"gave way to the older run {older.run_id}, forming too", GIVE_WAY_S)
         if waited > wait_s:
+            # Every try is a delivery of the task, and the work queue gives up on a task
+            # after `BATON_MAX_DELIVER` of them: the wait grows with each try, so a group
+            # that waits for busy trainers waits hours, not minutes, before that.
+            delay = min(wait_s * self._tries, MAX_FORM_DELAY_S)
             return GaveWay(
                 f"no group of {self.ranks} formed within {wait_s:.0f}s ({held} of "
-                f"{self.ranks} ranks held); trying again later",
-                wait_s,
+                f"{self.ranks} ranks held); trying again in {delay:.0f}s",
+                delay,
             )
         if stop.is_set():
             return GaveWay("its trainer is stopping", 0.0)

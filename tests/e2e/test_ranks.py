@@ -20,6 +20,7 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
+from baton.cli import client
 from shared.bus import names
 from shared.checkpoint import commit
 from shared.checkpoint.store import open_store
@@ -249,6 +250,26 @@ async def test_a_crash_in_one_ranks_code_is_a_user_failure(three: Stack) -> None
         return not any(attempt_processes(three.pid(t)) for t in TRAINERS)
 
     await eventually(none_left, 15, "every rank's process to exit")
+
+
+async def test_a_cancelled_group_checkpoints_and_every_rank_stops(three: Stack) -> None:
+    nc = await three.client()
+    run_id = await submit(nc, ddp("cancel-ranks", total=400))
+    log = EventLog(nc, run_id)
+    formed = await log.wait_for(lambda e: isinstance(e, GroupFormed), 60, "the group")
+    assert isinstance(formed, GroupFormed)
+    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 15, 60, "step 15")
+    await client.cancel(nc, run_id, "not needed")
+    record = await finished(nc, run_id, timeout=60)
+    assert record.state is RunState.CANCELLED and not record.group
+    # The group checkpointed where it stopped: the record names a committed step past 15.
+    assert any(e.step == record.step for e in log.of(CheckpointCommitted)) and record.step > 15
+
+    async def none_left() -> bool:
+        return not any(attempt_processes(three.pid(w)) for w in formed.members)
+
+    await eventually(none_left, 15, "every rank's process to exit")
+    log.close()
 
 
 def _fields(spec: JobSpec) -> dict[str, Any]:

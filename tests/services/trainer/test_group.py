@@ -138,9 +138,21 @@ async def test_a_group_that_cannot_form_gives_its_leader_back(
 ) -> None:
     runs = await Runs.open(declared.jetstream())
     run = await queued(declared, "rnever", 4, time.time())
-    gave = await leader(declared, groups, run, runs).form(run.msg, asyncio.Event(), wait_s=1)
+    lead = leader(declared, groups, run, runs)
+    gave = await lead.form(run.msg, asyncio.Event(), wait_s=1)
     assert isinstance(gave, GaveWay) and "1 of 4 ranks held" in gave.reason
     assert gave.delay == 1  # kept off the queue as long, so other runs get the trainer
+    await lead.end()
+
+    # Each try is a delivery, and deliveries are bounded: the wait grows with them.
+    await run.msg.nak()
+    sub = await declared.jetstream().pull_subscribe(
+        names.task_subject("default", "rnever"), durable="drnever"
+    )
+    (again,) = await sub.fetch(1, timeout=5)
+    assert again.metadata.num_delivered == 2
+    gave = await leader(declared, groups, run, runs).form(again, asyncio.Event(), wait_s=1)
+    assert isinstance(gave, GaveWay) and gave.delay == 2
 
 
 async def test_a_silent_member_is_lost_and_a_failed_one_is_the_users(
