@@ -203,6 +203,10 @@ def submitter_permissions(user: str, site: str = "") -> Permissions:
     )  # fmt: skip
 
 
+_SENT = ("events", "logs", "ckpt", "dlq", "calls")
+"""What a trainer publishes (at a site: on its site's subjects, into its outbox)."""
+
+
 def _trainer_publish(api: str, kv_prefix: str, site: str) -> tuple[str, ...]:
     """A trainer's: its work queue, the KV it reads and writes, and what it sends home."""
     return (
@@ -213,14 +217,12 @@ def _trainer_publish(api: str, kv_prefix: str, site: str) -> tuple[str, ...]:
             kv_prefix, names.RUNS_BUCKET, names.LEASES_BUCKET, names.POOLS_BUCKET,
             names.GROUPS_BUCKET,
         ),
+        # A trainer leading a group calls for its other ranks on the work queue
+        # (`services/trainer/group.py`); a site trainer's calls go through its outbox.
         *(
-            [names.site_root(site, k) for k in ("events", "logs", "ckpt", "dlq", "workers")]
+            [names.site_root(site, k) for k in (*_SENT, "workers")]
             if site
-            # A hub trainer leading a group calls for its other ranks on the work queue
-            # (`services/trainer/group.py`); a site's link carries no hub subject, so groups
-            # are led from the hub.
-            else [f"{names.PREFIX}.{k}.>" for k in ("events", "logs", "ckpt", "dlq", "calls")]
-            + _write_kv("", names.WORKERS_BUCKET)
+            else [f"{names.PREFIX}.{k}.>" for k in _SENT] + _write_kv("", names.WORKERS_BUCKET)
         ),
     )  # fmt: skip
 

@@ -365,6 +365,7 @@ async def run_stack(
         except (NatsServerError, OSError) as exc:
             print(f"error: the stack did not start: {exc}", file=sys.stderr, flush=True)
             return 1
+        await _until_declared(opts, server.url)
         # Every node's: a site's leaf given them all keeps its link through any one's loss.
         sites_url = ",".join(server.ws_urls)
         _write_json(
@@ -398,6 +399,34 @@ async def run_stack(
         if own_signals:
             remove_stop_signals(loop)
         lock.close()
+
+
+READY_S = 60.0
+
+
+async def _until_declared(opts: StackOptions, url: str) -> None:
+    """Until the services have declared the stream a client's first publish goes to (the
+    hub's submissions, a site's outbox), so that the banner's URL is ready for `baton
+    submit`. At most `READY_S`: a service that cannot start says why in its log, and the
+    supervisor keeps restarting it meanwhile."""
+    from nats.errors import Error as NatsError
+    from nats.js.errors import Error as JetStreamError
+
+    from shared.bus.connect import connect
+
+    stream = names.OUTBOX_STREAM if opts.site else names.SUBMIT_STREAM
+    deadline = time.monotonic() + READY_S
+    nc = await connect(url, "baton-up", first_attempt_timeout=10, options=operator_options(opts))
+    try:
+        while time.monotonic() < deadline:
+            try:
+                await nc.jetstream().stream_info(stream)
+                return
+            except (JetStreamError, NatsError, TimeoutError):
+                await asyncio.sleep(0.2)
+        print(f"warning: {stream} is not declared yet; see the logs", file=sys.stderr, flush=True)
+    finally:
+        await nc.close()
 
 
 def _banner(opts: StackOptions, server: HubCluster, sites_url: str, out: IO[str]) -> None:

@@ -117,11 +117,11 @@ class Leader:
         self.breakage: Breakage | None = None
         self._waiting = ""
         self._revision = 0
-        self._tries = 1
-        """Deliveries of the run's task so far (`form` gives it back this often)."""
         """Of this leader's last write of the group's key: every write is a compare-and-swap
         on it, so a leader whose group was replaced (a zombie) can never overwrite or delete
         the newer group's key."""
+        self._tries = 1
+        """Deliveries of the run's task so far (`form` gives it back this often)."""
 
     @property
     def epoch(self) -> int:
@@ -140,7 +140,7 @@ class Leader:
         """Hold the run while its ranks are called for, until every rank is held (Formed),
         or an older group of the pool is forming, `wait_s` passed, or the trainer is asked
         to stop (GaveWay). The lease and the task message are kept alive meanwhile; a lease
-        lost raises `LeaseLost`."""
+        lost, or a newer group's key, raises `Superseded`."""
         self._tries = msg.metadata.num_delivered or 1
         current, revision = await self.store.revision(self.group_key)
         if current is not None and current.epoch > self.epoch:
@@ -149,10 +149,16 @@ class Leader:
         await self.renew()
         for rank in range(1, self.ranks):
             call = RankCall(task=self.task, epoch=self.epoch, rank=rank)
+            # At a site, through its outbox, which the hub's work queue sources.
+            subject = names.at_site(
+                names.call_subject(self.task.spec.pool, self.task.run_id), self.site
+            )
             await publish(
-                self.js, names.call_subject(self.task.spec.pool, self.task.run_id), encode(call),
+                self.js,
+                subject,
+                encode(call),
                 msg_id=names.call_id(self.task.run_id, self.epoch, rank),
-            )  # fmt: skip
+            )
         began = last_beat = time.monotonic()
         while True:
             held = [m for m in [await self._member(r) for r in range(1, self.ranks)] if m]
@@ -234,7 +240,11 @@ class Leader:
             self.key, port=port, members=[self.worker, *(m.worker for m in self.members)],
             hosts=self.rendezvous_hosts(),
         )  # fmt: skip
-        await self.renew()
+        try:
+            await self.renew()
+        except Superseded:  # a zombie: the members follow the newer group's key, not ours
+            self._supersede()
+            return
         formed = GroupFormed(
             run_id=self.task.run_id, worker=self.worker, epoch=self.epoch, members=self.key.members
         )
@@ -249,8 +259,7 @@ class Leader:
             try:
                 await self.renew()
             except Superseded:
-                self.breakage = Breakage(0, self.worker, "a newer group replaced it", False)
-                self.broken.set()
+                self._supersede()
                 return
             except Exception:  # a blip: the keys outlive a few misses
                 await asyncio.sleep(POLL_S)
@@ -306,6 +315,10 @@ class Leader:
             if len(ends) < len(self.members):
                 await asyncio.sleep(POLL_S)
         return ends
+
+    def _supersede(self) -> None:
+        self.breakage = Breakage(0, self.worker, "a newer group replaced it", False)
+        self.broken.set()
 
     async def renew(self) -> None:
         """Write the group's key again (its TTL starts over); `Superseded` if it changed

@@ -61,7 +61,6 @@ from shared.state.runs import Runs
 log = logging.getLogger("baton.trainer")
 
 ATTEMPT_ERROR_DELAY_S = 5.0
-SITE_GROUP_DELAY_S = 5.0
 NATS_SECRETS = ("NATS_PASSWORD", "NATS_PASSWORD_FILE", "NATS_AUTH_FILE", "NATS_CREDS", "NATS_NKEY")
 
 
@@ -213,11 +212,6 @@ class Trainer:
     ) -> None:
         """Form the run's group as its rank 0, then run the attempt over it; or give the
         task back, saying why in the record (`group.py`)."""
-        if self.site:
-            why = f"runs of several ranks are led by hub trainers; {self.site} is a site"
-            change = _waiting(why, lease.token)
-            await apply(Verdict(Outcome.PREEMPTED, change=change, delay=SITE_GROUP_DELAY_S), scope)
-            return
         leader = Leader(
             self.js, self.groups, self.runs, task, lease, record, self.settings.worker_id,
             self.settings.host_addr, self.site,
@@ -228,6 +222,14 @@ class Trainer:
             await leader.end()
             log.warning("%s: the run moved on while its group formed", task.run_id)
             await apply(Verdict(Outcome.FENCED, quiet=True), scope)
+            return
+        except Exception:
+            # The hub failed under the forming group where nothing expected it: as for an
+            # attempt (`_attempt`), the run is given back for a later try.
+            log.exception("%s: forming its group failed", task.run_id)
+            await leader.end()
+            with contextlib.suppress(Exception):
+                await apply(Verdict(Outcome.PREEMPTED, delay=ATTEMPT_ERROR_DELAY_S), scope)
             return
         except BaseException:
             await leader.end()

@@ -185,9 +185,10 @@ ALL_STREAMS = (
 # is stored once at the site and copied once to the hub by sourcing — whether the link was
 # up or down when it was published (docs/nats.md: "Double capture").
 
-SITE_OUTBOX_KINDS = ("submit", "events", "logs", "dlq", "cancel", "workers")
+SITE_OUTBOX_KINDS = ("submit", "events", "logs", "dlq", "cancel", "workers", "calls")
 """Subject roots a site sends to the hub through its outbox; `workers` are heartbeats,
-sourced into the workers bucket."""
+sourced into the workers bucket; `calls` a site trainer's calls for the ranks of the group
+it leads, sourced into the work queue."""
 
 
 def at_site(subject: str, site: str) -> str:

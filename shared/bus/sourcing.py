@@ -48,6 +48,7 @@ SOURCED = {
     names.LOGS_STREAM: "logs",
     names.DLQ_STREAM: "dlq",
     names.CANCEL_STREAM: "cancel",
+    names.TASKS_STREAM: "calls",
     f"KV_{names.WORKERS_BUCKET}": "workers",
 }
 """Hub stream → the kind of site message it takes in."""

@@ -63,14 +63,14 @@ def ddp(
         pool=pool,
         seed=11,
         checkpoint={"every_steps": 10},
-        config={"steps_sleep": 0.04, **config},
+        config={"steps_sleep": 0.025, **config},
         idempotency_key=key,
     )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def three(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("ranks") / "stack", trainers=0, lease_ttl=4)
+    s = Stack(tmp_path_factory.mktemp("ranks") / "stack", trainers=0, lease_ttl=3)
     try:
         await s.start(("dispatcher", "checkpointer", "reaper"))
         for name in TRAINERS:

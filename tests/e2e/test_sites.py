@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from baton.cli.app import app
 from shared.contracts import RunState
-from shared.contracts.events import Completed, Started
-from tests.e2e.jobs import EventLog, finished, job, submit
+from shared.contracts.events import Completed, GroupFormed, Started
+from tests.e2e.jobs import EventLog, finished, history, job, submit
 from tests.support.sites import Site
 from tests.support.stack import Stack, eventually
 
@@ -37,15 +37,25 @@ async def hub(tmp_path: Path) -> AsyncIterator[Stack]:
 
 async def test_a_site_trains_the_hubs_work(hub: Stack) -> None:
     site = Site(hub, "lab1")
-    await site.start(trainers=1)
+    await site.start(trainers=2)
     nc = await hub.client()
     run_id = await submit(nc, job(total_steps=30))
     record = await finished(nc, run_id, timeout=60)
     assert record.state is RunState.COMPLETED and record.step == 30, record
     log = EventLog(nc, run_id)
     await log.wait_for(lambda e: isinstance(e, Completed), 10, "completed at the hub")
-    assert [s.worker for s in log.of(Started)] == ["lab1-trainer-1"]
+    assert [s.worker for s in log.of(Started)] in (["lab1-trainer-1"], ["lab1-trainer-2"])
     log.close()
+    await site.assert_events_once_in_order(nc, run_id)
+
+    # A group of ranks led at the site: its calls reach the hub's work queue through the
+    # site's outbox, and the site's other trainer takes one.
+    ddp = job(entry_point="examples.ddp:train", total_steps=40, ranks=2, config={})
+    run_id = await submit(nc, ddp)
+    record = await finished(nc, run_id, timeout=90)
+    assert record.state is RunState.COMPLETED, record.reason
+    formed = [e for e in await history(nc, run_id) if isinstance(e, GroupFormed)]
+    assert len(formed) == 1 and sorted(formed[0].members) == ["lab1-trainer-1", "lab1-trainer-2"]
     await site.assert_events_once_in_order(nc, run_id)
 
 
