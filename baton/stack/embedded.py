@@ -365,7 +365,8 @@ async def run_stack(
         except (NatsServerError, OSError) as exc:
             print(f"error: the stack did not start: {exc}", file=sys.stderr, flush=True)
             return 1
-        await _until_declared(opts, server.url)
+        if build_specs is service_specs:  # Baton's own services, which declare the streams
+            await _until_declared(opts, server.url)
         # Every node's: a site's leaf given them all keeps its link through any one's loss.
         sites_url = ",".join(server.ws_urls)
         _write_json(

@@ -31,7 +31,7 @@ from shared.contracts.events import (
 )
 from tests.e2e.jobs import EventLog, finished, job, submit
 from tests.support.proxy import Proxy
-from tests.support.stack import Stack, alive, attempt_processes, children_of, eventually
+from tests.support.stack import Stack, all_dead, attempt_processes, children_of, eventually
 
 PACED = "tests.support.workloads:paced"
 
@@ -52,13 +52,6 @@ async def reference_digest(stack: Stack, spec: JobSpec) -> str:
     rec = await finished(nc, await submit(nc, spec), timeout=120)
     assert rec.state is RunState.COMPLETED and rec.digest
     return rec.digest
-
-
-async def all_dead(pids: list[int], what: str) -> None:
-    async def gone() -> bool:
-        return not any(alive(p) for p in pids)
-
-    await eventually(gone, 10, what)
 
 
 async def test_sigkill_at_three_points_resumes_bitwise_on_the_other_trainer(two: Stack) -> None:

@@ -40,12 +40,7 @@ from shared.contracts.events import (
 )
 from shared.state.runs import Runs
 from tests.e2e.jobs import EventLog, finished, history, job, submit
-from tests.support.stack import (
-    Stack,
-    alive,
-    attempt_processes,
-    eventually,
-)
+from tests.support.stack import Stack, all_dead, attempt_processes, eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -94,13 +89,6 @@ async def reference(nc: Client, total: int = 80) -> str:
         assert record.digest
         _reference[total] = record.digest
     return _reference[total]
-
-
-async def all_dead(pids: list[int], what: str) -> None:
-    async def gone() -> bool:
-        return not any(alive(p) for p in pids)
-
-    await eventually(gone, 15, what)
 
 
 async def test_a_rank_killed_reforms_on_the_spare_and_ends_bitwise_equal(three: Stack) -> None:

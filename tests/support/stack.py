@@ -199,6 +199,15 @@ async def eventually(
         await asyncio.sleep(every)
 
 
+async def all_dead(pids: list[int], what: str, timeout: float = 10) -> None:
+    """Until none of `pids` lives (`what` names them in the failure)."""
+
+    async def gone() -> bool:
+        return not any(alive(p) for p in pids)
+
+    await eventually(gone, timeout, what)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

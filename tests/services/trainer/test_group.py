@@ -158,14 +158,7 @@ async def test_a_group_that_cannot_form_gives_its_leader_back(
 async def test_a_silent_member_is_lost_and_a_failed_one_is_the_users(
     declared: Client, groups: GroupStore
 ) -> None:
-    runs = await Runs.open(declared.jetstream())
-    run = await queued(declared, "rwatch", 3, time.time())
-    lead = leader(declared, groups, run, runs)
-    forming = asyncio.create_task(lead.form(run.msg, asyncio.Event(), 60))
-    one = await join(groups, run, 1, "w1")
-    two = await join(groups, run, 2, "w2")
-    assert isinstance(await asyncio.wait_for(forming, 10), Formed)
-    await lead.go(port=12345)
+    _, lead, (one, two) = await formed(declared, groups, "rwatch", 3)
     watching = asyncio.create_task(lead.watch())
     keep = asyncio.create_task(renew(groups, one, two))
     try:
@@ -186,6 +179,20 @@ async def test_a_silent_member_is_lost_and_a_failed_one_is_the_users(
         await lead.end()
 
 
+async def formed(
+    nc: Client, groups: GroupStore, run_id: str, ranks: int
+) -> tuple[Run, Leader, list[MemberKey]]:
+    """A group of `ranks` formed (members `w1`, `w2`, …) and gone (rank 0 listening)."""
+    runs = await Runs.open(nc.jetstream())
+    run = await queued(nc, run_id, ranks, time.time())
+    lead = leader(nc, groups, run, runs)
+    forming = asyncio.create_task(lead.form(run.msg, asyncio.Event(), 60))
+    members = [await join(groups, run, r, f"w{r}") for r in range(1, ranks)]
+    assert isinstance(await asyncio.wait_for(forming, 10), Formed)
+    await lead.go(port=12345)
+    return run, lead, members
+
+
 async def renew(store: GroupStore, *members: MemberKey) -> None:
     while True:
         for m in members:
@@ -196,13 +203,7 @@ async def renew(store: GroupStore, *members: MemberKey) -> None:
 async def test_a_zombie_leader_cannot_touch_the_group_that_replaced_it(
     declared: Client, groups: GroupStore
 ) -> None:
-    runs = await Runs.open(declared.jetstream())
-    run = await queued(declared, "rzomb", 2, time.time())
-    old = leader(declared, groups, run, runs)
-    forming = asyncio.create_task(old.form(run.msg, asyncio.Event(), 60))
-    await join(groups, run, 1, "w1")
-    assert isinstance(await asyncio.wait_for(forming, 10), Formed)
-    await old.go(port=1)
+    run, old, _ = await formed(declared, groups, "rzomb", 2)
 
     # Its lease lapses; a new leader takes the run under a higher epoch.
     newer = Lease(declared.jetstream(), "rzomb", "heir", 6)
@@ -217,6 +218,8 @@ async def test_a_zombie_leader_cannot_touch_the_group_that_replaced_it(
     # The zombie wakes: its renewal is refused, and its end leaves the new key alone.
     with pytest.raises(Superseded):
         await old.renew()
+    await old.go(port=2)  # nor can it announce a group: it breaks its own instead
+    assert old.broken.is_set() and old.breakage is not None and not old.breakage.user
     await old.end()
     now = await groups.group("default", "rzomb")
     assert now is not None and now.epoch == newer.token
