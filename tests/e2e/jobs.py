@@ -11,7 +11,10 @@ from typing import Any, TypeVar
 from nats.aio.client import Client
 
 from baton.cli import client
-from shared.contracts import JobSpec, RunRecord, convert
+from shared.bus import names
+from shared.checkpoint import commit
+from shared.checkpoint.store import open_store
+from shared.contracts import CommitRequest, FileRef, JobSpec, RunRecord, convert, encode
 from shared.contracts.events import Event
 from shared.state.runs import Runs
 from tests.support.stack import eventually
@@ -91,3 +94,25 @@ class EventLog:
 
     def close(self) -> None:
         self._task.cancel()
+
+
+async def replay_commit(
+    nc: Client, store_url: str, run_id: str, epoch: int, worker: str, ranks: int
+) -> int:
+    """Commit again the newest complete checkpoint an old group (`epoch`) wrote, as a zombie
+    would after a newer group committed; returns its step. The store must refuse it."""
+    async with open_store(store_url) as store:
+        prefix = f"runs/{run_id}/data/{epoch:012d}/"
+        mine = await store.list(prefix)
+        late = max(int(k.split("/")[4]) for k in mine)
+        files = []
+        for key in (k for k in mine if int(k.split("/")[4]) == late):
+            size, digest = await store.stat(key)
+            files.append(FileRef(name=key.rsplit("/", 1)[1], key=key, size=size, sha256=digest))
+        latest = await commit.read_latest(store, run_id)
+        assert latest is not None and latest[0].token > epoch, "no newer group committed yet"
+    req = CommitRequest(
+        run_id=run_id, token=epoch, step=late, worker=worker, files=files, ranks=ranks
+    )
+    await nc.jetstream().publish(names.commit_subject(run_id), encode(req))
+    return late

@@ -21,10 +21,7 @@ import pytest_asyncio
 from nats.aio.client import Client
 
 from baton.cli import client
-from shared.bus import names
-from shared.checkpoint import commit
-from shared.checkpoint.store import open_store
-from shared.contracts import CommitRequest, FileRef, JobSpec, RunState, encode
+from shared.contracts import JobSpec, RunState
 from shared.contracts.events import (
     AttemptFailed,
     CheckpointCommitted,
@@ -39,7 +36,7 @@ from shared.contracts.events import (
     Started,
 )
 from shared.state.runs import Runs
-from tests.e2e.jobs import EventLog, finished, history, job, submit
+from tests.e2e.jobs import EventLog, finished, history, job, replay_commit, submit
 from tests.support.stack import Stack, all_dead, attempt_processes, eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -193,20 +190,7 @@ async def test_a_zombie_leader_is_fenced_and_its_commit_refused(three: Stack) ->
     await all_dead(family, "the zombie's training process")
 
     # The old group's newest complete checkpoint, committed again now: the store refuses it.
-    async with open_store(three.store_url) as store:
-        prefix = f"runs/{run_id}/data/{first.epoch:012d}/"
-        mine = await store.list(prefix)
-        late = max(int(k.split("/")[4]) for k in mine)
-        files = []
-        for key in (k for k in mine if int(k.split("/")[4]) == late):
-            size, digest = await store.stat(key)
-            files.append(FileRef(name=key.rsplit("/", 1)[1], key=key, size=size, sha256=digest))
-        latest = await commit.read_latest(store, run_id)
-        assert latest is not None and latest[0].token == second.epoch
-    req = CommitRequest(
-        run_id=run_id, token=first.epoch, step=late, worker=zombie, files=files, ranks=2
-    )
-    await nc.jetstream().publish(names.commit_subject(run_id), encode(req))
+    late = await replay_commit(nc, three.store_url, run_id, first.epoch, zombie, ranks=2)
     refused = await log.wait_for(
         lambda e: isinstance(e, CommitRefused) and e.token == first.epoch and e.step == late,
         30,
@@ -319,8 +303,10 @@ async def test_two_leaders_waiting_on_each_other_do_not_deadlock(pool: Stack) ->
     for run_id in (a, b):
         record = await finished(nc, run_id, timeout=90)
         assert record.state is RunState.COMPLETED, record.reason
-    leaders = {e.worker for r in (a, b) for e in await history(nc, r) if isinstance(e, Started)}
-    assert leaders == {"r1", "r2"}, "both runs were led before either formed"
+    # Which trainer leads the younger run once the older one is done is a matter of timing;
+    # what must have happened is that the younger run's leader gave way to the older run.
+    gave_way = f"{b}: no group yet: gave way to the older run {a}"
+    assert any(gave_way in pool.log(name) for name in ("r1", "r2")), "no leader gave way"
 
 
 async def test_two_groups_competing_for_the_same_trainers_both_finish(pool: Stack) -> None:
