@@ -4,6 +4,8 @@
                ratio to the lease TTL: rank 1 (noticed by its key's silence), rank 0 with
                its supervisor restarting it (its successor hands the run over), and rank 0
                gone for good (the lease lapses)
+    shrink     an elastic run (ranks 1 to 2, `examples/elastic.py`) on two trainers: rank 1's
+               SIGKILLed, no spare -> the first step at one rank
     stall      the training loop's stall per checkpoint at 2 ranks vs 1 (rank 0's: it writes
                the replicated state; the others write only their own), same model, same run
 
@@ -42,10 +44,18 @@ def ddp(key: str, ranks: int, total: int, **config: Any) -> JobSpec:
     )
 
 
-async def recovery(stack: Stack, rank: int, key: str) -> float:
+def elastic(key: str) -> JobSpec:
+    return job(
+        name="bench-elastic", entry_point="examples.elastic:train", total_steps=600,
+        ranks={"min": 1, "max": 2}, seed=5, checkpoint={"every_steps": 10},
+        config={"steps_sleep": 0.02}, idempotency_key=key,
+    )  # fmt: skip
+
+
+async def recovery(stack: Stack, rank: int, key: str, spec: JobSpec | None = None) -> float:
     """Seconds from SIGKILL of `rank`'s trainer to the re-formed group's first step."""
     nc = await stack.client()
-    run_id = await submit(nc, ddp(key, 2, 600, steps_sleep=0.02))
+    run_id = await submit(nc, spec or ddp(key, 2, 600, steps_sleep=0.02))
     log = EventLog(nc, run_id)
     first = await log.wait_for(lambda e: isinstance(e, GroupFormed), 60, "the group")
     assert isinstance(first, GroupFormed)
@@ -78,12 +88,12 @@ async def stall(stack: Stack, ranks: int, key: str, hidden: int) -> float:
     return max(p.stall_s for p in progress) / max(1, len(commits))
 
 
-async def with_stack(ttl: int, supervised: bool, body: Any) -> Any:
+async def with_stack(ttl: int, supervised: bool, body: Any, trainers: int = 3) -> Any:
     with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
         stack = Stack(Path(tmp) / "s", trainers=0, lease_ttl=ttl)
         await stack.start(("dispatcher", "checkpointer", "reaper"))
         try:
-            for name in ("t1", "t2", "t3"):
+            for name in ("t1", "t2", "t3")[:trainers]:
                 await stack.add_trainer(name, restart=supervised)
             await stack.ready(("trainer",))
             return await body(stack)
@@ -106,6 +116,13 @@ async def main(ttl: int, rounds: int, hidden: int) -> None:
                 return await recovery(s, rank, key)
 
             times[name].append(await with_stack(ttl, supervised, one))
+        shrink = "elastic 1-2, rank 1 SIGKILL, no spare -> 1 rank"
+        times.setdefault(shrink, [])
+
+        async def shrunk(s: Stack, key: str = f"shrink-{r}") -> float:
+            return await recovery(s, 1, key, elastic(key))
+
+        times[shrink].append(await with_stack(ttl, False, shrunk, trainers=2))
     print(f"lease TTL {ttl}s")
     for name, values in times.items():
         median = statistics.median(values)

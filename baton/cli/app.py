@@ -288,9 +288,14 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
 
 def _group_rows(record: RunRecord) -> list[tuple[str, str]]:
     """A run of several ranks: its group (workers by rank, its epoch), or why it waits."""
-    if record.spec.ranks == 1:
+    spec = record.spec
+    if spec.ranks == 1:
         return []
-    rows = [("ranks", str(record.spec.ranks))]
+    size = str(spec.ranks)
+    if spec.elastic:
+        now = f"; {record.group_size} now" if record.group and record.group_size else ""
+        size = f"{spec.min_ranks} to {spec.max_ranks} (elastic{now})"
+    rows = [("ranks", size)]
     if record.group:
         held = ", ".join(f"{rank}: {worker}" for rank, worker in enumerate(record.group))
         rows.append(("group", f"epoch {record.token}; {held}"))

@@ -182,6 +182,10 @@ def _event_marks(events: list[Event], t0: float, scale: float) -> tuple[Marks, M
                 times.append((at, "accepted", GREY))
             case ev.CommitRefused():
                 steps.append((e.step, f"commit refused @{e.step}", RED))
+            case ev.Resized():
+                text = f"resized {e.from_ranks}→{e.to_ranks} @{e.step}"
+                steps.append((e.step, text, AMBER))
+                times.append((at, text, AMBER))
             case ev.Diverged():
                 text = f"diverged @{e.step}: {e.metric} {e.expected} → {e.got}"
                 steps.append((e.step, text, RED))

@@ -27,6 +27,7 @@ from shared.contracts.events import (
     Preempted,
     RankLost,
     Rejected,
+    Resized,
     Started,
 )
 from shared.contracts.events import (
@@ -60,7 +61,8 @@ def _attempt_line(event: Event) -> str | None:
         case Diverged():
             return f"[red]diverged[/red]: {divergence(event)}"
         case Preempted():
-            return f"[yellow]preempted[/yellow] on {event.worker} after step {event.step}"
+            why = f" ({event.reason})" if event.reason else ""
+            return f"[yellow]preempted[/yellow] on {event.worker} after step {event.step}{why}"
         case AttemptFailed():
             return f"[red]attempt {event.attempt} failed[/red]: {event.reason}"
         case HandedOver():
@@ -78,6 +80,11 @@ def _group_line(event: Event) -> str | None:
             return (
                 f"[yellow]rank {event.rank} lost[/yellow] ({event.lost}, epoch {event.epoch})"
                 f" at step {event.step}: {event.reason}; the group forms again"
+            )
+        case Resized():
+            return (
+                f"[cyan]resized[/cyan] from {event.from_ranks} to {event.to_ranks} ranks at "
+                f"step {event.step}, epoch {event.epoch}: {event.reason}"
             )
     return None
 

@@ -23,6 +23,12 @@ ranks stop and checkpoint at the same step, agreed once per step (one all-reduce
 checkpoint is one commit: rank 0 writes what the ranks share (models, optimizers, JSON values)
 and its own shard, the others only theirs (`rank<k>.` files: data positions, generators, RNG
 states, cursor), and rank 0's writer sends one `CheckpointReady` listing them all.
+
+`data_parallel()` is data parallelism whose result does not depend on the group's size
+(`baton.runtime.exact`): a fixed global batch of virtual shards, each computed whole by one
+rank under its own RNG stream, their gradients gathered and summed in shard order, so an
+elastic run's weights are the same bits at 1, 2 or 3 ranks, however its size changed. Its
+data position is derived from the step, so it registers nothing with `restore()`.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from shared.contracts.child import CheckpointReady, Divergence, FromChild, Loade
 from shared.errors import NotFound
 
 if TYPE_CHECKING:  # a single-rank run never imports torch.distributed's machinery
+    from baton.runtime.exact import DataParallel, MapDataset
     from baton.runtime.group import Group
 
 REPORT_INTERVAL_S = 0.2
@@ -174,6 +181,14 @@ class RunContext:
         (`baton.runtime.data`)."""
         if self._slots:
             raise RuntimeError("call data_loader() before restore(), which loads its position")
+        if self.spec.elastic:
+            # Its position is each rank's own share of the epoch, which has no meaning at
+            # another group size: an elastic run's checkpoint must resume at any size.
+            raise ValueError(
+                "data_loader() keeps a data position per rank, which an elastic run (ranks "
+                "given as a range) cannot carry to another group size: draw batches with "
+                "ctx.data_parallel(), or derive them from the step"
+            )
         if name in self._loaders:
             raise ValueError(f"a data loader named {name!r} is registered already")
         batches = Batches(
@@ -190,6 +205,40 @@ class RunContext:
         )
         self._loaders[name] = batches
         return batches
+
+    def data_parallel(
+        self,
+        model: torch.nn.Module,
+        dataset: MapDataset,
+        *,
+        batch_size: int,
+        shards: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        seed: int | None = None,
+    ) -> DataParallel:
+        """Exact data parallelism over the group (`baton.runtime.exact`): each step's global
+        batch is `shards` virtual shards of `batch_size` samples (by default as many shards
+        as the job's largest number of ranks), and the result is the same bits at any group
+        size. The batches come from the step alone (reshuffled every epoch from the run's
+        seed, or `seed`), so nothing needs registering:
+
+            dp = ctx.data_parallel(model, dataset, batch_size=16)
+            ctx.restore(model=model, optimizer=opt, scheduler=sched)
+            for step in ctx.steps():
+                for shard in dp.shards(step):
+                    x, y = shard.batch
+                    shard.backward(loss_fn(model(x), y))
+                ctx.report(loss=dp.sync())  # the mean gradient is in .grad on every rank
+                opt.step()
+        """
+        from baton.runtime.exact import DataParallel
+
+        return DataParallel(
+            model, dataset, batch_size=batch_size,
+            shards=self.spec.max_ranks if shards is None else shards,
+            seed=self.seed if seed is None else seed,
+            rank=self.rank, world_size=self.world_size, collate_fn=collate_fn,
+        )  # fmt: skip
 
     def steps(self) -> Iterator[int]:
         """Yield step numbers from the resume point to `total_steps`, checkpointing as
@@ -279,6 +328,13 @@ class RunContext:
             raise RuntimeError("writing a checkpoint failed") from self._write_error
         if self.step == self._last_saved and not final:
             return
+        if self.spec.elastic and self.rank > 0:
+            # An elastic run's checkpoint is rank 0's alone: every rank holds the same
+            # state (`baton.runtime.exact`), and it must resume at any group size.
+            self._last_saved = self.step
+            self._last_ckpt_time = time.monotonic()
+            self._postponed = False
+            return
         groups, meta = self._state()
         try:
             snap, stalled = self._snap.capture(self.step, groups, meta)
@@ -324,7 +380,7 @@ class RunContext:
             return groups, meta
         meta["digest"] = weights_digest(next(iter(groups.values())))
         meta["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.spec.elastic:
             meta["ranks"] = self.world_size
         return groups, meta
 
@@ -334,7 +390,7 @@ class RunContext:
         if self._group is not None and self.rank > 0:
             self._group.publish_files(ready.step, files)
             return
-        if self._group is not None:
+        if self._group is not None and not self.spec.elastic:
             files = files + self._group.gather_files(ready.step)
         self._send(msgspec.structs.replace(ready, files=files))
 
@@ -370,7 +426,7 @@ class RunContext:
             if self._group is not None and self.rank == 0:
                 self._group.share("restore", commit.key_of(manifest) if manifest else "")
             if manifest is not None:
-                commit.check_ranks(manifest, self.world_size)
+                commit.check_ranks(manifest, self.world_size, self.spec.elastic)
             if manifest is None or not self._witness.enabled:
                 return manifest, damaged, None
             try:
@@ -383,7 +439,8 @@ class RunContext:
         """Load a checkpoint that `commit.restorable` verified (`baton.runtime.load`)."""
         self.step, cursor = load(
             self._store_url, manifest, self._slots,
-            run_id=self.run_id, spec_hash=spec_hash(self.spec), rank=self.rank,
+            run_id=self.run_id, spec_hash=spec_hash(self.spec),
+            rank=0 if self.spec.elastic else self.rank,
         )  # fmt: skip
         self.cursor.clear()  # in place, like registered dicts: a reference taken earlier
         self.cursor.update(cursor)  # is still the one saved

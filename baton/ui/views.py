@@ -118,7 +118,7 @@ def _thin(steps: list[int], losses: list[float]) -> list[tuple[int, float | None
 MARKED = (
     ev.Accepted, ev.Started, ev.Restored, ev.Preempted, ev.AttemptFailed, ev.Fenced,
     ev.HandedOver, ev.Redispatched, ev.RunWarning, ev.CommitRefused, ev.Diverged,
-    ev.GroupFormed, ev.RankLost,
+    ev.GroupFormed, ev.RankLost, ev.Resized,
     ev.Completed, ev.Failed, ev.Cancelled,
 )  # fmt: skip
 

@@ -113,7 +113,8 @@ class Attempt:
         self.site = settings.site
         self.commits = Commits(
             self.js, store, runs, task.run_id, self.worker, lambda: lease.token,
-            task.spec.checkpoint.keep_last, task.spec.pool, self.site, ranks=task.spec.ranks,
+            task.spec.checkpoint.keep_last, task.spec.pool, self.site,
+            ranks=1 if task.spec.elastic else task.spec.max_ranks,  # elastic: rank 0's alone
         )  # fmt: skip
         self.step = 0
         self.start_step = 0
@@ -129,6 +130,7 @@ class Attempt:
         """The task delivery this attempt answers, written into the record for a hand-over."""
         self._watching: asyncio.Task[None] | None = None
         self._broken = group.broken if group is not None else asyncio.Event()
+        self._grow = group.grow if group is not None else asyncio.Event()
 
     @property
     def token(self) -> int:
@@ -175,6 +177,8 @@ class Attempt:
             attempt=record.attempts, start_step=self.step,
         )  # fmt: skip
         await self._emit(started)
+        if self.group is not None and (resized := self.group.resized(self.step)) is not None:
+            await self._emit(resized)
         log.info(
             "%s: attempt %d from step %d, token %d", self.run_id, record.attempts, self.step, token
         )
@@ -247,6 +251,11 @@ class Attempt:
     async def _emit(self, event: Event) -> None:
         await self.reports.emit(event)
 
+    @property
+    def _growing(self) -> bool:
+        """Stopping only because a trainer is free to grow this elastic group onto."""
+        return self._grow.is_set() and not self.stop.is_set() and self.orders.given is None
+
     def orphaned(self, reason: str) -> None:
         """The reaper saw this worker run a run it does not hold: stop at once."""
         self.orders.fence(f"orphan: {reason}")
@@ -259,11 +268,14 @@ class Attempt:
         grace for it (or a stronger order, or a second signal)."""
         reader = asyncio.create_task(self._read())
         try:
-            await _first(reader, self.orders.changed, self.stop, self._broken)
+            await _first(reader, self.orders.changed, self.stop, self._broken, self._grow)
             if self._broken.is_set() and self.orders.given is None:
                 return await self._group_broke(reader)
             if not reader.done() and self.orders.given in (None, Order.CANCEL):
                 why = "cancelled" if self.orders.given else "preempted"
+                if self._growing:
+                    assert self.group is not None
+                    why = f"growing onto {self.group.grower}"
                 log.info("%s: %s at step %d; checkpointing", self.run_id, why, self.step)
                 self.child.send(Control(action="stop"))
                 self.orders.changed.clear()  # from here on, set only by a stronger order
@@ -362,10 +374,15 @@ class Attempt:
             cancelled = self._spent(state=RunState.CANCELLED, reason=reason, worker=None, **kept)
             return Verdict(Outcome.CANCELLED, change=cancelled)
         step = last.step if last else 0
-        log.info("%s: preempted; lease released after step %d", self.run_id, step)
+        why = ""
+        if self._growing:
+            # The group forms again at once, larger (its `Resized` event says so).
+            assert self.group is not None
+            why = f"to grow its group onto {self.group.grower}"
+        log.info("%s: preempted %s; lease released after step %d", self.run_id, why, step)
 
         def preempted(r: RunRecord) -> Event:
-            return Preempted(run_id=self.run_id, worker=self.worker, step=step)
+            return Preempted(run_id=self.run_id, worker=self.worker, step=step, reason=why)
 
         spent = self._spent(worker=None, **kept)
         return Verdict(Outcome.PREEMPTED, change=spent, event=preempted)
@@ -453,6 +470,7 @@ class Attempt:
         return msgspec.structs.replace(
             r, state=RunState.RUNNING, worker=self.worker, token=self.lease.token,
             attempts=r.attempts + 1, delivery=self._delivery, waiting=None, group=group,
+            group_size=len(group) or 1,
         )  # fmt: skip
 
     async def _sample_speed(self) -> None:

@@ -43,7 +43,7 @@ from shared.bus.connect import publish
 from shared.bus.emit import emit
 from shared.contracts import RunRecord, Task, encode
 from shared.contracts.child import EXIT_GROUP_BROKEN, EXIT_USER_ERROR
-from shared.contracts.events import GroupFormed
+from shared.contracts.events import GroupFormed, Resized
 from shared.contracts.groups import GroupKey, MemberKey, RankCall
 from shared.state.groups import GroupStore
 from shared.state.lease import Lease
@@ -56,6 +56,9 @@ MAX_FORM_DELAY_S = 600.0
 SILENT_S = 3 * POLL_S
 """A member whose key was not renewed for this long, once its group broke, is taken for
 lost without waiting for the key's TTL."""
+FORM_GRACE_S = 4 * POLL_S
+"""An elastic group that holds at least its `min` ranks, but not its `max`, forms once it has
+waited this long for more: trainers free now take a call within moments."""
 GIVE_WAY_S = 2.0
 """How long a trainer that gave way keeps its task or call off the queue: long enough that
 its next fetch finds the older group's calls first."""
@@ -106,7 +109,12 @@ class Leader:
         self.lease = lease
         self.worker = worker
         self.site = site
-        self.ranks = task.spec.ranks
+        self.ranks = task.spec.max_ranks
+        """The group's size: the most it may have while forming, what it has once formed."""
+        self.min_ranks = task.spec.min_ranks
+        self.prior = record
+        """The run's record when this leader took it: the size it trained with last, and the
+        step it resumes from."""
         self.key = GroupKey(
             run_id=task.run_id, pool=task.spec.pool, epoch=lease.token, ranks=self.ranks,
             leader=worker, priority=record.created_at, addr=addr,
@@ -114,6 +122,12 @@ class Leader:
         self.members: list[MemberKey] = []
         self.broken = asyncio.Event()
         """Set when a member is lost or its process ended before the group finished."""
+        self.grow = asyncio.Event()
+        """Set when a trainer holds the growth call of an elastic group training below its
+        `max`: the attempt stops at its next step boundary, and the group forms again."""
+        self.grower = ""
+        self.grow_slot = 0
+        """The slot of this group's growth call, once it trains below its `max`."""
         self.breakage: Breakage | None = None
         self._waiting = ""
         self._revision = 0
@@ -148,31 +162,19 @@ class Leader:
         self._revision = revision
         await self.renew()
         for rank in range(1, self.ranks):
-            call = RankCall(task=self.task, epoch=self.epoch, rank=rank)
-            # At a site, through its outbox, which the hub's work queue sources.
-            subject = names.at_site(
-                names.call_subject(self.task.spec.pool, self.task.run_id), self.site
-            )
-            await publish(
-                self.js,
-                subject,
-                encode(call),
-                msg_id=names.call_id(self.task.run_id, self.epoch, rank),
-            )
+            await self._call(rank)
         began = last_beat = time.monotonic()
         while True:
             held = [m for m in [await self._member(r) for r in range(1, self.ranks)] if m]
-            if len(held) == self.ranks - 1:
-                self.members = sorted(held, key=lambda m: m.rank)
-                return Formed(self.members)
-            gave = await self._give_way(len(held) + 1, time.monotonic() - began, wait_s, stop)
+            waited = time.monotonic() - began
+            if len(held) + 1 == self.ranks or (
+                len(held) + 1 >= self.min_ranks and waited >= FORM_GRACE_S
+            ):
+                return self._formed(held)
+            gave = await self._give_way(len(held) + 1, waited, wait_s, stop)
             if gave is not None:
                 return gave
-            await self._say_waiting(
-                f"forming a group of {self.ranks}: {len(held) + 1} of {self.ranks} ranks held, "
-                f"waiting for {self.ranks - 1 - len(held)} more trainer(s) of pool "
-                f"{self.task.spec.pool!r}"
-            )
+            await self._say_waiting(self._why_waiting(len(held) + 1))
             if time.monotonic() - last_beat >= self.lease.ttl_s / 3:
                 last_beat = time.monotonic()
                 await msg.in_progress()
@@ -181,6 +183,37 @@ class Leader:
             await self.renew()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), POLL_S)
+
+    async def _call(self, rank: int, grow: bool = False) -> None:
+        call = RankCall(task=self.task, epoch=self.epoch, rank=rank, grow=grow)
+        # At a site, through its outbox, which the hub's work queue sources.
+        run_id = self.task.run_id
+        subject = names.at_site(names.call_subject(self.task.spec.pool, run_id), self.site)
+        msg_id = names.call_id(run_id, self.epoch, rank, grow)
+        await publish(self.js, subject, encode(call), msg_id=msg_id)
+
+    def _formed(self, held: list[MemberKey]) -> Formed:
+        """The group as it forms: its ranks are the held slots in order (an elastic group
+        may hold slots 1 and 3 of 3), rank 0 the leader."""
+        self.members = sorted(held, key=lambda m: m.rank)
+        self.ranks = len(self.members) + 1
+        self.key = msgspec.structs.replace(self.key, ranks=self.ranks)
+        return Formed(self.members)
+
+    def _why_waiting(self, held: int) -> str:
+        pool, short = self.task.spec.pool, self.min_ranks - held
+        if not self.task.spec.elastic:
+            return (
+                f"forming a group of {self.ranks}: {held} of {self.ranks} ranks held, "
+                f"waiting for {short} more trainer(s) of pool {pool!r}"
+            )
+        sizes = f"forming a group of {self.min_ranks} to {self.task.spec.max_ranks}"
+        if short <= 0:
+            return f"{sizes}: {held} rank(s) held, waiting {FORM_GRACE_S:.0f}s for more"
+        return (
+            f"{sizes}: {held} rank(s) held, fewer than its min of {self.min_ranks}; waiting "
+            f"for {short} more trainer(s) of pool {pool!r}"
+        )
 
     async def _give_way(
         self, held: int, waited: float, wait_s: float, stop: asyncio.Event
@@ -251,6 +284,29 @@ class Leader:
         await emit(self.js, formed, site=self.site)
         log.info("%s: group of %d formed, epoch %d: %s", self.task.run_id, self.ranks,
                  self.epoch, ", ".join(self.key.members))  # fmt: skip
+        if self.ranks < self.task.spec.max_ranks:
+            # One offer at a time, taken only by a trainer no other work wants (`rank.py`).
+            held = {m.rank for m in self.members}
+            self.grow_slot = min(r for r in range(1, self.task.spec.max_ranks) if r not in held)
+            await self._call(self.grow_slot, grow=True)
+
+    def resized(self, step: int) -> Resized | None:
+        """The event of an elastic group formed at another size than its run trained with
+        last, resuming at `step`; None if it did not change."""
+        before = self.prior.group_size
+        if not self.task.spec.elastic or not before or before == self.ranks:
+            return None
+        pool, most = self.task.spec.pool, self.task.spec.max_ranks
+        reason = (
+            f"{self.ranks - before} more trainer(s) of pool {pool!r} free"
+            if self.ranks > before
+            else f"{self.ranks} of at most {most} ranks held: no spare trainer of pool "
+            f"{pool!r} was free"
+        )
+        return Resized(
+            run_id=self.task.run_id, worker=self.worker, epoch=self.epoch, from_ranks=before,
+            to_ranks=self.ranks, reason=reason, step=step,
+        )  # fmt: skip
 
     async def watch(self) -> None:
         """Renew the group's key and read the members' until one is lost or its process
@@ -267,10 +323,15 @@ class Leader:
             with contextlib.suppress(Exception):
                 for m in self.members:
                     now = await self.store.member(self.task.run_id, self.epoch, m.rank)
-                    cause = _cause(m, now)
+                    cause = _cause(m, now, self._rank_of(m))
                     if cause is not None and self.breakage is None:
                         self.breakage = cause
                         self.broken.set()
+                if self.grow_slot and not self.grow.is_set():
+                    offer = await self._member(self.grow_slot)
+                    if offer is not None:
+                        self.grower = offer.worker
+                        self.grow.set()
             await asyncio.sleep(POLL_S)
 
     async def settle(self, own_code: int, own_tail: str) -> Breakage:
@@ -280,7 +341,10 @@ class Leader:
         (the user's code may have failed only because a peer vanished); a user failure
         outweighs a collective that merely failed."""
         ends = await self._ends()
-        causes = [c for m in self.members if (c := _cause(m, ends.get(m.rank, m))) is not None]
+        causes = [
+            c for m in self.members
+            if (c := _cause(m, ends.get(m.rank, m), self._rank_of(m))) is not None
+        ]  # fmt: skip
         if self.breakage is not None:
             causes.insert(0, self.breakage)
         lost = [c for c in causes if not c.user and c.reason != _PEER_FAILED]
@@ -316,6 +380,10 @@ class Leader:
                 await asyncio.sleep(POLL_S)
         return ends
 
+    def _rank_of(self, member: MemberKey) -> int:
+        """A member's rank in the group: its place among the held slots (`_formed`)."""
+        return self.members.index(member) + 1
+
     def _supersede(self) -> None:
         self.breakage = Breakage(0, self.worker, "a newer group replaced it", False)
         self.broken.set()
@@ -343,20 +411,20 @@ class Superseded(Exception):
 _PEER_FAILED = "its process stopped because a peer failed"
 
 
-def _cause(was: MemberKey, now: MemberKey | None) -> Breakage | None:
+def _cause(was: MemberKey, now: MemberKey | None, rank: int) -> Breakage | None:
     """What a member's key, read now, says about the group; None while all is well."""
     if now is None:
         why = "its trainer went silent (its key was not renewed)"
-        return Breakage(was.rank, was.worker, why, False)
+        return Breakage(rank, was.worker, why, False)
     if now.state != "exited" or now.code == 0:
         return None
     if now.user_error:
-        return Breakage(now.rank, now.worker, f"rank {now.rank}'s code failed", True, now.tail)
+        return Breakage(rank, now.worker, f"rank {rank}'s code failed", True, now.tail)
     if now.code == EXIT_GROUP_BROKEN:
-        return Breakage(now.rank, now.worker, _PEER_FAILED, False, now.tail)
+        return Breakage(rank, now.worker, _PEER_FAILED, False, now.tail)
     code = now.code if now.code is not None else -1
     why = f"its process was killed by signal {-code}" if code < 0 else f"its process exited {code}"
-    return Breakage(now.rank, now.worker, why, False, now.tail)
+    return Breakage(rank, now.worker, why, False, now.tail)
 
 
 def local_rank(hosts: list[str], rank: int) -> int:

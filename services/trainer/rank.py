@@ -36,6 +36,9 @@ from shared.state.groups import GroupStore
 
 log = logging.getLogger("baton.trainer")
 
+GROW_YIELD_S = 5.0
+"""How long an offer to grow a group stays off the queue when other work was waiting."""
+
 
 class Member:
     def __init__(
@@ -74,6 +77,9 @@ class Member:
 
     async def run(self, msg: Msg) -> None:
         group = await self._group()
+        if group is not None and group.formed and self.call.grow:
+            await self._offer(msg, group)
+            return
         if group is None or group.formed:  # a call of an epoch that is over, or taken
             await msg.ack()
             return
@@ -86,6 +92,40 @@ class Member:
                 return
             await msg.ack()
             await self._train(formed)
+        finally:
+            await self.groups.delete(self.key)
+
+    async def _offer(self, msg: Msg, group: GroupKey) -> None:
+        """An elastic group trains below its `max` and offers a rank: hold the offer — its
+        leader then stops the group at its next step boundary and forms it again, larger,
+        under a new epoch — unless other work waits in the pool. Growth takes only trainers
+        nothing else wants: a queued task or call, or another group forming, comes first
+        (the offer goes back for `GROW_YIELD_S`; one that keeps finding other work is
+        dropped after its deliveries, and the group grows at its next forming)."""
+        pending = msg.metadata.num_pending or 0
+        if pending or await self.groups.others_forming(self.task.spec.pool, self.run_id):
+            log.info("%s: offer to grow to %d ranks left for other work of the pool",
+                     self.run_id, group.ranks + 1)  # fmt: skip
+            await msg.nak(delay=GROW_YIELD_S)
+            return
+        if not await self.groups.claim(self.key, self.me):
+            await msg.ack()
+            return
+        log.info("%s: offered to grow its group (%d ranks, epoch %d)", self.run_id,
+                 group.ranks, group.epoch)  # fmt: skip
+        touched = time.monotonic()
+        try:
+            while (await self._group()) is not None:
+                if self.stop.is_set():
+                    await msg.nak()
+                    return
+                await self.groups.put(self.key, self.me)
+                if time.monotonic() - touched > self._ack_wait_s / 3:
+                    touched = time.monotonic()
+                    await msg.in_progress()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), POLL_S)
+            await msg.ack()  # the group it offered itself to is over: it forms again
         finally:
             await self.groups.delete(self.key)
 
@@ -115,7 +155,10 @@ class Member:
                 await msg.ack()
                 return None
             if group.formed:
-                if self.worker in group.members[self.call.rank : self.call.rank + 1]:
+                if self.worker in group.members[1:]:
+                    # Its rank: its place among the slots held (an elastic group may form
+                    # without some of the slots it called for).
+                    self.rank = group.members.index(self.worker)
                     return group
                 await msg.ack()
                 return None
@@ -131,10 +174,11 @@ class Member:
                 await msg.in_progress()
 
     async def _train(self, group: GroupKey) -> None:
+        rank = group.members.index(self.worker)
         child = self._child = await self.zygote.fork()
         rendezvous = Rendezvous(
-            epoch=group.epoch, rank=self.call.rank, world_size=group.ranks,
-            local_rank=local_rank(group.hosts, self.call.rank), addr=group.addr, port=group.port,
+            epoch=group.epoch, rank=rank, world_size=group.ranks,
+            local_rank=local_rank(group.hosts, rank), addr=group.addr, port=group.port,
             timeout_s=self.task.spec.collective_timeout_s,
         )  # fmt: skip
         launch = Launch(
@@ -142,7 +186,7 @@ class Member:
             group=rendezvous,
         )  # fmt: skip
         child.send(launch)
-        log.info("%s: rank %d of %d, epoch %d", self.run_id, self.call.rank, group.ranks,
+        log.info("%s: rank %d of %d, epoch %d", self.run_id, rank, group.ranks,
                  group.epoch)  # fmt: skip
         self.me = msgspec.structs.replace(self.me, state="running")
         copying = asyncio.create_task(
@@ -158,7 +202,7 @@ class Member:
                 self.me, state="exited", code=code, step=self.step,
                 user_error=code == EXIT_USER_ERROR, tail=tail_of(self.log_path) if code else "",
             )  # fmt: skip
-            log.info("%s: rank %d's process exited %d", self.run_id, self.call.rank, code)
+            log.info("%s: rank %d's process exited %d", self.run_id, rank, code)
             # Stay until the leader has read how this rank ended: it ends the group.
             while await self._group() is not None:
                 with contextlib.suppress(Exception):

@@ -192,7 +192,7 @@ class Trainer:
             # Asked to cancel, and its trainer is gone: nothing trains it, so it is
             # cancelled here, before any work starts.
             await apply(Verdict(Outcome.CANCELLED, change=_cancel_unowned), scope)
-        elif task.spec.ranks > 1:
+        elif task.spec.max_ranks > 1:
             await self._lead(task, lease, msg, scope, record)
         else:
             await self._held(task, lease, msg, scope)

@@ -88,9 +88,10 @@ def calls_of_pool(pool: str) -> str:
     return f"{PREFIX}.calls.{pool}.>"
 
 
-def call_id(run_id: str, epoch: int, rank: int) -> str:
-    """A call is published once per rank and epoch, however often its publish is retried."""
-    return f"call.{run_id}.{epoch}.{rank}"
+def call_id(run_id: str, epoch: int, rank: int, grow: bool = False) -> str:
+    """A call is published once per rank and epoch, however often its publish is retried
+    (an elastic group's growth call once more, for a slot it formed without)."""
+    return f"{'grow' if grow else 'call'}.{run_id}.{epoch}.{rank}"
 
 
 def group_key(pool: str, run_id: str) -> str:

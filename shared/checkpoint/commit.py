@@ -178,14 +178,18 @@ async def commit(store: Store, req: CommitRequest) -> tuple[Pointer, int]:
             _check_order(wanted, current)
 
 
-def check_ranks(manifest: Manifest, ranks: int) -> None:
+def check_ranks(manifest: Manifest, ranks: int, elastic: bool = False) -> None:
     """Refuse to resume a group of `ranks` from a checkpoint written by a group of another
     size: its shards hold one data position and RNG state per rank it was written by, and
-    there is no sound way yet to split or merge them."""
+    there is no sound way to split or merge them. An elastic run's checkpoints hold one
+    state (rank 0's; every rank's is the same) and resume at any size."""
+    if elastic and manifest.ranks == 1:
+        return
     if manifest.ranks != ranks:
         raise IntegrityError(
             f"checkpoint {manifest.step} was written by {manifest.ranks} rank(s) and cannot be"
             f" resumed by {ranks}: a run keeps the number of ranks it started with"
+            + (" (an elastic run's checkpoint holds rank 0's state alone)" if elastic else "")
         )
 
 

@@ -2,7 +2,7 @@
 
 from shared.contracts.checkpoints import CommitRequest, FileRef, Manifest, Pointer
 from shared.contracts.codec import convert, decode, encode
-from shared.contracts.jobs import CheckpointPolicy, JobSpec, Limits, job_schema
+from shared.contracts.jobs import CheckpointPolicy, JobSpec, Limits, RankRange, job_schema
 from shared.contracts.records import RunRecord, RunState, run_id_for, spec_hash
 from shared.contracts.tasks import Task
 
@@ -14,6 +14,7 @@ __all__ = [
     "Limits",
     "Manifest",
     "Pointer",
+    "RankRange",
     "RunRecord",
     "RunState",
     "Task",

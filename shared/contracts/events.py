@@ -117,6 +117,8 @@ class Fenced(_Event, tag="fenced", frozen=True):
 class Preempted(_Event, tag="preempted", frozen=True):
     worker: str
     step: int
+    reason: str = ""
+    """Why, when not a preemption notice: an elastic group stopped to grow."""
 
 
 class GroupFormed(_Event, tag="group_formed", frozen=True):
@@ -140,6 +142,20 @@ class RankLost(_Event, tag="rank_lost", frozen=True):
     """The worker that held the rank."""
     reason: str
     step: int = 0
+
+
+class Resized(_Event, tag="resized", frozen=True):
+    """An elastic run's group formed at another size than it last trained at (`from_ranks`
+    → `to_ranks`), resuming at `step`, its last commit: `reason` says why — a rank lost
+    with no spare free, or trainers free to grow onto. Its result is the same bits
+    whatever the size (`ctx.data_parallel()`)."""
+
+    worker: str
+    epoch: int
+    from_ranks: int
+    to_ranks: int
+    reason: str
+    step: int
 
 
 class HandedOver(_Event, tag="handed_over", frozen=True):
@@ -185,6 +201,7 @@ Event = (
     | HandedOver
     | GroupFormed
     | RankLost
+    | Resized
     | Redispatched
     | RunWarning
     | Cancelled

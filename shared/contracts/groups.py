@@ -25,6 +25,11 @@ class RankCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     task: Task
     epoch: Annotated[int, Meta(ge=1)]
     rank: Annotated[int, Meta(ge=1, le=63)]
+    """The slot called for: its member key's name. In an elastic run's group the ranks are
+    renumbered by slot among those held when it forms (`GroupKey.members`)."""
+    grow: bool = False
+    """An elastic group training below its `max` offers a rank: whoever holds it makes the
+    group stop at its next step boundary and form again, larger."""
 
 
 class GroupKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -35,6 +40,7 @@ class GroupKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     pool: str
     epoch: int
     ranks: int
+    """The group's size: the most it may have while forming, what it has once formed."""
     leader: str
     priority: float
     """The run's submission time (its record's `created_at`)."""

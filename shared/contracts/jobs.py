@@ -42,6 +42,23 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     max_cost: Annotated[float, Meta(ge=0, le=1e9)] | None = None
 
 
+RankCount = Annotated[int, Meta(ge=1, le=64)]
+
+
+class RankRange(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """An elastic run's group size: it starts with as many ranks as it can get within the
+    range (never fewer than `min`), continues with fewer after losing one when no spare is
+    free, and grows back when trainers of its pool are free — each resize at a step
+    boundary, from a committed checkpoint, under a new epoch."""
+
+    min: RankCount = 1
+    max: RankCount
+
+    def __post_init__(self) -> None:
+        if self.min > self.max:
+            raise ValueError(f"ranks: min ({self.min}) is more than max ({self.max})")
+
+
 class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """A training job. Its identity is the run id derived from `idempotency_key`."""
 
@@ -57,15 +74,30 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     deterministic: bool = False
     idempotency_key: Annotated[str, Meta(pattern=r"^[!-~]{1,128}$")] | None = None
     limits: Limits = Limits()
-    ranks: Annotated[int, Meta(ge=1, le=64)] = 1
+    ranks: RankCount | RankRange = 1
     """Training processes the run trains on at once, each held by its own trainer of the pool
     (one per GPU): rank 0's trainer leads the group and the run trains only while every rank
     is held. Their code sees `ctx.rank` and `ctx.world_size`, and may wrap its model in
-    `DistributedDataParallel`."""
+    `DistributedDataParallel`. A range (`{min = 1, max = 4}`) makes the run elastic: its
+    checkpoints hold one state that resumes at any size in the range, and
+    `ctx.data_parallel()` makes its result the same bits whatever the size was."""
     collective_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 60.0
     """How long a collective operation (an all-reduce, the group's start) may wait for a peer
     before it fails. A lost rank is noticed by its trainer's silence within seconds whatever
     this says; this bounds a peer that hangs while its trainer lives."""
+
+    @property
+    def min_ranks(self) -> int:
+        return self.ranks.min if isinstance(self.ranks, RankRange) else self.ranks
+
+    @property
+    def max_ranks(self) -> int:
+        return self.ranks.max if isinstance(self.ranks, RankRange) else self.ranks
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the group's size may change while the run lives (`ranks` is a range)."""
+        return isinstance(self.ranks, RankRange)
 
 
 def job_schema() -> dict[str, Any]:

@@ -74,6 +74,9 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     way to an older one); cleared when it starts."""
     group: list[str] = []
     """The workers holding the run's ranks, by rank, while a group of several trains."""
+    group_size: int = 0
+    """How many ranks the run trained with last (0 before its first attempt): an elastic
+    run's group that forms at another size has been resized."""
 
 
 def run_id_for(idempotency_key: str, owner: str = "") -> str:

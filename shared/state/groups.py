@@ -103,6 +103,11 @@ class GroupStore:
                 return other
         return None
 
+    async def others_forming(self, pool: str, run_id: str) -> bool:
+        """Whether a group of `pool` other than `run_id`'s is forming: a trainer free to
+        grow an elastic group joins that one first."""
+        return any(g.run_id != run_id and not g.formed for g in await self._pool_groups(pool))
+
     async def _pool_groups(self, pool: str) -> list[GroupKey]:
         # A watch filtered by the server (nats-py's `keys(filters=…)` reads every key of the
         # bucket and filters by substring); it ends once it has delivered what is there.

@@ -20,4 +20,4 @@ def test_an_example_job_is_valid_and_its_entry_point_loads(path: Path) -> None:
 
 
 def test_there_are_examples_beyond_the_regression() -> None:
-    assert {p.stem for p in EXAMPLES} >= {"job", "charlm", "cnn", "ddp"}, EXAMPLES
+    assert {p.stem for p in EXAMPLES} >= {"job", "charlm", "cnn", "ddp", "elastic"}, EXAMPLES

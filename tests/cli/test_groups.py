@@ -9,8 +9,8 @@ import msgspec
 
 from baton.cli.app import _group_rows
 from baton.cli.watch import describe
-from shared.contracts import JobSpec, RunRecord, RunState
-from shared.contracts.events import AttemptFailed, GroupFormed, RankLost
+from shared.contracts import JobSpec, RankRange, RunRecord, RunState
+from shared.contracts.events import AttemptFailed, GroupFormed, Preempted, RankLost, Resized
 
 SPEC = JobSpec(name="g", entry_point="m:f", total_steps=10, ranks=2)
 
@@ -42,3 +42,19 @@ def test_watch_names_the_group_the_lost_rank_and_the_failed_rank() -> None:
     )
     line = describe(failed)
     assert line is not None and "rank 1" in line
+
+
+def test_an_elastic_run_shows_its_range_its_size_now_and_each_resize() -> None:
+    spec = JobSpec(name="g", entry_point="m:f", total_steps=10, ranks=RankRange(min=1, max=3))
+    running = record(state=RunState.RUNNING, token=9, group=["t1", "t2"], group_size=2)
+    rows = _group_rows(msgspec.structs.replace(running, spec=spec))
+    assert rows[0] == ("ranks", "1 to 3 (elastic; 2 now)")
+    resized = Resized(
+        run_id="r1", worker="t1", epoch=9, from_ranks=1, to_ranks=2, step=40,
+        reason="1 more trainer(s) of pool 'default' free",
+    )  # fmt: skip
+    line = describe(resized)
+    assert line is not None and "from 1 to 2 ranks at step 40" in line and "free" in line
+    grow = Preempted(run_id="r1", worker="t1", step=40, reason="to grow its group onto t2")
+    line = describe(grow)
+    assert line is not None and "after step 40" in line and "to grow its group onto t2" in line

@@ -27,6 +27,7 @@ from shared.contracts.events import (
     Preempted,
     Progress,
     Redispatched,
+    Resized,
     Restored,
     RunWarning,
     Started,
@@ -70,6 +71,8 @@ def history(t0: float = 1_700_000_000.0) -> list[Event]:
     train("w2", 5, 40, 80)
     add(Preempted, 0.2, worker="w2", step=80)
     add(Started, 1.5, worker="w1", token=9, attempt=3, start_step=80)
+    add(Resized, 0.1, worker="w1", epoch=9, from_ranks=2, to_ranks=1, step=80,
+        reason="1 of at most 2 ranks held: no spare trainer was free")  # fmt: skip
     add(Restored, 0.3, worker="w1", step=80)
     train("w1", 9, 80, 120)
     add(Completed, 0.1, step=120, digest=DIGEST, metrics={"loss": 0.07})
@@ -115,6 +118,7 @@ def test_render_writes_a_png_and_a_self_contained_escaped_page(tmp_path: Path) -
     assert base64.b64decode(embedded.group(1)) == data
     assert "<td>progress</td>" not in text, "progress events stay out of the table"
     assert '<tr class="diverged">' in text and "0.5124" in text, "the divergence is shown"
+    assert '<tr class="resized">' in text and "to_ranks=1" in text, "the resize is shown"
     assert DIGEST in text
 
 

@@ -110,3 +110,40 @@ def unregistered_generator(ctx: RunContext) -> None:
         opt.step()
         ctx.report(loss=loss.item())
         time.sleep(pace)
+
+
+def elastic_probe(ctx: RunContext) -> None:
+    """`examples/elastic.py`'s model and loop, which also writes what it restored, and what
+    it holds when it stops early, to `<dump>/<token>-<restored|stopped>-rank<k>.safetensors`
+    (weights, and every optimizer and scheduler value): a test compares them bit for bit."""
+    from safetensors.torch import save_file
+
+    from examples.elastic import Blobs
+
+    cfg = ctx.config
+    torch.manual_seed(ctx.seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=ctx.total_steps)
+    dp = ctx.data_parallel(model, Blobs(ctx.seed, 512, 8, 4), batch_size=8, shards=cfg["shards"])
+
+    def dump(what: str) -> None:
+        state = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+        for i, s in opt.state_dict()["state"].items():
+            state.update({f"opt.{i}.{k}": torch.as_tensor(v).clone() for k, v in s.items()})
+        state["sched.last_epoch"] = torch.tensor(sched.last_epoch)
+        save_file(state, f"{cfg['dump']}/{ctx.token}-{what}-rank{ctx.rank}.safetensors")
+
+    ctx.restore(model=model, optimizer=opt, scheduler=sched)
+    dump("restored")
+    for step in ctx.steps():
+        for shard in dp.shards(step):
+            x, y = shard.batch
+            shard.backward(nn.functional.cross_entropy(model(x), y))
+        loss = dp.sync()
+        opt.step()
+        sched.step()
+        ctx.report(loss=loss)
+        time.sleep(float(cfg.get("pace", 0.0)))
+    if ctx.finished_early:
+        dump("stopped")

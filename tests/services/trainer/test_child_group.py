@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from services.trainer.child_proc import Child, Zygote
 from shared.checkpoint import commit
@@ -100,26 +102,30 @@ class Group:
     """Two ranks of one run, on one file store."""
 
     def __init__(self, root: Path, zygote: Zygote, run_id: str, spec: JobSpec) -> None:
+        self.size = 2
         self.root = root
         self.zygote = zygote
         self.task = Task(run_id=run_id, spec=spec)
         self.store = FileStore(root / "store")
         self.epoch = 0
 
-    async def start(self) -> list[Rank]:
-        """One attempt: a new epoch (a higher token), rank 0 first, then rank 1 at its port."""
+    async def start(self, size: int = 2) -> list[Rank]:
+        """One attempt: a new epoch (a higher token), rank 0 first, then the others at its
+        port."""
         self.epoch += 1
-        ranks = [await self._fork(r) for r in range(2)]
+        self.size = size
+        ranks = [await self._fork(r) for r in range(size)]
         ranks[0].child.send(self._launch(0, 0))
         listening = await ranks[0].until(Listening)
-        ranks[1].child.send(self._launch(1, listening.port))
+        for r in range(1, size):
+            ranks[r].child.send(self._launch(r, listening.port))
         return ranks
 
     async def _fork(self, rank: int) -> Rank:
         return Rank(await self.zygote.fork(), self.root / f"e{self.epoch}-rank{rank}.log")
 
     def _launch(self, rank: int, port: int) -> Launch:
-        rdv = Rendezvous(epoch=self.epoch, rank=rank, world_size=2, addr="127.0.0.1",
+        rdv = Rendezvous(epoch=self.epoch, rank=rank, world_size=self.size, addr="127.0.0.1",
                          port=port, timeout_s=self.task.spec.collective_timeout_s)  # fmt: skip
         return Launch(task=self.task, token=self.epoch, worker=f"w{rank}",
                       store_url=self.store.url, group=rdv)  # fmt: skip
@@ -130,7 +136,7 @@ class Group:
             req = CommitRequest(
                 run_id=self.task.run_id, token=ready.token, step=ready.step, worker="w0",
                 files=ready.files, final=ready.final, metrics=ready.metrics,
-                digest=ready.digest, ranks=2,
+                digest=ready.digest, ranks=1 if self.task.spec.elastic else self.size,
             )  # fmt: skip
             await commit.commit(self.store, req)
 
@@ -241,3 +247,54 @@ async def test_a_user_error_in_one_rank_fails_it_and_breaks_its_peer(
     assert "Traceback" in out and "ValueError: rank 1 fails at step 5, as configured" in out, out
     assert all(not r.of(Finished) for r in ranks)
     assert max(m.step for m in ranks[0].of(StepDone)) <= 5
+
+
+async def test_an_elastic_checkpoint_of_two_ranks_restores_at_one_and_at_three(
+    tmp_path: Path, zygote: Zygote
+) -> None:
+    """An elastic run (`ranks = {min = 1, max = 3}`) stopped at 2 ranks commits rank 0's
+    state alone; resumed from that one commit by 1 rank and by 3, every rank holds the
+    weights and optimizer state both ranks held when they stopped, bit for bit, and the two
+    continuations end on the same weights."""
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    spec = convert(
+        {
+            "name": "elastic", "entry_point": "tests.support.workloads:elastic_probe",
+            "total_steps": 40, "deterministic": True, "seed": 3,
+            "ranks": {"min": 1, "max": 3}, "collective_timeout_s": 20,
+            "checkpoint": {"every_steps": 1000},
+            "config": {"shards": 3, "dump": str(dump), "pace": 0.01},
+        },
+        JobSpec,
+    )  # fmt: skip
+    run = Group(tmp_path / "two", zygote, "elastic", spec)
+    ranks = await run.start(2)
+    await ranks[1].until(StepDone, lambda m: m.step >= 8)
+    ranks[0].child.send(Control(action="stop"))
+    assert [await r.exit_code() for r in ranks] == [0, 0], [r.output() for r in ranks]
+    (ready,) = ranks[0].of(CheckpointReady)
+    assert not any(f.name.startswith("rank1.") for f in ready.files)  # rank 0's state alone
+    await run.commit(ranks[0])
+    stopped = [load_file(dump / f"1-stopped-rank{k}.safetensors") for k in range(2)]
+    assert_same(stopped[0], stopped[1])
+
+    copies = []
+    for size in (1, 3):
+        copy = Group(tmp_path / f"at{size}", zygote, "elastic", spec)
+        copy.store, copy.epoch = run.store, run.epoch  # resumes the same commit
+        ranks = await copy.start(size)
+        assert [await r.exit_code() for r in ranks] == [0] * size, [r.output() for r in ranks]
+        for k in range(size):
+            assert_same(load_file(dump / f"{copy.epoch}-restored-rank{k}.safetensors"), stopped[0])
+        final = ranks[0].of(CheckpointReady)[-1]
+        assert final.final and final.step == 40
+        copies.append(final.digest)
+        run.epoch = copy.epoch
+    assert copies[0] == copies[1], "the continuations at 1 and 3 ranks differ"
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

@@ -16,7 +16,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.trainer.group import Formed, GaveWay, Leader, Superseded
+from services.trainer.group import FORM_GRACE_S, Formed, GaveWay, Leader, Superseded
 from shared.bus import names
 from shared.contracts import JobSpec, RunRecord, Task, convert, decode, spec_hash
 from shared.contracts.child import EXIT_GROUP_BROKEN, EXIT_USER_ERROR
@@ -27,7 +27,7 @@ from shared.state.runs import Runs
 from tests.support.stack import eventually
 
 
-def spec(ranks: int) -> JobSpec:
+def spec(ranks: int | dict[str, int]) -> JobSpec:
     return convert({"name": "g", "entry_point": "m:f", "total_steps": 10, "ranks": ranks}, JobSpec)
 
 
@@ -39,14 +39,16 @@ class Run:
     msg: Msg
 
 
-async def queued(nc: Client, run_id: str, ranks: int, created_at: float) -> Run:
+async def queued(
+    nc: Client, run_id: str, ranks: int | dict[str, int], created_at: float, trained: int = 0
+) -> Run:
     """A run's record, its task fetched from the pool's consumer, and its lease taken."""
     js = nc.jetstream()
     runs = await Runs.open(js)
     s = spec(ranks)
     record = RunRecord(
         run_id=run_id, spec=s, spec_hash=spec_hash(s), created_at=created_at,
-        updated_at=created_at,
+        updated_at=created_at, group_size=trained,
     )  # fmt: skip
     assert await runs.create(record)
     task = Task(run_id=run_id, spec=s)
@@ -194,6 +196,7 @@ async def formed(
 
 
 async def renew(store: GroupStore, *members: MemberKey) -> None:
+    """What members' trainers do while they live: write their keys before the TTL runs out."""
     while True:
         for m in members:
             await store.put(names.member_key(m.run_id, m.epoch, m.rank), m)
@@ -223,3 +226,68 @@ async def test_a_zombie_leader_cannot_touch_the_group_that_replaced_it(
     await old.end()
     now = await groups.group("default", "rzomb")
     assert now is not None and now.epoch == newer.token
+
+
+async def test_an_elastic_group_forms_with_the_ranks_it_holds_and_offers_to_grow(
+    declared: Client, groups: GroupStore
+) -> None:
+    """min 1, max 3, last trained at 3: only slot 2's trainer comes, so after the grace it
+    forms at 2 (slot 2 is rank 1), says it was resized, and offers one more rank; a trainer
+    holding that offer makes the leader stop to grow."""
+    runs = await Runs.open(declared.jetstream())
+    run = await queued(declared, "relastic", {"min": 1, "max": 3}, time.time(), trained=3)
+    lead = leader(declared, groups, run, runs)
+    began = time.monotonic()
+    forming = asyncio.create_task(lead.form(run.msg, asyncio.Event(), wait_s=60))
+    me = await join(groups, run, 2, "w2")
+    renewing = asyncio.create_task(renew(groups, me))  # its key outlives the grace
+    formed = await asyncio.wait_for(forming, 10)
+    renewing.cancel()
+    assert isinstance(formed, Formed), formed
+    assert [m.worker for m in formed.members] == ["w2"], formed
+    assert time.monotonic() - began >= FORM_GRACE_S  # it waited for more before forming
+    assert lead.ranks == 2 and lead.key.ranks == 2
+    resized = lead.resized(step=40)
+    assert resized is not None and (resized.from_ranks, resized.to_ranks) == (3, 2)
+    assert resized.step == 40 and "no spare trainer" in resized.reason
+
+    js = declared.jetstream()
+    sub = await js.pull_subscribe(names.calls_of_pool("default"), durable="ecalls")
+    await lead.go(port=1234)
+    assert lead.key.members == [run.lease.worker, "w2"]  # rank 1 is slot 2's trainer
+    calls: list[RankCall] = []
+    while not any(c.grow for c in calls):
+        calls += [decode(m.data, RankCall) for m in await sub.fetch(3, timeout=10)]
+    (offer,) = [c for c in calls if c.grow]
+    assert offer.rank == 1 and offer.epoch == run.lease.token  # the first free slot
+    watching = asyncio.create_task(lead.watch())
+    try:
+        await join(groups, run, offer.rank, "w9")
+        await asyncio.wait_for(lead.grow.wait(), 10)
+        assert lead.grower == "w9" and not lead.broken.is_set()
+    finally:
+        watching.cancel()
+        await lead.end()
+
+
+async def test_an_elastic_group_below_its_min_waits_and_says_why(
+    declared: Client, groups: GroupStore
+) -> None:
+    runs = await Runs.open(declared.jetstream())
+    run = await queued(declared, "rmin", {"min": 2, "max": 3}, time.time())
+    lead = leader(declared, groups, run, runs)
+    forming = asyncio.create_task(lead.form(run.msg, asyncio.Event(), wait_s=60))
+
+    async def says_why() -> str | None:
+        found = await runs.get("rmin")
+        return found[0].waiting if found else None
+
+    why = await eventually(says_why, 10, "the record to say why the run waits")
+    assert "fewer than its min of 2" in why and "1 rank(s) held" in why, why
+    await asyncio.sleep(FORM_GRACE_S * 2)  # past the grace: still never formed with 1
+    assert not forming.done()
+    await join(groups, run, 1, "w1")
+    formed = await asyncio.wait_for(forming, 10)
+    assert isinstance(formed, Formed) and lead.ranks == 2
+    assert lead.resized(step=0) is None  # its first group: nothing was resized
+    await lead.end()
