@@ -16,4 +16,8 @@ if ! command -v chromium >/dev/null 2>&1; then
     exit 1
   fi
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 "$@"
+# Two workers, a test module each at a time (`--dist loadfile`): a module's tests share its
+# stack, and most of the suite's time is waiting on real servers (leases lapsing, links cut,
+# elections), which two modules can do side by side. BATON_TEST_WORKERS=0 runs it serially.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 \
+  -n "${BATON_TEST_WORKERS:-2}" --dist loadfile "$@"

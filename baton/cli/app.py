@@ -275,7 +275,7 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
         ("retries", str(record.retries)),
         ("worker", record.worker or "-"),
         ("token", str(record.token or "-")),
-        *_group_rows(record),
+        *_group_rows(record, events),
         ("loss", fmt(record.metrics.get("loss"))),
         ("digest", record.digest or "-"),
         ("exact", exact),
@@ -286,8 +286,11 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
     out.print(t)
 
 
-def _group_rows(record: RunRecord) -> list[tuple[str, str]]:
-    """A run of several ranks: its group (workers by rank, its epoch), or why it waits."""
+def _group_rows(record: RunRecord, events: list[Event] | None = None) -> list[tuple[str, str]]:
+    """A run of several ranks: its group (workers by rank, its epoch), or why it waits; an
+    elastic run's size now and its resizes."""
+    from shared.contracts.events import Resized
+
     spec = record.spec
     if spec.ranks == 1:
         return []
@@ -296,6 +299,13 @@ def _group_rows(record: RunRecord) -> list[tuple[str, str]]:
         now = f"; {record.group_size} now" if record.group and record.group_size else ""
         size = f"{spec.min_ranks} to {spec.max_ranks} (elastic{now})"
     rows = [("ranks", size)]
+    resized = [e for e in events or [] if isinstance(e, Resized)]
+    if resized:
+        last = resized[-1]
+        rows.append((
+            "resized", f"{len(resized)} time(s); last {last.from_ranks} → {last.to_ranks} "
+            f"at step {last.step}: {last.reason}",
+        ))  # fmt: skip
     if record.group:
         held = ", ".join(f"{rank}: {worker}" for rank, worker in enumerate(record.group))
         rows.append(("group", f"epoch {record.token}; {held}"))

@@ -440,7 +440,7 @@ class RunContext:
         self.step, cursor = load(
             self._store_url, manifest, self._slots,
             run_id=self.run_id, spec_hash=spec_hash(self.spec),
-            rank=0 if self.spec.elastic else self.rank,
+            rank=0 if self.spec.elastic else self.rank, verify=self.rank > 0,
         )  # fmt: skip
         self.cursor.clear()  # in place, like registered dicts: a reference taken earlier
         self.cursor.update(cursor)  # is still the one saved

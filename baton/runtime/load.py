@@ -55,9 +55,11 @@ def load(
     run_id: str,
     spec_hash: str,
     rank: int = 0,
+    verify: bool = False,
 ) -> tuple[int, dict[str, Any]]:
-    """Load a checkpoint that was verified (`commit.restorable`: every file, by rank 0;
-    other ranks check the hashes of what they download). Returns its step and cursor."""
+    """Load rank `rank`'s shard of a checkpoint that was verified (`commit.restorable`: every
+    file, by rank 0; other ranks `verify` the hashes of what they download — in an elastic
+    run, rank 0's shard). Returns its step and cursor."""
     step, own = manifest.step, checkpoint_files.rank_prefix(rank)
 
     def file_of(slot: Slot) -> str:
@@ -69,7 +71,7 @@ def load(
     if missing := sorted(wanted - {f.name for f in refs}):
         raise IntegrityError(f"checkpoint {step} lacks {', '.join(missing)}")
     with tempfile.TemporaryDirectory(prefix="baton-restore-") as tmp:
-        local = asyncio.run(download(store_url, refs, Path(tmp), check_hashes=rank > 0))
+        local = asyncio.run(download(store_url, refs, Path(tmp), check_hashes=verify))
         shared = _meta(local[META], step, run_id, spec_hash)
         mine = shared if not rank else _meta(local[own + META], step, run_id, spec_hash)
         if mine["step"] != shared["step"] or mine.get("rank", 0) != rank:

@@ -23,7 +23,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shared.backoff import Backoff, retrying
 from shared.bus import names
@@ -227,15 +227,37 @@ def reaper_consumer() -> ConsumerConfig:
     )
 
 
+NO_SUITABLE_PEERS = 10005
+"""JetStream's error code for a replicated stream it cannot place: too few peers online."""
+
+
+class PeersNotBack(Exception):
+    """A declaration found too few of the cluster's nodes online to place its replicas."""
+
+
 async def declared(call: Callable[[], Awaitable[None]], log: logging.Logger) -> None:
     """Run `call`, a service's declarations (`ensure`, its consumers), until JetStream
     answers it. A hub service that started with its cluster — or while too few nodes are
     up — would otherwise exit on its first request (seen in CI: the reaper's first
     STREAM.INFO on a three-node hub just started timed out). Declarations are idempotent,
-    so one that landed unanswered is simply found done on the next attempt."""
+    so one that landed unanswered is simply found done on the next attempt.
+
+    A cluster whose nodes are coming back answers a replicated declaration with "no
+    suitable peers for placement" (10005) until its meta leader has seen enough of them
+    online again (seen in the suite, under load: the reaper's bucket declared moments after
+    two nodes restarted); that too is waited out."""
+
+    async def attempt() -> None:
+        try:
+            await call()
+        except BadRequestError as exc:
+            if exc.err_code != NO_SUITABLE_PEERS:
+                raise
+            raise PeersNotBack(exc.description or "no suitable peers") from exc
+
     await retrying(
-        call,
-        retry_on=UNAVAILABLE,
+        attempt,
+        retry_on=(*UNAVAILABLE, PeersNotBack),
         what="the hub's JetStream is not answering yet",
         backoff=Backoff(first=0.5, most=5.0),
         log=log,

@@ -55,6 +55,8 @@ def test_an_elastic_run_shows_its_range_its_size_now_and_each_resize() -> None:
     )  # fmt: skip
     line = describe(resized)
     assert line is not None and "from 1 to 2 ranks at step 40" in line and "free" in line
+    rows = _group_rows(msgspec.structs.replace(running, spec=spec), [resized])
+    assert rows[1] == ("resized", f"1 time(s); last 1 → 2 at step 40: {resized.reason}")
     grow = Preempted(run_id="r1", worker="t1", step=40, reason="to grow its group onto t2")
     line = describe(grow)
     assert line is not None and "after step 40" in line and "to grow its group onto t2" in line

@@ -9,6 +9,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import ServiceUnavailableError
 
 from baton.cli import client
 from shared.bus import names
@@ -44,10 +47,17 @@ async def submit(nc: Client, spec: JobSpec) -> str:
 
 
 async def finished(nc: Client, run_id: str, timeout: float = 90) -> RunRecord:
-    runs = await Runs.open(nc.jetstream())
+    """The run's record once it is terminal. A clustered hub electing a leader may leave a
+    read unanswered for a moment: that read is tried again, within `timeout`."""
+    runs: Runs | None = None
 
     async def terminal() -> RunRecord | None:
-        found = await runs.get(run_id)
+        nonlocal runs
+        try:
+            runs = runs or await Runs.open(nc.jetstream())
+            found = await runs.get(run_id)
+        except (NatsTimeoutError, NoRespondersError, ServiceUnavailableError):
+            return None
         return found[0] if found and found[0].state.terminal else None
 
     return await eventually(terminal, timeout, f"run {run_id} to finish", every=0.2)

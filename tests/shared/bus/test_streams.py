@@ -132,3 +132,27 @@ async def test_a_service_started_without_a_majority_waits_for_one(
             await nc.close()
     finally:
         await hub.stop()
+
+
+async def test_declarations_wait_out_peers_not_back_yet_and_nothing_else() -> None:
+    """10005 ("no suitable peers for placement", while a cluster's nodes come back) is waited
+    out like an unanswered request; any other refusal is the caller's at once."""
+    from nats.js.errors import BadRequestError
+
+    from shared.bus.streams import declared
+
+    tries: list[int] = []
+
+    async def placement() -> None:
+        tries.append(1)
+        if len(tries) < 3:
+            raise BadRequestError(code=400, err_code=10005, description="peer offline")
+
+    await asyncio.wait_for(declared(placement, logging.getLogger("test")), 30)
+    assert len(tries) == 3
+
+    async def invalid() -> None:
+        raise BadRequestError(code=400, err_code=10052, description="invalid config")
+
+    with pytest.raises(BadRequestError):
+        await asyncio.wait_for(declared(invalid, logging.getLogger("test")), 30)
