@@ -165,7 +165,7 @@ class Trainer:
             await dead_letter(self.js, msg, "trainer", str(exc), site=self.site)
             await msg.term()
             return
-        found = await self.runs.get(task.run_id)
+        found = await self.runs.confirmed(task.run_id)
         if found is None:
             reason = f"no run record for {task.run_id}"
             await dead_letter(self.js, msg, "trainer", reason, site=self.site)

@@ -25,6 +25,7 @@ from nats.js.errors import (
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NoKeysError,
+    NotFoundError,
 )
 from nats.js.kv import KeyValue
 
@@ -57,6 +58,26 @@ class Runs:
             return None
         assert entry.value is not None and entry.revision is not None
         return decode(entry.value, RunRecord), entry.revision
+
+    async def confirmed(self, run_id: str) -> tuple[RunRecord, int] | None:
+        """As `get`, but a record found missing is looked for again by the bucket's leader.
+        The bucket allows direct gets, which any replica answers, and a replica still
+        catching up (a node just back in a cluster) answers "no such key" for a record the
+        dispatcher has just created — seen in the suite under load, as a task
+        dead-lettered for want of its record. Only an absence the leader confirms is one."""
+        found = await self.get(run_id)
+        if found is not None:
+            return found
+        try:
+            msg = await self._js.get_last_msg(
+                f"KV_{names.RUNS_BUCKET}", f"$KV.{names.RUNS_BUCKET}.{run_id}"
+            )
+        except NotFoundError:
+            return None
+        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
+            return None
+        assert msg.seq is not None
+        return decode(msg.data, RunRecord), msg.seq
 
     async def create(self, record: RunRecord) -> bool:
         """False when a record with this run id already exists, in the runs bucket or in the
