@@ -28,7 +28,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import socket
 import statistics
 import subprocess
@@ -45,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, default_collate
 
 from baton.runtime.exact import DataParallel
+from bench.data_resume import cpu_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 DIM, CLASSES = 8, 4
@@ -137,19 +137,6 @@ def measure(mode: str, world: int, hidden: int, a: argparse.Namespace) -> dict[s
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
-
-
-def cpu_seconds() -> tuple[float, float] | None:
-    """(CPU time the whole machine has been busy, CPU time this process and its reaped
-    children used), in seconds; None where /proc/stat is not there."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:9]]
-    except OSError:
-        return None
-    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
-    own = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return busy, sum(r.ru_utime + r.ru_stime for r in own)
 
 
 def main(a: argparse.Namespace) -> None:

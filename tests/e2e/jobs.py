@@ -18,9 +18,10 @@ from shared.bus import names
 from shared.checkpoint import commit
 from shared.checkpoint.store import open_store
 from shared.contracts import CommitRequest, FileRef, JobSpec, RunRecord, convert, encode
+from shared.contracts import events as ev
 from shared.contracts.events import Event
 from shared.state.runs import Runs
-from tests.support.stack import eventually
+from tests.support.stack import all_dead, eventually
 
 E = TypeVar("E")
 
@@ -126,3 +127,22 @@ async def replay_commit(
     )
     await nc.jetstream().publish(names.commit_subject(run_id), encode(req))
     return late
+
+
+async def fenced_and_refused(
+    log: EventLog, store_url: str, zombie: str, epoch: int, family: list[int], ranks: int
+) -> None:
+    """A leader of the group `epoch`, stopped past its TTL while a newer group committed, let
+    go again: it is fenced with its epoch, its training process is gone, and its newest
+    complete checkpoint, committed again, is refused by the store."""
+    fenced = await log.wait_for(
+        lambda e: isinstance(e, ev.Fenced) and e.worker == zombie, 30, "the zombie to notice"
+    )
+    assert isinstance(fenced, ev.Fenced) and fenced.token == epoch
+    await all_dead(family, "the zombie's training process")
+    late = await replay_commit(log.nc, store_url, log.run_id, epoch, zombie, ranks)
+    await log.wait_for(
+        lambda e: isinstance(e, ev.CommitRefused) and e.token == epoch and e.step == late,
+        30,
+        "the refusal",
+    )

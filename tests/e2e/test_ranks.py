@@ -25,9 +25,7 @@ from shared.contracts import JobSpec, RunState
 from shared.contracts.events import (
     AttemptFailed,
     CheckpointCommitted,
-    CommitRefused,
     Failed,
-    Fenced,
     GroupFormed,
     Preempted,
     Progress,
@@ -36,7 +34,7 @@ from shared.contracts.events import (
     Started,
 )
 from shared.state.runs import Runs
-from tests.e2e.jobs import EventLog, finished, history, job, replay_commit, submit
+from tests.e2e.jobs import EventLog, fenced_and_refused, finished, history, job, submit
 from tests.support.stack import Stack, all_dead, attempt_processes, eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -183,20 +181,8 @@ async def test_a_zombie_leader_is_fenced_and_its_commit_refused(three: Stack) ->
         )
     finally:
         os.kill(pid, signal.SIGCONT)
-    fenced = await log.wait_for(
-        lambda e: isinstance(e, Fenced) and e.worker == zombie, 30, "the zombie to notice"
-    )
-    assert isinstance(fenced, Fenced) and fenced.token == first.epoch
-    await all_dead(family, "the zombie's training process")
-
-    # The old group's newest complete checkpoint, committed again now: the store refuses it.
-    late = await replay_commit(nc, three.store_url, run_id, first.epoch, zombie, ranks=2)
-    refused = await log.wait_for(
-        lambda e: isinstance(e, CommitRefused) and e.token == first.epoch and e.step == late,
-        30,
-        "the refusal",
-    )
-    assert isinstance(refused, CommitRefused)
+    # Its newest complete checkpoint, committed again now, is refused.
+    await fenced_and_refused(log, three.store_url, zombie, first.epoch, family, ranks=2)
     record = await finished(nc, run_id, timeout=120)
     assert record.state is RunState.COMPLETED and record.digest == want
     log.close()
