@@ -67,11 +67,19 @@ def inbox_prefix(user: str) -> str:
     return f"_INBOX_{user}"
 
 
+def _create_consumer(api: str, stream: str) -> list[str]:
+    """Create consumers of `stream`. nats-py creates a named or filtered consumer on
+    `CONSUMER.CREATE.<stream>.<name>[.<filter>]`, but an unnamed one — every ordered
+    consumer, `keys()`, a history read — on the bare `CONSUMER.CREATE.<stream>`: a role
+    granted only the first is refused, and its client sees nothing but a timeout."""
+    return [f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>"]
+
+
 def _consume(api: str, stream: str) -> list[str]:
     """Bind, create and fetch from durable consumers of `stream`, and ack its messages."""
     return [
         f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>",
-        f"{api}.CONSUMER.CREATE.{stream}.>",
+        *_create_consumer(api, stream),
         f"{api}.CONSUMER.INFO.{stream}.>",
         f"{api}.CONSUMER.MSG.NEXT.{stream}.>",
         f"$JS.ACK.{stream}.>",
@@ -86,9 +94,8 @@ def _read_kv(api: str, *buckets: str) -> list[str]:
             f"{api}.STREAM.INFO.{stream}",
             f"{api}.STREAM.MSG.GET.{stream}",
             f"{api}.DIRECT.GET.{stream}.>",
-            # `keys()` reads through an ordered consumer of its own.
-            f"{api}.CONSUMER.CREATE.{stream}",
-            f"{api}.CONSUMER.CREATE.{stream}.>",
+            # `keys()` and watches read through an ordered consumer of their own.
+            *_create_consumer(api, stream),
             f"{api}.CONSUMER.INFO.{stream}.>",
             f"{api}.CONSUMER.DELETE.{stream}.>",
         ]
@@ -161,8 +168,9 @@ def hub_permissions(role: str) -> Permissions | None:
                 _GET_ARCHIVED, f"{p}.archive.>",
                 *(f"{API}.STREAM.MSG.GET.{s}" for s in (*work_queues, names.EVENTS_STREAM)),
                 *(f"{API}.STREAM.MSG.DELETE.{s}" for s in work_queues),
-                # Reads a finished run's events for its goodput (`services/reaper/accounts.py`).
-                f"{API}.CONSUMER.CREATE.{names.EVENTS_STREAM}.>",
+                # Reads a finished run's events for its goodput (`services/reaper/accounts.py`)
+                # through an ordered consumer (`shared.bus.history`).
+                *_create_consumer(API, names.EVENTS_STREAM),
                 f"{API}.CONSUMER.DELETE.{names.EVENTS_STREAM}.>",
                 # Naks a task delivery whose holder's lease expired (`shared.state.handover`).
                 f"$JS.ACK.{names.TASKS_STREAM}.>",
