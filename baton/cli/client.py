@@ -178,10 +178,13 @@ async def _subscribe_events(nc: Client, run_id: str, domain: str | None = None) 
 
 
 async def history(nc: Client, run_id: str) -> list[Event]:
-    """Every event of a run so far (stops at the newest; does not wait for more)."""
+    """Every event of a run so far (stops at the newest; does not wait for more), each `at`
+    on the hub's clock (`shared.history.clocks`): what durations are computed from."""
+    from shared.history.clocks import from_messages
+
     sub = await _subscribe_events(nc, run_id)
     try:
-        return [decode(m.data, Event) for m in await reader.drain(sub)]
+        return from_messages(await reader.drain(sub))
     finally:
         await sub.unsubscribe()
 
@@ -234,6 +237,18 @@ async def cancel(nc: Client, run_id: str, reason: str, site: str = "") -> RunRec
 
 async def workers(nc: Client) -> list[WorkerInfo]:
     return await live_workers(nc.jetstream())
+
+
+async def workers_seen(nc: Client) -> list[tuple[WorkerInfo, float]]:
+    """Each live trainer with how many seconds ago the hub heard it: the server's stamp of
+    its newest heartbeat against the server's clock now, never its `at` (its own clock)
+    against ours."""
+    from shared.state.clock import age, server_now
+    from shared.state.workers import heard_workers
+
+    heard = await heard_workers(nc.jetstream())
+    now = await server_now(nc, f"KV_{names.WORKERS_BUCKET}") if heard else 0.0
+    return [(h.info, age(now, h.at)) for h in heard]
 
 
 def store_url(explicit: str | None) -> str:

@@ -22,6 +22,7 @@ from matplotlib.patches import Patch
 from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from baton.cli import reader
@@ -31,6 +32,7 @@ from shared.contracts import RunRecord, decode
 from shared.contracts import events as ev
 from shared.contracts.events import Event, kind_of
 from shared.errors import ContractError
+from shared.history.clocks import from_messages
 from shared.history.goodput import goodput
 from shared.history.timeline import Attempt, attempts_of
 
@@ -44,27 +46,43 @@ HEADERS = ("time (UTC)", "since first", "type", "worker", "step", "detail")
 
 
 async def collect(nc: Client, run_id: str, idle_s: float = 1.0) -> list[Event]:
-    """Every stored event of a run, in stream order. Stops once no event came for `idle_s`,
-    or as soon as the consumer has caught up with what was stored: a live run emits
-    progress faster than any idle timeout, so idleness alone might never come."""
+    """Every stored event of a run, in stream order, each `at` as its publisher's clock
+    wrote it. What `baton report` draws and subtracts is `on_hub_clock`'s. An event from a
+    newer Baton is left out rather than making the whole history unreadable."""
+    found = []
+    for msg in await stored(nc, run_id, idle_s):
+        with contextlib.suppress(ContractError):
+            found.append(decode(msg.data, Event))
+    return found
+
+
+async def on_hub_clock(nc: Client, run_id: str, idle_s: float = 1.0) -> list[Event]:
+    """As `collect`, each `at` on the hub's clock (`shared.history.clocks`): the run's
+    events come from hosts whose clocks may differ by minutes."""
+    return from_messages(await stored(nc, run_id, idle_s))
+
+
+async def stored(nc: Client, run_id: str, idle_s: float) -> list[Msg]:
+    """The stored messages of a run's events, in stream order. Stops once no event came for
+    `idle_s`, or as soon as the consumer has caught up with what was stored: a live run
+    emits progress faster than any idle timeout, so idleness alone might never come."""
     try:
         sub = await reader.read(nc, names.EVENTS_STREAM, names.events_of_run(run_id))
     except NotFoundError:
         raise CliError(f"stream {names.EVENTS_STREAM} does not exist on this server") from None
-    found: list[Event] = []
+    found: list[Msg] = []
     try:
         while True:
             try:
                 msg = await sub.next_msg(timeout=idle_s)
             except TimeoutError:
-                return found
-            # An event from a newer Baton must not make the whole history unreadable.
-            with contextlib.suppress(ContractError):
-                found.append(decode(msg.data, Event))
+                break
+            found.append(msg)
             if msg.metadata.num_pending == 0:
-                return found
+                break
     finally:
         await sub.unsubscribe()
+    return found
 
 
 def _color(a: Attempt) -> str:

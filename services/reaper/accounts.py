@@ -5,6 +5,10 @@ read back from its events once (`shared.history.goodput`) and added to the
 Only runs that end while this reaper watches are counted, so a restarted reaper never counts
 a run twice; a run whose terminal event has not arrived yet (a site's, still in its outbox)
 is tried again on later sweeps, for up to `GIVE_UP_S`.
+
+The events are read on the hub server's clock (`shared.bus.history.run_events`) before
+any time is subtracted: a trainer whose clock is minutes off
+adds no phantom minutes to any category.
 """
 
 from __future__ import annotations
@@ -54,3 +58,4 @@ class Accounts:
         telemetry.RUN_GOODPUT.record(spent.goodput, {telemetry.POOL: pool})
         log.info("%s: goodput %.1f%% of %.1fs", run_id, 100 * spent.goodput, spent.wall_s)
         return True
+

@@ -2,9 +2,10 @@
 
 Every sweep reads the live runs' records (the truth), the leases and the worker registry, and
 acts through compare-and-swap on the records, so two reapers may run at once: the second
-one's CAS finds the change made, or finds nothing left to do. Times are the reaper's own:
-durations on its monotonic clock, deadlines (minutes to days, set by the dispatcher) on its
-wall clock. No correctness depends on them, only when a run is given up.
+one's CAS finds the change made, or finds nothing left to do. No time another host wrote
+is compared with the reaper's clock (`clock.py`): durations it observes are on its monotonic
+clock, a run's age and a record's on the hub server's. No correctness depends on them, only
+when a run is given up.
 
     lost run     RUNNING, no lease, no task queued, for a whole lease TTL: dispatch again
                  (a stale worker's late ack can remove the task — docs/nats.md); if it was
@@ -42,10 +43,10 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from services.reaper.accounts import Accounts
+from services.reaper.clock import HubClock
 from services.reaper.deliveries import on_advisory
 from services.reaper.lapses import Lapses
 from services.reaper.sites import SiteWatch
-from shared.auth import lease_secret
 from shared.bus import names
 from shared.bus.answer import handle
 from shared.bus.connect import publish
@@ -58,10 +59,11 @@ from shared.config import Settings
 from shared.contracts import RunRecord, RunState, Task, encode
 from shared.contracts.control import Command, WorkerInfo
 from shared.contracts.events import Redispatched, RunWarning
+from shared.credentials import lease_secret
 from shared.state.endings import repair, settle
 from shared.state.lease import holder as lease_holder
 from shared.state.lease import lease_key
-from shared.state.runs import Runs
+from shared.state.runs import Runs, Stamped
 from shared.state.workers import live_workers
 
 log = logging.getLogger("baton.reaper")
@@ -78,6 +80,8 @@ class Reaper:
         self._progress: dict[str, tuple[int, float]] = {}
         self._orphan_seen: set[tuple[str, str]] = set()
         self._last_gc = float("-inf")
+        self._seen = retention.Sightings()
+        self.clock = HubClock(nc, self.js)
         self.store = open_store(settings.store_url)
         self.runs: Runs
         self.lapses: Lapses
@@ -131,9 +135,10 @@ class Reaper:
 
     async def sweep(self) -> list[str]:
         """One pass over every live run; returns the runs dispatched again. Reads the live
-        index (`Runs.live`), never the history: its cost follows the live runs."""
-        live = await self.runs.live()
-        records = [found[0] for _, found in live if found is not None]
+        index (`Runs.live_stamped`), never the history: its cost follows the live runs."""
+        self.clock.tick()
+        live = await self.runs.live_stamped()
+        records = [found.record for _, found in live if found is not None]
         running = [r for r in records if not r.state.terminal]
         workers = {w.worker: w for w in await live_workers(self.js)}
         redispatched = []
@@ -153,18 +158,24 @@ class Reaper:
         for table in (self._unowned_since, self._progress):
             for run_id in [k for k in table if k not in alive]:
                 del table[run_id]
+        self.clock.forget(alive)
+        log.debug("swept %d live run(s), %d running", len(live), len(running))
         return redispatched
 
     # -- sweeps --------------------------------------------------------------------------
 
     async def _timeouts(self, r: RunRecord) -> bool:
-        now = time.time()
-        if r.deadline_at is not None and now > r.deadline_at:
+        """Each limit is the dispatcher's `…deadline_at − created_at` (one host's two
+        times); how long the run has been going is the hub server's to say (`clock.py`)."""
+        if r.deadline_at is None and (r.soft_deadline_at is None or "soft_timeout" in r.warned):
+            return False
+        elapsed = await self.clock.running_for(r)
+        if r.deadline_at is not None and elapsed > r.deadline_at - r.created_at:
             limit = r.deadline_at - r.created_at
             reason = f"hard_timeout: not finished within {limit:.0f}s"
             await self._end(r, RunState.FAILED, reason)
             return True
-        if r.soft_deadline_at is not None and now > r.soft_deadline_at:
+        if r.soft_deadline_at is not None and elapsed > r.soft_deadline_at - r.created_at:
             detail = f"running past its soft timeout of {r.soft_deadline_at - r.created_at:.0f}s"
             await self._warn_once(r, "soft_timeout", detail)
         return False
@@ -257,13 +268,15 @@ class Reaper:
             await repair(self.js, self.runs, r)
             self._pending_since.pop(r.run_id, None)
 
-    async def _retire(self, live: list[tuple[str, tuple[RunRecord, int] | None]]) -> None:
+    async def _retire(self, live: list[tuple[str, Stamped | None]]) -> None:
         """Runs over for `BATON_GC_AGE` whose terminal event is stored leave the live index:
         their last uncommitted files are collected, their record archived (`Runs.retire`).
         Not sooner, because until then a fenced zombie's upload may still land, and the
-        garbage sweep finds a run's files only while the run is live. A live key without a
-        record for a whole lease TTL is a submission that died between its two writes; its
-        redelivery writes it again."""
+        garbage sweep finds a run's files only while the run is live. How long it has been
+        over is the hub server's stamp of its last revision against the server's clock now
+        (`updated_at` is its writer's clock). A live key without a record for a whole lease
+        TTL is a submission that died between its two writes; its redelivery writes it
+        again."""
         now = time.monotonic()
         for run_id, found in live:
             if found is None:
@@ -273,30 +286,33 @@ class Reaper:
                     del self._recordless_since[run_id]
                 continue
             self._recordless_since.pop(run_id, None)
-            record, revision = found
+            record, revision, written = found
             if not record.state.terminal or record.announce_pending:
                 continue
-            if time.time() - record.updated_at < self.settings.gc_age_s:
+            if await self.clock.now() - written < self.settings.gc_age_s:
                 continue
             try:
-                await retention.collect_garbage(self.store, run_id, 0.0, time.time())
+                await retention.collect_garbage(self.store, run_id, 0.0, self._seen)
             except Exception as exc:  # the store is down: retire it on a later sweep
                 log.warning("%s: not retired yet, its store is unreachable: %r", run_id, exc)
                 continue
             if await self.runs.retire(record, revision, self.settings.retain_ended_s):
+                self._seen.forget(run_id)
                 log.debug("%s: retired (%s)", run_id, record.state.value)
 
     async def _garbage(self, records: list[RunRecord]) -> None:
         """Checkpoint files of the runs in the live index that were never committed (a
         fenced zombie's, a crashed upload's) and are older than `BATON_GC_AGE`. Not every
-        sweep: it lists the store. An ended run's are collected once more as it retires."""
+        sweep: it lists the store. An ended run's are collected once more as it retires. An
+        object's age is how long this reaper has seen it (`retention.Sightings`): whose clock
+        stamped its last-modified time (the uploading trainer's, the store's) plays no part."""
         now = time.monotonic()
         if now - self._last_gc < min(300.0, max(self.settings.sweep_s, self.settings.gc_age_s / 4)):
             return
         self._last_gc = now
         for r in records:
             deleted = await retention.collect_garbage(
-                self.store, r.run_id, self.settings.gc_age_s, time.time()
+                self.store, r.run_id, self.settings.gc_age_s, self._seen
             )
             if deleted:
                 log.info("%s: removed %d uncommitted objects", r.run_id, len(deleted))

@@ -9,6 +9,12 @@ Two jobs with different safety arguments:
   checkpoint: a fenced zombie's files and manifest, an upload that crashed. It deletes an
   object only when no commit can ever adopt it — its (token, step) is below the one
   `latest` names, and `latest` only grows — and it is older than a grace period as well.
+  That age is how long the collector has seen the object (`Sightings`, on its own monotonic
+  clock), never an object's last-modified time against the collector's clock: that time is
+  the writer's (a file store's `utime` is the uploading trainer's clock) or the store's
+  (S3's), and a trainer minutes off would make a fresh upload look old, or an old one young.
+  A collector that restarts sees everything anew, so garbage waits one more grace period;
+  retiring a run collects its garbage whatever its age (`older_than_s` 0).
 
 Retention deletes a checkpoint's manifest, so afterwards the chain ends where it cut:
 `previous` of the oldest retained checkpoint names a manifest that is gone, and walks
@@ -26,6 +32,8 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
+from collections.abc import Callable, Iterable
 
 from shared.checkpoint.commit import load_manifest, manifest_key, read_latest, witness_key
 from shared.checkpoint.store import Store
@@ -148,19 +156,48 @@ async def _delete_checkpoint(store: Store, run_id: str, manifest: Manifest) -> N
     await store.delete(manifest_key(run_id, manifest.step, manifest.token))
 
 
-async def collect_garbage(store: Store, run_id: str, older_than_s: float, now: float) -> list[str]:
+class Sightings:
+    """When this collector first saw each object it could delete, on its own monotonic
+    clock: an object's age is how long it has been seen, which no other host's clock can
+    skew. Kept in memory for the objects that are candidates now, and forgotten as they go."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._first: dict[str, float] = {}
+
+    def age(self, key: str) -> float:
+        """Seconds since `key` was first seen (0 the first time)."""
+        now = self._clock()
+        return now - self._first.setdefault(key, now)
+
+    def keep_only(self, prefix: str, keys: Iterable[str]) -> None:
+        """Forget the objects under `prefix` that are not among `keys` (gone, or adopted)."""
+        wanted = set(keys)
+        for key in [k for k in self._first if k.startswith(prefix) and k not in wanted]:
+            del self._first[key]
+
+    def forget(self, run_id: str) -> None:
+        """Forget a run's objects (it retired: nothing of it is collected any more)."""
+        self.keep_only(_run_prefix(run_id), ())
+
+    def __len__(self) -> int:
+        return len(self._first)
+
+
+async def collect_garbage(
+    store: Store, run_id: str, older_than_s: float, seen: Sightings | None = None
+) -> list[str]:
     """Delete the run's data and manifest objects that never became part of a checkpoint
-    and were last modified more than `older_than_s` before `now`; returns their keys.
+    and that `seen` has seen for at least `older_than_s`; returns their keys. With
+    `older_than_s` 0 (a run retiring) no age is asked, and `seen` may be None.
 
     Kept whatever their age: the checkpoints in the committed chain, every checkpoint at a
     pinned step or with a final manifest (retention keeps those even after it cut the
     chain above them), and anything that a commit could still adopt: a (token, step) above
-    the one `latest` names, such as an upload whose commit is queued. `modified` comes
-    from the store's clock and `now` from the caller's, so `older_than_s` should dwarf
-    any clock skew; hours, not seconds.
+    the one `latest` names, such as an upload whose commit is queued. No object's
+    last-modified time is read: see the module's docstring.
     """
-    if older_than_s < 0:
-        raise ValueError(f"older_than_s must be >= 0, not {older_than_s}")
+    old_enough = _aged(older_than_s, seen)
     root = _run_prefix(run_id)
     # Listed before `latest` is read: a commit landing in between is then part of the
     # chain we read, and one landing later names a checkpoint above the latest we saw.
@@ -174,17 +211,18 @@ async def collect_garbage(store: Store, run_id: str, older_than_s: float, now: f
     # Read after the walk: a cut the walk ran into was made by a retention pass that had
     # already written its pins, so every checkpoint kept behind the cut is pinned here.
     pinned = await pins(store, run_id)
-    cutoff = now - older_than_s
 
     old: dict[Checkpoint | None, list[str]] = {}
     manifests: dict[Checkpoint, str] = {}
+    candidates = []
     for info in objects:
         ident, is_manifest = _identify(info.key.removeprefix(root))
         if ident is not None and is_manifest:
             manifests[ident] = info.key
         if info.key in committed or (ident is not None and not _superseded(ident, current)):
             continue
-        if info.modified < cutoff:
+        candidates.append(info.key)
+        if old_enough(info.key):
             old.setdefault(ident, []).append(info.key)
 
     deleted: list[str] = []
@@ -197,9 +235,22 @@ async def collect_garbage(store: Store, run_id: str, older_than_s: float, now: f
         if manifest is not None and manifest in keys:
             await store.delete(manifest)
         deleted.extend(keys)
+    if seen is not None:
+        seen.keep_only(root, set(candidates) - set(deleted))
     if deleted:
         log.info("run %s: garbage collection removed %d objects", run_id, len(deleted))
     return sorted(deleted)
+
+
+def _aged(older_than_s: float, seen: Sightings | None) -> Callable[[str], bool]:
+    """Whether an object has been seen for `older_than_s` (always, for 0)."""
+    if older_than_s < 0:
+        raise ValueError(f"older_than_s must be >= 0, not {older_than_s}")
+    if older_than_s == 0:
+        return lambda key: True
+    if seen is None:
+        raise ValueError("an age needs the collector's sightings")
+    return lambda key: seen.age(key) >= older_than_s
 
 
 def _identify(relative: str) -> tuple[Checkpoint | None, bool]:

@@ -58,8 +58,10 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     """Warnings already emitted (`soft_timeout`, `stalled`), so each is emitted once."""
     deadline_at: float | None = None
     soft_deadline_at: float | None = None
-    """Wall-clock seconds, set once by the dispatcher. Timeouts are coarse (minutes); the
-    reaper compares them with its own clock, and no correctness depends on them."""
+    """Wall-clock seconds on the dispatcher's clock, set once with `created_at`: only their
+    difference from `created_at` (the limit) is used, against how long ago the hub's server
+    stamped the run's first `accepted` event (`services/reaper/clock.py`). No correctness
+    depends on them."""
     estimated_cost: float | None = None
     actual_cost: float = 0.0
     busy_s: float = 0.0

@@ -21,17 +21,20 @@ event is where it should be). Against Google's ml-goodput-measurement:
 
 Steps are timed by the attempt's own progress events: an attempt's step time is the time
 between its restore and its last progress, less its checkpoint stalls, over the steps it
-computed; its wasted time is that step time times the steps redone. Durations within an
-attempt are measured on its trainer's clock; the gaps between attempts compare two
-trainers' clocks (the events' timestamps), so across hosts they are as good as their clock
-sync. Data loading is not told apart from computing: it is part of a step.
+computed; its wasted time is that step time times the steps redone. Data loading is not
+told apart from computing: it is part of a step.
+
+Every time here is subtracted from another, so the events must be on one clock: read them
+through `shared.history.clocks` (`from_messages`, `on_hub_clock`), which puts them on the hub's
+and keeps each attempt's own durations as its trainer measured them. Raw events of hosts
+whose clocks differ would give phantom durations as long as that difference. A live run
+lasts until `now`, which must be on the same clock: by default its newest event, which
+reads no clock at all.
 
 `goodput` = productive / wall.
 """
 
 from __future__ import annotations
-
-import time
 
 import msgspec
 
@@ -89,12 +92,14 @@ END = (ev.Completed, ev.Failed, ev.Cancelled)
 
 
 def goodput(events: list[Event], now: float | None = None) -> Goodput | None:
-    """The split of a run's wall time, from its events in stream order; None without any."""
+    """The split of a run's wall time, from its events in stream order, all on one clock
+    (the module's docstring); None without any. A live run's `now` is on that clock too,
+    and defaults to its newest event's time."""
     if not events:
         return None
     begin = next((e.at for e in events if isinstance(e, ev.Accepted)), events[0].at)
     ending = next((e for e in events if isinstance(e, END)), None)
-    end = ending.at if ending else (time.time() if now is None else now)
+    end = ending.at if ending else (max(e.at for e in events) if now is None else now)
     wall = max(0.0, end - begin)
     attempts = attempts_of(events)
     if not attempts:

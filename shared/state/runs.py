@@ -10,6 +10,11 @@ over for `BATON_GC_AGE` and its terminal event is stored. Retiring archives the 
 and removes the live key, in that order, so a crash between two steps leaves the run live and
 the next sweep repeats them. The sweep, `baton runs` and garbage collection read the live
 index: their cost follows the live runs, whatever the history.
+
+`updated_at` is the wall clock of whichever host wrote the revision (a trainer at a site,
+the reaper…): shown, never compared. How long ago a revision was written is asked of the
+hub's server, which stamps each revision as it stores it (`Stamped.written`,
+`shared.state.clock`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 from nats.js import JetStreamContext
@@ -33,8 +39,18 @@ from shared.bus import names
 from shared.bus.kvwrite import KvWriter
 from shared.contracts import RunRecord, decode, encode
 from shared.state import archive
+from shared.state.clock import stamp
 
 Change = Callable[[RunRecord], RunRecord | None]
+
+
+class Stamped(NamedTuple):
+    """A record as `Runs.get` reads it, with when the hub's server stored that revision."""
+
+    record: RunRecord
+    revision: int
+    written: float
+    """The server's stamp of the revision (its clock, seconds since the epoch)."""
 
 
 class Runs:
@@ -58,6 +74,19 @@ class Runs:
             return None
         assert entry.value is not None and entry.revision is not None
         return decode(entry.value, RunRecord), entry.revision
+
+    async def stamped(self, run_id: str) -> Stamped | None:
+        """As `get` (the same one direct get), with the server's stamp of the revision."""
+        try:
+            msg = await self._js.get_msg(
+                f"KV_{names.RUNS_BUCKET}", subject=f"$KV.{names.RUNS_BUCKET}.{run_id}", direct=True
+            )
+        except NotFoundError:
+            return None
+        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
+            return None
+        assert msg.seq is not None
+        return Stamped(decode(msg.data, RunRecord), msg.seq, stamp(msg.time))
 
     async def confirmed(self, run_id: str) -> tuple[RunRecord, int] | None:
         """As `get`, but a record found missing is looked for again by the bucket's leader.
@@ -119,6 +148,10 @@ class Runs:
         """Every run in the live index with its record and revision (None: no record, which
         a submission being dispatched leaves for a moment). Reads no ended, retired run."""
         return [(run_id, await self.get(run_id)) for run_id in await self.live_ids()]
+
+    async def live_stamped(self) -> list[tuple[str, Stamped | None]]:
+        """As `live`, each record with the server's stamp of its revision (the same reads)."""
+        return [(run_id, await self.stamped(run_id)) for run_id in await self.live_ids()]
 
     async def live_ids(self) -> list[str]:
         kv = await self._js.key_value(names.LIVE_BUCKET)

@@ -1,15 +1,28 @@
-"""The worker registry: trainers' heartbeats in the `baton_workers` bucket."""
+"""The worker registry: trainers' heartbeats in the `baton_workers` bucket.
+
+A heartbeat's `at` is its trainer's wall clock: shown, never compared. How long ago a
+trainer was heard is the hub's to say (`heard`): its server stamps each heartbeat as the
+bucket stores it — for a site's trainer, as the hub sources it from the site's outbox,
+which is when the hub heard it."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from shared.bus import names
 from shared.contracts import decode
 from shared.contracts.control import WorkerInfo
+from shared.state.clock import stamp
+
+
+class Heard(NamedTuple):
+    info: WorkerInfo
+    at: float
+    """The hub server's stamp of the heartbeat (its clock, seconds since the epoch)."""
 
 
 async def live_workers(js: JetStreamContext) -> list[WorkerInfo]:
@@ -26,4 +39,24 @@ async def live_workers(js: JetStreamContext) -> list[WorkerInfo]:
             entry = await kv.get(key)
             if entry.value:
                 out.append(decode(entry.value, WorkerInfo))
+    return out
+
+
+async def heard_workers(js: JetStreamContext) -> list[Heard]:
+    """As `live_workers`, each with the server's stamp of its newest heartbeat."""
+    kv = await js.key_value(names.WORKERS_BUCKET)
+    try:
+        keys = await kv.keys()
+    except Exception:  # nats-py raises a bare NoKeysError when the bucket is empty
+        return []
+    out = []
+    for key in sorted(keys):
+        try:
+            msg = await js.get_msg(
+                f"KV_{names.WORKERS_BUCKET}", subject=f"$KV.{names.WORKERS_BUCKET}.{key}"
+            )
+        except NotFoundError:  # expired between listing and reading
+            continue
+        if msg.data and (msg.headers or {}).get("KV-Operation") not in ("DEL", "PURGE"):
+            out.append(Heard(decode(msg.data, WorkerInfo), stamp(msg.time)))
     return out

@@ -26,6 +26,26 @@ FILES = ("model.safetensors", "meta.json")
 HOUR = 3600.0
 
 
+class Clock:
+    """The collector's monotonic clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def seen_long_ago(store: Store, hours: float = 10) -> retention.Sightings:
+    """Sightings of everything in the store now, `hours` old: a collector that has watched
+    the run that long (its first pass only looks; nothing is old to it yet)."""
+    clock = Clock()
+    seen = retention.Sightings(clock)
+    assert await retention.collect_garbage(store, RUN, HOUR, seen) == []
+    clock.now += hours * HOUR
+    return seen
+
+
 @pytest.fixture(params=["file", "s3"])
 async def store(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -113,7 +133,7 @@ async def test_retention_keeps_the_newest_the_pinned_and_the_final(store: Store)
     # Idempotent: the second pass finds nothing to do, and garbage collection, even with
     # every object long past its grace period, takes nothing committed or pinned.
     assert await retention.apply_retention(store, RUN, 3, {2}) == []
-    assert await retention.collect_garbage(store, RUN, HOUR, time.time() + 10 * HOUR) == []
+    assert await retention.collect_garbage(store, RUN, HOUR, await seen_long_ago(store)) == []
     assert await stored(store) == keys_of_steps({10, 9, 8, 2})
 
 
@@ -123,7 +143,7 @@ async def test_a_final_checkpoint_is_kept_wherever_it_is_in_the_chain(store: Sto
     assert await retention.apply_retention(store, RUN, 2, set()) == [4, 3, 1]
     kept = keys_of(1, 6) | keys_of(1, 5) | keys_of(1, 2)
     assert await stored(store) == kept
-    assert await retention.collect_garbage(store, RUN, HOUR, time.time() + 10 * HOUR) == []
+    assert await retention.collect_garbage(store, RUN, HOUR, await seen_long_ago(store)) == []
     assert await stored(store) == kept
 
 
@@ -141,12 +161,16 @@ async def test_an_empty_run_has_nothing_to_keep_or_collect(store: Store) -> None
     assert await retention.committed_chain(store, RUN) == []
     assert await retention.pins(store, RUN) == set()
     assert await retention.apply_retention(store, RUN, 3, set()) == []
-    assert await retention.collect_garbage(store, RUN, 0, time.time() + HOUR) == []
+    assert await retention.collect_garbage(store, RUN, 0) == []
+    with pytest.raises(ValueError):
+        await retention.collect_garbage(store, RUN, HOUR)  # an age needs sightings
+    with pytest.raises(ValueError):
+        await retention.collect_garbage(store, RUN, -1, retention.Sightings())
 
 
 async def test_concurrent_retention_and_collection_agree(store: Store) -> None:
     await ten_commits(store)
-    far = time.time() + 10 * HOUR
+    far = await seen_long_ago(store)
     # Step 2 is pinned only by the argument: retention must record the pin before it cuts
     # the chain above step 2, or the collectors racing it would take step 2 as garbage.
     results = await asyncio.gather(
@@ -210,14 +234,17 @@ async def test_collection_takes_only_what_no_commit_can_adopt(store: Store) -> N
     garbage = keys_of(1, 4) | {crashed, f"runs/{RUN}/data/stray.bin"}
 
     # Everything is younger than the grace period: nothing goes.
-    young = await retention.collect_garbage(store, RUN, HOUR, time.time())
+    clock = Clock()
+    seen = retention.Sightings(clock)
+    young = await retention.collect_garbage(store, RUN, HOUR, seen)
     assert young == [], young
-    later = time.time() + 2 * HOUR
-    removed = await retention.collect_garbage(store, RUN, HOUR, later)
+    clock.now += 2 * HOUR
+    removed = await retention.collect_garbage(store, RUN, HOUR, seen)
     assert removed == sorted(garbage), removed
     left = await stored(store)
     assert left == committed | {f.key for f in pending.files}, sorted(left)
-    assert await retention.collect_garbage(store, RUN, HOUR, later) == []
+    assert await retention.collect_garbage(store, RUN, HOUR, seen) == []
+    assert len(seen) == 0, "what is gone is forgotten"
 
     # The queued commit still lands on the files collection left alone.
     pointer, _ = await commit.commit(store, pending)
@@ -226,20 +253,45 @@ async def test_collection_takes_only_what_no_commit_can_adopt(store: Store) -> N
     assert pointer.step == 4 and damaged == []
 
 
-async def test_collection_judges_each_object_by_its_own_age(tmp_path: Path) -> None:
-    # File store only: S3 cannot backdate an object, and the rule is the same code.
-    store = FileStore(tmp_path)
+async def test_collection_judges_each_object_by_how_long_it_has_been_seen(store: Store) -> None:
     await commit_steps(store, 2, range(1, 3))
+    committed = await stored(store)
+    clock = Clock()
+    seen = retention.Sightings(clock)
     old_zombie = await upload(store, 1, 3)
+    assert await retention.collect_garbage(store, RUN, HOUR, seen) == []
+    clock.now += HOUR / 2
     new_zombie = await upload(store, 1, 4)
-    two_hours_ago = time.time() - 2 * HOUR
-    committed = await stored(store) - {f.key for f in old_zombie.files + new_zombie.files}
-    for key in committed | {f.key for f in old_zombie.files}:
-        os.utime(tmp_path / key, (two_hours_ago, two_hours_ago))
-
-    removed = await retention.collect_garbage(store, RUN, HOUR, time.time())
+    assert await retention.collect_garbage(store, RUN, HOUR, seen) == []
+    clock.now += HOUR / 2
+    removed = await retention.collect_garbage(store, RUN, HOUR, seen)
     assert removed == sorted(f.key for f in old_zombie.files), removed
     assert await stored(store) == committed | {f.key for f in new_zombie.files}
+    clock.now += HOUR / 2
+    removed = await retention.collect_garbage(store, RUN, HOUR, seen)
+    assert removed == sorted(f.key for f in new_zombie.files), removed
+    assert await stored(store) == committed
+
+
+async def test_an_uploaders_clock_does_not_age_its_objects(tmp_path: Path) -> None:
+    """A file store's last-modified is whatever clock the uploading trainer's `utime` read:
+    one hours behind makes its fresh upload look old, one ahead makes it look young for
+    ever. Neither is read: an object is as old as the collector has seen it."""
+    store = FileStore(tmp_path)
+    await commit_steps(store, 2, range(1, 3))
+    committed = await stored(store)
+    behind, ahead = await upload(store, 1, 3), await upload(store, 1, 4)
+    for req, shift in ((behind, -10 * HOUR), (ahead, 10 * HOUR)):
+        for f in req.files:
+            at = time.time() + shift
+            os.utime(tmp_path / f.key, (at, at))
+    clock = Clock()
+    seen = retention.Sightings(clock)
+    assert await retention.collect_garbage(store, RUN, HOUR, seen) == [], "fresh to us"
+    clock.now += HOUR
+    removed = await retention.collect_garbage(store, RUN, HOUR, seen)
+    assert removed == sorted(f.key for f in behind.files + ahead.files), removed
+    assert await stored(store) == committed
 
 
 # -- restore after retention and collection -----------------------------------------------
@@ -255,7 +307,7 @@ async def damage_latest(store: Store, how_many: int) -> None:
 async def test_restore_walks_back_to_the_previous_retained_checkpoint(store: Store) -> None:
     await ten_commits(store)
     await retention.apply_retention(store, RUN, 3, {2})
-    await retention.collect_garbage(store, RUN, HOUR, time.time() + 10 * HOUR)
+    await retention.collect_garbage(store, RUN, HOUR, await seen_long_ago(store))
     await damage_latest(store, 1)
     manifest, damaged = await commit.restorable(store, RUN)
     assert manifest is not None and manifest.step == 9 and damaged == [10], (manifest, damaged)
