@@ -49,7 +49,8 @@ def up(
     port: Annotated[
         int | None,
         typer.Option(
-            help="NATS client port on 127.0.0.1 (0: any free port). \\[default: 4222, a site 4223]"
+            help="NATS client port on 127.0.0.1 (0: any free port, and so every other port "
+            "the stack opens, unless named). \\[default: 4222, a site 4223]"
         ),
     ] = None,
     trainers: Annotated[
@@ -64,8 +65,12 @@ def up(
     pool: Annotated[str, typer.Option(help="Pool the trainers serve.")] = "default",
     lease_ttl: Annotated[int | None, typer.Option(min=2, help="Lease TTL in seconds.")] = None,
     ws_port: Annotated[
-        int, typer.Option(help="The hub's WebSocket port for sites, on 127.0.0.1 (0: any).")
-    ] = 8080,
+        int | None,
+        typer.Option(
+            help="The hub's WebSocket port for sites, on 127.0.0.1 (0: any). "
+            "\\[default: 8080; with --port 0, any free port, as for every port it opens]"
+        ),
+    ] = None,
     site: Annotated[
         str | None, typer.Option(help="Run a site of this name (a leaf of --hub) instead.")
     ] = None,
@@ -100,7 +105,8 @@ def up(
             min=1,
             max=7,
             help="The hub as a cluster of this many nats-servers (3 survives the loss of "
-            "any one); node N on PORT+N-1, WS_PORT+N-1, routes on PORT+2000+N-1.",
+            "any one); node N on PORT+N-1, WS_PORT+N-1, routes on PORT+2000+N-1 (free "
+            "ones with --port 0); routes need a generated password and TLS.",
         ),
     ] = 1,
     replicas: Annotated[
@@ -437,25 +443,23 @@ def cancel(
 
 @app.command()
 def workers(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
-    """List live trainers from the worker registry: pool, device, current run and step."""
-    import time
-
+    """List live trainers from the worker registry: pool, device, current run and step, and
+    when the hub last heard each (its server's clock: a trainer's own clock may be off)."""
     from rich.table import Table
 
     from baton.cli import client
 
-    found = run(lambda: with_nats(server, client.workers))
     if as_json:
-        print_json(found)
+        print_json(run(lambda: with_nats(server, client.workers)))
         return
+    found = run(lambda: with_nats(server, client.workers_seen))
     t = Table("worker", "pool", "host", "device", "gpu", "run", "rank", "step", "seen")
-    now = time.time()
-    for w in found:
+    for w, seen_s in found:
         gpu = f"{w.gpu_name} ({w.gpu_memory_bytes / 2**30:.0f} GiB)" if w.gpu_name else "-"
         t.add_row(
             w.worker, w.pool, w.host, w.device, gpu, w.run_id or "-",
             "-" if w.rank is None else str(w.rank), "-" if w.step is None else str(w.step),
-            f"{now - w.at:.0f}s ago",
+            f"{seen_s:.0f}s ago",
         )  # fmt: skip
     out.print(t)
 
@@ -493,10 +497,10 @@ def report(
     """Draw a run's history (loss per attempt, interruptions, resumes, commits) as a PNG and
     a self-contained HTML page, and print their paths."""
     from baton.cli import client
-    from baton.cli.report import collect, render
+    from baton.cli.report import on_hub_clock, render
 
     async def go(nc: Any) -> tuple[Any, Any]:
-        return await client.record(nc, run_id), await collect(nc, run_id)
+        return await client.record(nc, run_id), await on_hub_clock(nc, run_id)
 
     record, events = run(lambda: with_nats(server, go))
     try:  # drawing needs no connection: it runs after NATS is closed

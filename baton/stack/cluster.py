@@ -9,8 +9,12 @@ another node by themselves (docs/architecture.md, "A clustered hub").
 JetStream refuses to run clustered without its routes configured, so the route ports must
 be known before any node starts: unlike client ports, which each server picks and reports
 itself, they are chosen here — fixed ones next to a fixed client port, or free ones found
-by binding port 0 — and pinned for the cluster's life, so a node restarted on its store
-finds its peers where they were.
+by binding port 0, and picked again should another process bind one first — and pinned
+for the cluster's life, so a node restarted on its store finds its peers where they were.
+
+A route is a way around every client's authorization (a peer sees all traffic), so the
+routes of every hub `baton up` clusters are authenticated and encrypted
+(`baton.stack.routes`).
 """
 
 from __future__ import annotations
@@ -21,13 +25,16 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 from nats.js import JetStreamContext
 
 from baton.stack.natsserver import HOST, ClusterRoutes, NatsServer
+from baton.stack.routes import RouteAuth, issue_route_certs
 
 CLUSTER_NAME = "baton-hub"
 ROUTE_PORT_OFFSET = 2000
 """A fixed hub on 4222 routes on 6222 (NATS's conventional pair), 4223 on 6223, ..."""
+ROUTE_PORT_TRIES = 3
 
 
 def free_ports(count: int) -> list[int]:
@@ -49,25 +56,32 @@ def free_ports(count: int) -> list[int]:
 class HubCluster:
     """`nodes` servers as one cluster; `make(i, routes)` builds node `i` (its data dir, ports
     and config fragments) given its `ClusterRoutes` — None for a hub of one node, which is a
-    plain server with no routes (JetStream unclustered, as it has always run)."""
+    plain server with no routes (JetStream unclustered, as it has always run). With `auth`,
+    every route needs its credentials and a certificate of this cluster's CA (issued here,
+    one per node); without, routes are open (loopback tests of JetStream alone)."""
 
     def __init__(
         self,
         nodes: int,
         make: Callable[[int, ClusterRoutes | None], NatsServer],
         route_ports: list[int] | None = None,
+        *,
+        auth: RouteAuth | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError(f"a hub needs at least one node, not {nodes}")
+        self._repick = route_ports is None and nodes > 1
         if nodes == 1:
             self.nodes = [make(0, None)]
             return
         ports = tuple(route_ports or free_ports(nodes))
         if len(ports) != nodes:
             raise ValueError(f"{nodes} nodes need {nodes} route ports, not {len(ports)}")
+        tls = issue_route_certs(auth.tls_dir, nodes) if auth else [None] * nodes
+        creds = {"user": auth.user, "password": auth.password} if auth else {}
         self.nodes = [
-            make(i, ClusterRoutes(name=CLUSTER_NAME, port=ports[i], ports=ports))
-            for i in range(nodes)
+            make(i, ClusterRoutes(name=CLUSTER_NAME, port=ports[i], ports=ports, tls=t, **creds))
+            for i, t in enumerate(tls)
         ]
 
     @property
@@ -102,12 +116,35 @@ class HubCluster:
 
     async def start(self) -> None:
         """Start every node at once: none is ready before a majority of them is up (its
-        JetStream needs a meta leader)."""
-        results = await asyncio.gather(*(n.start() for n in self.nodes), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
+        JetStream needs a meta leader). Route ports picked here are only free when picked:
+        if another process binds one before its node does (two stacks starting side by
+        side), all are picked again and the nodes started anew, `ROUTE_PORT_TRIES` times at
+        most. Fixed ones are not: a taken fixed port is the caller's to resolve."""
+        for attempt in range(1, ROUTE_PORT_TRIES + 1):
+            failed = await self._start_nodes()
+            if failed is None:
+                return
             await self.kill()
-            raise failed[0]
+            taken = "address already in use" in str(failed)
+            if not (taken and self._repick and attempt < ROUTE_PORT_TRIES):
+                raise failed
+            ports = tuple(free_ports(len(self.nodes)))
+            for i, n in enumerate(self.nodes):
+                assert n.cluster is not None
+                n.cluster = msgspec.structs.replace(n.cluster, port=ports[i], ports=ports)
+
+    async def _start_nodes(self) -> BaseException | None:
+        """Start every node; the first failure, once the others are stopped (cancelled, a
+        starting node kills its server), or None. The rest need not wait out their
+        start-up timeout for a peer that will never come."""
+        tasks = [asyncio.create_task(n.start()) for n in self.nodes]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return next((e for t in done if (e := t.exception()) is not None), None)
 
     async def stop(self, timeout_s: float | None = None) -> None:
         await asyncio.gather(*(n.stop(timeout_s) for n in self.nodes))

@@ -46,21 +46,20 @@ from baton.stack.procs import (
     install_stop_signals,
     remove_stop_signals,
 )
+from baton.stack.routes import RouteAuth
 from shared import gpus
 from shared.auth import (
     HUB_ROLES,
     SITE_ROLES,
-    Vault,
     authorization,
     hub_permissions,
-    options_for,
-    read_env_file,
     site_link,
     site_permissions,
     submitter_permissions,
 )
 from shared.bus import names
 from shared.config import Settings
+from shared.credentials import Vault, options_for, read_env_file
 from shared.gpus import Gpu
 
 log = logging.getLogger("baton.stack")
@@ -72,6 +71,8 @@ NATS_STOP_TIMEOUT_S = 10.0
 DEFAULT_TRAINER_CHECKPOINT_S: float = Settings().grace_s
 CPU_TRAINERS = 2
 """Trainers `baton up` runs on a host without a GPU (one per GPU where there are some)."""
+DEFAULT_WS_PORT = 8080
+"""The hub's WebSocket port for sites when the client port is a fixed one."""
 # A crash-looping server gets the same patience as a crash-looping service.
 NATS_RESTART_DELAY_S = 1.0
 # A clustered hub's stream stops taking writes for up to ~10 s while it elects a leader in
@@ -92,8 +93,9 @@ class StackOptions(msgspec.Struct, kw_only=True):
     hub `CLUSTER_LEASE_TTL`."""
     extra_env: dict[str, str] = {}
     """Laid over every service's environment, after Baton's own variables."""
-    ws_port: int = 8080
-    """The hub's WebSocket port for sites, on 127.0.0.1 (0: any free port)."""
+    ws_port: int | None = None
+    """The hub's WebSocket port for sites, on 127.0.0.1 (0: any free port); None:
+    `DEFAULT_WS_PORT`, or any free port when `port` is 0 (`hub_ws_port`)."""
     site: str = ""
     """Run a site of this name instead of the hub."""
     hub_url: str = ""
@@ -113,7 +115,8 @@ class StackOptions(msgspec.Struct, kw_only=True):
     hub_nodes: int = 1
     """The hub's nats-servers, one JetStream cluster (`baton.stack.cluster`). Node N (from
     1) listens on `port + N - 1`, `ws_port + N - 1` and routes on `port + 2000 + N - 1`
-    (any free ports when `port` is 0); its state is under `<data>/nats/hub-N`."""
+    (any free ports when `port` is 0); its state is under `<data>/nats/hub-N`. Routes need
+    the cluster's password and certificates (`RouteAuth.in_vault`)."""
     replicas: int | None = None
     """Copies of every stream and bucket (`BATON_REPLICAS`); None: as many as there are
     nodes, up to 3 — the most a single machine's loss asks for."""
@@ -122,6 +125,14 @@ class StackOptions(msgspec.Struct, kw_only=True):
     """The GPUs the trainers are spread over, one each (round-robin when there are more
     trainers than GPUs), each pinned by `CUDA_VISIBLE_DEVICES`; None: those of this host
     that this process's own `CUDA_VISIBLE_DEVICES` allows (`shared.gpus`)."""
+
+    @property
+    def hub_ws_port(self) -> int:
+        """`port` 0 makes every port the stack opens a free one unless named: two stacks
+        on one machine never collide (the URLs are in the banner and `run/stack.json`)."""
+        if self.ws_port is not None:
+            return self.ws_port
+        return DEFAULT_WS_PORT if self.port else 0
 
     @property
     def stream_replicas(self) -> int:
@@ -264,13 +275,13 @@ def nats_server(
         )  # fmt: skip
     if routes is None:
         return NatsServer(
-            data / "nats", port=opts.port, domain=names.HUB_DOMAIN, ws_port=opts.ws_port,
+            data / "nats", port=opts.port, domain=names.HUB_DOMAIN, ws_port=opts.hub_ws_port,
             extra_config=hub_fragment() + "\n" + auth, stop_timeout_s=stop_timeout_s,
             http_port=http_port, probe=probe,
         )  # fmt: skip
     return NatsServer(
         data_dir(data / "nats", node), port=_nth(opts.port, node), server_name=f"hub-{node + 1}",
-        domain=names.HUB_DOMAIN, ws_port=_nth(opts.ws_port, node), cluster=routes,
+        domain=names.HUB_DOMAIN, ws_port=_nth(opts.hub_ws_port, node), cluster=routes,
         extra_config=hub_fragment() + "\n" + auth, stop_timeout_s=stop_timeout_s,
         http_port=http_port, probe=probe,
     )  # fmt: skip
@@ -288,6 +299,8 @@ def hub(
         nodes,
         lambda i, routes: nats_server(opts, stop_timeout_s, http_port, node=i, routes=routes),
         route_ports,
+        # Whether or not its clients need credentials: a route sees every message.
+        auth=RouteAuth.in_vault(opts.data_dir.absolute() / "auth") if nodes > 1 else None,
     )
 
 
@@ -448,7 +461,8 @@ def _banner(opts: StackOptions, server: HubCluster, sites_url: str, out: IO[str]
         listed = ", ".join(f"{g.index} ({g.name})" for g in usable)
         print(f"gpus: {listed}; each trainer pinned to one, in turn", file=out)
     if (v := vault(opts)) is not None:
-        print(f"auth: on; credentials in {v.root} (the CLI's: operator.env)", file=out)
+        ui = "" if opts.site else "; `baton ui`'s: dashboard.env"
+        print(f"auth: on; credentials in {v.root} (the CLI's: operator.env{ui})", file=out)
 
 
 async def _serve(server: HubCluster, stop: asyncio.Event) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 import msgspec
 import nats
@@ -40,6 +41,15 @@ class NatsServerError(RuntimeError):
     """The server is missing, would not start, or would not become ready."""
 
 
+class RouteTls(msgspec.Struct, frozen=True, kw_only=True):
+    """Mutual TLS between a cluster's nodes: each presents `cert_file` both ways (dialling
+    and dialled), and accepts only a peer whose certificate `ca_file` signed."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+
+
 class ClusterRoutes(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     """The cluster's name, the same on every node."""
@@ -47,6 +57,12 @@ class ClusterRoutes(msgspec.Struct, frozen=True, kw_only=True):
     """This node's route port."""
     ports: tuple[int, ...]
     """Every node's route port (this one's included: a server ignores a route to itself)."""
+    user: str = ""
+    """With `password`: the credentials a route must present, and that this node's own
+    routes present to its peers. Empty: routes need none (loopback tests only)."""
+    password: str = ""
+    tls: RouteTls | None = None
+    """Routes only over mutual TLS (`verify: true`); None: in the clear."""
 
 
 def find_binary() -> Path:
@@ -78,7 +94,8 @@ class NatsServer:
     authentication.
 
     `cluster` makes the server one node of a JetStream cluster (`baton.stack.cluster`): its
-    name, this node's route port and every node's route URL.
+    name, this node's route port and every node's route URL, and what routes must present
+    (password, certificates). The config file holds passwords, so it is owner-only.
     """
 
     def __init__(
@@ -193,14 +210,7 @@ class NatsServer:
                 js.append(f"sync_interval: {json.dumps(self.sync_interval)}")
             lines.append("jetstream {\n  " + "\n  ".join(js) + "\n}")
         if self.cluster is not None:
-            routes = ", ".join(json.dumps(f"nats-route://{HOST}:{p}") for p in self.cluster.ports)
-            lines.append(
-                "cluster {\n"
-                f"  name: {json.dumps(self.cluster.name)}\n"
-                f"  listen: {HOST}:{self.cluster.port}\n"
-                f"  routes: [{routes}]\n"
-                "}"
-            )
+            lines.append(cluster_block(self.cluster))
         if self.extra_config:
             lines.append(self.extra_config)
         return "\n".join(lines) + "\n"
@@ -213,7 +223,7 @@ class NatsServer:
             return
         binary = self._binary or find_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(self.config_text())
+        _write_private(self.config_path, self.config_text())
         with open_log(self.log_path) as out:
             self._proc = await asyncio.create_subprocess_exec(
                 str(binary),
@@ -368,6 +378,31 @@ class NatsServer:
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
+
+
+def cluster_block(c: ClusterRoutes) -> str:
+    """The `cluster` block of node `c`: its listener, its routes to every node, and, where
+    `c` has them, the credentials and mutual TLS every route must present."""
+    lines = [f"  name: {json.dumps(c.name)}", f"  listen: {HOST}:{c.port}"]
+    if c.user:
+        lines.append(f"  authorization {json.dumps({'user': c.user, 'password': c.password})}")
+    if c.tls is not None:
+        files = {k: str(v) for k, v in msgspec.structs.asdict(c.tls).items()}
+        lines.append(f"  tls {json.dumps({**files, 'verify': True})}")
+    # A route dials with the URL's credentials (the block above only checks those dialled).
+    creds = f"{quote(c.user, safe='')}:{quote(c.password, safe='')}@" if c.user else ""
+    routes = ", ".join(json.dumps(f"nats-route://{creds}{HOST}:{p}") for p in c.ports)
+    lines.append(f"  routes: [{routes}]")
+    return "cluster {\n" + "\n".join(lines) + "\n}"
+
+
+def _write_private(path: Path, text: str) -> None:
+    """A config holds passwords (its users', its routes'): readable by its owner only,
+    also when an older, wider file is rewritten."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _port_of(url: str) -> int:

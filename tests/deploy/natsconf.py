@@ -4,7 +4,10 @@ A config is copied into a temporary directory with every listener moved to
 `127.0.0.1:-1` (the server picks a free port and reports it in its ports file, so there is
 no probe-then-bind race), its store and certificate paths moved under that directory, and
 its leafnode remote pointed at the hub under test. Everything else — domains, pings,
-reconnect, TLS blocks — is the committed text, so the test exercises the file compose runs.
+reconnect, TLS blocks, a cluster's authorization — is the committed text, so the test
+exercises the file compose runs. A hub node gets what compose gives it: its environment
+(interpolated as compose does, the route URLs moved to loopback) and its certificates, at
+the paths compose mounts them (`node_env`, `mount_certs`).
 """
 
 from __future__ import annotations
@@ -14,11 +17,15 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from baton.stack.natsserver import find_binary
 from baton.stack.procs import open_log
@@ -26,6 +33,7 @@ from baton.stack.procs import open_log
 REPO = Path(__file__).resolve().parents[2]
 NATS_DIR = REPO / "deploy" / "nats"
 CERT_SCRIPT = REPO / "deploy" / "certs" / "gen-dev-certs.sh"
+ROUTE_CERT_SCRIPT = NATS_DIR / "dev" / "gen-route-certs.sh"
 
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0
@@ -39,6 +47,8 @@ _INCLUDE = re.compile(r'^\s*include\s+"(?P<file>[^"]+)"\s*$', re.M)
 _PASSWORD_VAR = re.compile(r"\$(BATON_PW_[A-Z0-9_]+)")
 HUB_URL_VAR = "$BATON_HUB_URL"
 _CLUSTER = re.compile(r"^cluster\s*\{.*?^\}", re.M | re.S)
+_CLUSTER_LISTEN = re.compile(r"^\s*listen\s*:\s*\S+\s*$", re.M)
+_COMPOSE_VAR = re.compile(r"\$\{(?P<name>[A-Z0-9_]+)(?::-(?P<default>[^}]*))?\}")
 
 
 def passwords_for(text: str) -> dict[str, str]:
@@ -61,11 +71,11 @@ def localize(
     *,
     certs_dir: Path | None = None,
     remote_url: str | list[str] | None = None,
-    routes: tuple[int, list[int]] | None = None,
+    route_port: int | None = None,
 ) -> str:
     """The config, runnable on loopback under `workdir` (see the module docstring).
-    `remote_url`: one URL, or a list (a clustered hub's nodes). `routes`: (this node's
-    route port, every node's) for a `cluster` block, whose routes are then loopback ones.
+    `remote_url`: one URL, or a list (a clustered hub's nodes). `route_port`: where a
+    `cluster` block listens instead (its routes come from the environment, `node_env`).
 
     Raises AssertionError when the config has a shape this rewrite cannot vouch for (a
     `port:` key that would escape the move to loopback, no store, several remotes), so a
@@ -73,8 +83,8 @@ def localize(
     """
     body = inline_includes(strip_comments(text))
     assert not _PORT_KEY.search(body), "use `listen: host:port` / `http: host:port` only"
-    if routes is not None:
-        body = _with_routes(body, *routes)
+    if route_port is not None:
+        body = _with_route_port(body, route_port)
     else:
         assert not _CLUSTER.search(body), "a cluster node needs its route ports"
     out, n = _LISTENER.subn(r"\g<lead>127.0.0.1:-1", body)
@@ -107,20 +117,51 @@ def inline_includes(body: str) -> str:
     return body
 
 
-def _with_routes(body: str, port: int, ports: list[int]) -> str:
-    """The cluster block with its listener on `port` and routes to `ports` on loopback; the
-    committed block must route to as many nodes."""
+def _with_route_port(body: str, port: int) -> str:
+    """The cluster block listening on loopback `port`; everything else in it (name,
+    authorization, TLS, the routes' variable) as committed."""
     (block,) = _CLUSTER.findall(body)
-    committed = re.findall(r'"nats-route://[^"]+"', block)
-    assert len(committed) == len(ports), f"{len(committed)} routes for {len(ports)} nodes"
-    name = re.search(r"^\s*name\s*:\s*(\S+)\s*$", block, re.M)
-    assert name, "a cluster needs its name"
-    local = ", ".join(f'"nats-route://127.0.0.1:{p}"' for p in ports)
+    assert re.search(r"^\s*name\s*:\s*\S+\s*$", block, re.M), "a cluster needs its name"
     # host/port rather than `listen`, which the move of every listener to -1 would catch.
-    new = (
-        f"cluster {{\n  name: {name[1]}\n  host: 127.0.0.1\n  port: {port}\n  routes: [{local}]\n}}"
-    )
+    new, n = _CLUSTER_LISTEN.subn(f"  host: 127.0.0.1\n  port: {port}", block)
+    assert n == 1, f"expected one cluster listener, found {n}"
     return body.replace(block, new)
+
+
+def compose_service(name: str) -> dict[str, Any]:
+    services: dict[str, Any] = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    return dict(services[name])
+
+
+def interpolate(value: str, env: Mapping[str, str]) -> str:
+    """compose's `${NAME:-default}` and `${NAME}`: `env`'s value, else the default."""
+    return _COMPOSE_VAR.sub(lambda m: env.get(m["name"], m["default"] or ""), value)
+
+
+def node_env(name: str, route_ports: Mapping[str, int]) -> dict[str, str]:
+    """Hub node `name`'s environment as compose gives it, every `${BATON_PW_*}` the test's
+    password (`passwords_for`), and each route URL's `hub-N:6222` the loopback port
+    `route_ports["hub-N"]` — user and password exactly as compose writes them."""
+    env = {k: str(v) for k, v in (compose_service(name).get("environment") or {}).items()}
+    names = {m["name"] for v in env.values() for m in _COMPOSE_VAR.finditer(v)}
+    given = passwords_for(" ".join(f"${n}" for n in names))
+    env = {k: interpolate(v, given) for k, v in env.items()}
+    routes = json.loads(env["BATON_ROUTES"])
+    local = [
+        re.sub(r"@([\w-]+):\d+$", lambda m: f"@127.0.0.1:{route_ports[m[1]]}", u) for u in routes
+    ]
+    assert all("@127.0.0.1:" in u for u in local), local
+    return {**env, "BATON_ROUTES": json.dumps(local)}
+
+
+def mount_certs(name: str, generated: Path, dest: Path) -> Path:
+    """`dest` laid out as compose service `name`'s /etc/nats/certs: each file it mounts
+    there, copied from `generated` (where the scripts wrote them) under its mounted name."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for v in compose_service(name).get("volumes") or []:
+        if isinstance(v, dict) and v["target"].startswith("/etc/nats/certs/"):
+            shutil.copy2(generated / Path(v["source"]).name, dest / Path(v["target"]).name)
+    return dest
 
 
 class ConfiguredServer:
@@ -244,11 +285,12 @@ async def check_config(
     return proc.returncode or 0, out.decode(errors="replace")
 
 
-async def gen_certs(out_dir: Path) -> None:
-    """Run deploy/certs/gen-dev-certs.sh into `out_dir` (a new CA and hub certificate)."""
+async def gen_certs(out_dir: Path, script: Path = CERT_SCRIPT) -> None:
+    """Run deploy/certs/gen-dev-certs.sh into `out_dir` (a new CA and hub certificate), or
+    another script of the same usage (`ROUTE_CERT_SCRIPT`)."""
     proc = await asyncio.create_subprocess_exec(
         "bash",
-        str(CERT_SCRIPT),
+        str(script),
         str(out_dir),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
@@ -260,4 +302,4 @@ async def gen_certs(out_dir: Path) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    assert proc.returncode == 0, f"gen-dev-certs.sh failed:\n{out.decode(errors='replace')}"
+    assert proc.returncode == 0, f"{script.name} failed:\n{out.decode(errors='replace')}"

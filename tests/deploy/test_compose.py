@@ -26,6 +26,7 @@ from tests.deploy.natsconf import (
     CERT_SCRIPT,
     NATS_DIR,
     REPO,
+    ROUTE_CERT_SCRIPT,
     inline_includes,
     listeners,
     strip_comments,
@@ -126,9 +127,9 @@ def hub_ports() -> dict[str, int]:
     return {"client": client, "http": http, "leafnode": leaf, "websocket": ws}
 
 
-def gen_certs(out: Path) -> list[str]:
+def gen_certs(out: Path, script: Path = CERT_SCRIPT) -> list[str]:
     proc = subprocess.run(
-        ["bash", str(CERT_SCRIPT), str(out)], capture_output=True, text=True, timeout=60
+        ["bash", str(script), str(out)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
     return sorted(p.name for p in out.iterdir())
@@ -184,6 +185,11 @@ def test_depends_on_names_real_services() -> None:
 def test_mounted_host_paths_exist(tmp_path: Path) -> None:
     generated = gen_certs(tmp_path / "certs")
     assert generated == ["ca-key.pem", "ca.pem", "hub-key.pem", "hub.pem"], generated
+    both = gen_certs(tmp_path / "certs", ROUTE_CERT_SCRIPT)
+    routes = sorted(set(both) - set(generated))
+    want = ["route-ca.pem"] + [f"route-{n}{k}.pem" for n in HUB_NODES for k in ("-key", "")]
+    assert routes == sorted(want), f"the routes' CA key must not be written: {routes}"
+    generated = both
     named = set(COMPOSE.get("volumes") or {})
     for name, s in SVC.items():
         for target, source in bind_mounts(s).items():
@@ -242,9 +248,34 @@ def test_nats_services_mount_what_their_config_references() -> None:
     # Each node its own name, which hub-node.conf reads from HUB_NODE.
     assert [env(SVC[n]).get("HUB_NODE") for n in HUB_NODES] == list(HUB_NODES)
     assert re.search(r"^server_name\s*:\s*\$HUB_NODE\s*$", nats_conf("hub-node.conf"), re.M)
-    routes = re.findall(r"nats-route://([\w-]+):(\d+)", strip_comments(nats_conf("hub-node.conf")))
+
+
+def test_routes_need_the_password_and_their_own_certificates() -> None:
+    """hub-node.conf's cluster asks every route for the route user's password (from
+    BATON_PW_ROUTE) and a certificate of the routes' CA; compose gives each node the route
+    URLs of all three carrying that same password, and its own route certificate."""
+    conf = strip_comments(nats_conf("hub-node.conf"))
+    (cluster,) = re.findall(r"^cluster\s*\{.*?^\}", conf, re.M | re.S)
+    user = re.search(r"authorization\s*\{[^}]*\buser\s*:\s*([\w-]+)", cluster)
+    assert user and re.search(r"\bpassword\s*:\s*\$BATON_PW_ROUTE\s*$", cluster, re.M), cluster
+    tls = dict(re.findall(r'^\s*(cert_file|key_file|ca_file)\s*:\s*"([^"]+)"', cluster, re.M))
+    assert set(tls) == {"cert_file", "key_file", "ca_file"}, cluster
+    assert re.search(r"^\s*verify\s*:\s*true\s*$", cluster, re.M), "routes must verify peers"
+    assert re.search(r"^\s*routes\s*:\s*\$BATON_ROUTES\s*$", cluster, re.M), cluster
     cluster_port = port_of(listeners(nats_conf("hub-node.conf"))[0])
-    assert routes == [(n, str(cluster_port)) for n in HUB_NODES], routes
+    for name in HUB_NODES:
+        e = env(SVC[name])
+        assert e["BATON_PW_ROUTE"] == "${BATON_PW_ROUTE:-dev-route}", e["BATON_PW_ROUTE"]
+        urls = [urlsplit(u) for u in json.loads(e["BATON_ROUTES"])]
+        assert [(u.scheme, u.hostname, u.port) for u in urls] == [
+            ("nats-route", n, cluster_port) for n in HUB_NODES
+        ], e["BATON_ROUTES"]
+        for u in urls:  # urlsplit cannot read `${…:-…}` as a password: compare the text
+            assert u.netloc.startswith(f"{user[1]}:{e['BATON_PW_ROUTE']}@"), u.netloc
+        binds = bind_mounts(SVC[name])
+        assert binds[tls["cert_file"]] == CERTS_OUT / f"route-{name}.pem", binds
+        assert binds[tls["key_file"]] == CERTS_OUT / f"route-{name}-key.pem", binds
+        assert binds[tls["ca_file"]] == CERTS_OUT / "route-ca.pem", binds
 
 
 # -- ports, hostnames, URLs ----------------------------------------------------------------
@@ -262,7 +293,8 @@ def test_nats_ports_agree_with_configs() -> None:
     for p in SVC["hub-1"]["ports"]:
         if not str(p).endswith(f":{ports['websocket']}"):
             assert str(p).startswith("127.0.0.1:"), f"hub publishes {p} on every interface"
-    # Routes carry no credentials: no node publishes them.
+    # Routes are for the nodes alone (password and route certificates): no node publishes
+    # them on the docker host.
     cluster_port = port_of(listeners(nats_conf("hub-node.conf"))[0])
     for name in HUB_NODES:
         assert not any(str(p).endswith(f":{cluster_port}") for p in SVC[name].get("ports", []))
@@ -397,9 +429,9 @@ def test_store_and_telemetry_endpoints_point_at_their_services() -> None:
 
 
 def test_env_var_names_are_ones_baton_reads() -> None:
-    # Settings, and the credentials shared/auth.py reads (never a field of the settings).
+    # Settings, and the credentials shared/credentials.py reads (never a field of them).
     config = (REPO / "shared" / "config.py").read_text()
-    config += (REPO / "shared" / "auth.py").read_text()
+    config += (REPO / "shared" / "credentials.py").read_text()
     documented = set(re.findall(r"`([A-Z][A-Z0-9_]{2,})`", config)) | set(
         re.findall(r'"([A-Z][A-Z0-9_]{2,})"', config)
     )
@@ -485,3 +517,15 @@ def test_every_service_logs_in_as_its_role_with_the_servers_password() -> None:
         var = auth.env_name(e["NATS_USER"])
         assert var in server, f"{name}: the {host} server does not read {var}"
         assert e["NATS_PASSWORD"] == server[var], f"{name}: password differs from the server's"
+
+
+def test_every_password_a_server_config_reads_is_in_its_environment() -> None:
+    """nats-server refuses to start on a `$VARIABLE` its environment lacks, so each server
+    gets every `BATON_PW_…` its authorization config names — a role added to the code, and
+    so to the generated config, must be added to compose too."""
+    for conf, server in (("auth-hub.conf", "hub-1"), ("auth-site.conf", "leaf")):
+        wanted = set(re.findall(r"\$(BATON_PW_[A-Z0-9_]+)", nats_conf(conf)))
+        assert wanted, conf
+        for node in HUB_NODES if server == "hub-1" else (server,):
+            missing = wanted - set(env(SVC[node]))
+            assert not missing, f"{node} starts without {sorted(missing)} ({conf} reads them)"

@@ -3,7 +3,9 @@
 Dev variant (deploy/nats/dev/): a leaf dials the hub over plain ws:// on loopback.
 Deployment variant (deploy/nats/hub.conf, leaf.conf — what compose runs): the leaf dials
 wss:// with the CA from deploy/certs/gen-dev-certs.sh; a leaf trusting another CA is
-refused. Also re-checks the facts in docs/nats.md the configs rely on: the hub's `leafnodes`
+refused. compose's three hub nodes (hub-node.conf) form one cluster over routes that need
+the route password and a certificate of the routes' CA; a server short of either is refused.
+Also re-checks the facts in docs/nats.md the configs rely on: the hub's `leafnodes`
 block, duration strings, pings that notice a silent partition in ~4 s.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,10 +24,13 @@ import pytest
 
 from tests.deploy.natsconf import (
     NATS_DIR,
+    ROUTE_CERT_SCRIPT,
     ConfiguredServer,
     check_config,
     gen_certs,
     localize,
+    mount_certs,
+    node_env,
     passwords_for,
     strip_comments,
 )
@@ -33,6 +39,7 @@ POLL_S = 0.05
 LINK_WITHIN_S = 15.0
 
 Launch = Callable[..., Awaitable[ConfiguredServer]]
+HUB_NODES = ("hub-1", "hub-2", "hub-3")
 
 
 @pytest.fixture
@@ -48,13 +55,15 @@ async def launch(tmp_path: Path) -> AsyncIterator[Launch]:
         certs_dir: Path | None = None,
         remote_url: str | list[str] | None = None,
         text: str | None = None,
-        routes: tuple[int, list[int]] | None = None,
+        route_port: int | None = None,
     ) -> ConfiguredServer:
         """Start `conf` (relative to deploy/nats/), or `text` in its place."""
         workdir = tmp_path / name
         if text is None:
             text = (NATS_DIR / conf).read_text()
-        config = localize(text, workdir, certs_dir=certs_dir, remote_url=remote_url, routes=routes)
+        config = localize(
+            text, workdir, certs_dir=certs_dir, remote_url=remote_url, route_port=route_port
+        )
         # The committed configs read their users' passwords from the environment.
         env = {**passwords_for(config), **(env or {})}
         server = ConfiguredServer(name, config, workdir, env=env)
@@ -318,18 +327,8 @@ async def test_three_hub_nodes_are_one_cluster_and_a_leaf_given_all_survives_one
     """compose.yaml's hub: hub-node.conf three times. Every node answers for JetStream, a
     stream is kept on all three, and a leaf given every node's URL (an array, from the
     environment as compose gives it) moves its link when the node holding it is lost."""
-    from baton.stack.cluster import free_ports
-
     certs = tmp_path / "certs"
-    await gen_certs(certs)
-    routes = free_ports(3)
-    hubs = await asyncio.gather(
-        *(
-            launch(f"hub-{i + 1}", "hub-node.conf", env={"HUB_NODE": f"hub-{i + 1}"},
-                   certs_dir=certs, routes=(routes[i], routes))
-            for i in range(3)
-        )
-    )  # fmt: skip
+    hubs = await start_hub_nodes(launch, tmp_path, certs)
     operator = passwords_for("$BATON_PW_OPERATOR")["BATON_PW_OPERATOR"]
     nc = await nats.connect(
         [h.client_url for h in hubs], user="operator", password=operator,
@@ -350,7 +349,10 @@ async def test_three_hub_nodes_are_one_cluster_and_a_leaf_given_all_survives_one
 
         await wait_for(replicated, 60, "a stream on all three nodes")
         names = {(await h.monitor("/varz"))["server_name"] for h in hubs}
-        assert names == {"hub-1", "hub-2", "hub-3"}, names
+        assert names == set(HUB_NODES), names
+        for h in hubs:  # every route over TLS, none refused on the way
+            assert "TLS route handshake error" not in h.log(), h.log()[-2000:]
+            assert "authentication error" not in h.log(), h.log()[-2000:]
 
         link_pw = passwords_for("$BATON_PW_SITE_SITE1")["BATON_PW_SITE_SITE1"]
         leaf = await launch(
@@ -387,3 +389,108 @@ async def _some(
 ) -> bool:
     found = await find()
     return found is not None and ok(found)
+
+
+async def start_hub_nodes(
+    launch: Launch, tmp_path: Path, certs: Path, route_ports: list[int] | None = None
+) -> list[ConfiguredServer]:
+    """compose.yaml's hub on loopback: hub-node.conf three times, each node with the
+    environment and the certificates compose gives it (both scripts' output, in `certs`),
+    routing on `route_ports` (free ones if None)."""
+    from baton.stack.cluster import free_ports
+
+    await gen_certs(certs)
+    await gen_certs(certs, ROUTE_CERT_SCRIPT)
+    ports = dict(zip(HUB_NODES, route_ports or free_ports(len(HUB_NODES)), strict=True))
+    return list(
+        await asyncio.gather(
+            *(
+                launch(n, "hub-node.conf", env=node_env(n, ports), route_port=ports[n],
+                       certs_dir=mount_certs(n, certs, tmp_path / f"{n}-certs"))
+                for n in HUB_NODES
+            )
+        )
+    )  # fmt: skip
+
+
+async def route_peers(server: ConfiguredServer) -> set[str]:
+    return {r.get("remote_name", "") for r in (await server.monitor("/routez"))["routes"] or []}
+
+
+def intruder_config(
+    workdir: Path, route_ports: list[int], *, password: str, tls: dict[str, str] | None
+) -> str:
+    """A fourth server of the hub's cluster name whose routes dial every node's route port
+    with `password` (none if empty), over `tls` (in the clear if None)."""
+    creds = f"baton-route:{password}@" if password else ""
+    routes = [f"nats-route://{creds}127.0.0.1:{p}" for p in route_ports]
+    tls_block = f"  tls {json.dumps({**tls, 'verify': True})}\n" if tls else ""
+    return (
+        f'ports_file_dir: "{workdir}"\nlisten: 127.0.0.1:-1\nhttp: 127.0.0.1:-1\n'
+        f"cluster {{\n  name: baton-hub\n  host: 127.0.0.1\n  port: -1\n{tls_block}"
+        f"  routes: {json.dumps(routes)}\n}}\n"
+    )
+
+
+async def test_hub_node_routes_refuse_a_server_short_of_password_or_route_certificate(
+    launch: Launch, tmp_path: Path
+) -> None:
+    """hub-node.conf's routes: a fourth server dialling the route ports without the route
+    password, in the clear, or with the certificate sites trust (the WebSocket's, not one of
+    the routes' CA) is refused each time and holds no route; the three stay one cluster."""
+    from baton.stack.cluster import free_ports
+
+    certs = tmp_path / "certs"
+    ports = free_ports(len(HUB_NODES))
+    hubs = await start_hub_nodes(launch, tmp_path, certs, ports)
+
+    async def one_cluster() -> bool:
+        try:
+            peers = [await route_peers(h) for h in hubs]
+            metas = [(await h.monitor("/jsz")).get("meta_cluster") or {} for h in hubs]
+            leaders = {m.get("leader") for m in metas}
+        except Exception:
+            return False
+        want = [set(HUB_NODES) - {n} for n in HUB_NODES]
+        return peers == want and len(leaders) == 1 and leaders <= set(HUB_NODES)
+
+    await wait_for(one_cluster, 30, "three nodes routed, one meta leader")
+    password = node_env("hub-1", dict.fromkeys(HUB_NODES, 0))["BATON_PW_ROUTE"]
+    node_cert = {  # hub-3's route certificate and key, as if stolen
+        "cert_file": str(certs / "route-hub-3.pem"),
+        "key_file": str(certs / "route-hub-3-key.pem"),
+        "ca_file": str(certs / "route-ca.pem"),
+    }
+    site_cert = {  # the WebSocket's certificate: its CA is not the routes'
+        "cert_file": str(certs / "hub.pem"),
+        "key_file": str(certs / "hub-key.pem"),
+        "ca_file": str(certs / "route-ca.pem"),
+    }
+    refused = {
+        # name: (password, TLS, what the nodes log of each refusal)
+        "no-password": ("", node_cert, "authentication error"),
+        "no-tls": (password, None, "first record does not look like a TLS handshake"),
+        "site-certificate": (password, site_cert, "TLS route handshake error"),
+    }
+
+    def logs() -> str:
+        return "".join(h.log() for h in hubs)
+
+    for name, (pw, tls, why) in refused.items():
+        before = logs().count(why)
+        workdir = tmp_path / name
+        intruder = ConfiguredServer(
+            name, intruder_config(workdir, ports, password=pw, tls=tls), workdir
+        )
+        try:
+            await intruder.start()
+
+            async def refused_twice(why: str = why, before: int = before) -> bool:
+                return logs().count(why) >= before + 2
+
+            await wait_for(refused_twice, 30, f"{name}: two refusals ({why!r})")
+            assert await route_peers(intruder) == set(), f"{name} holds a route"
+        finally:
+            await intruder.stop()
+    assert await one_cluster(), "the three nodes are no longer one cluster"
+    assert password not in logs(), "the route password is logged"
