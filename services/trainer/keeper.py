@@ -6,6 +6,13 @@ record — the truth about the run — for orders: cancel it, stop this attempt 
 the run is already over (a hard timeout). A renewal that loses its CAS means the lease
 lapsed or was taken: the keeper re-takes a lapsed lease only if nobody else moved the run
 on meanwhile; otherwise the attempt is fenced.
+
+Once the attempt's verdict is decided (`settling`), the lease decides nothing more: the
+verdict's record write is a compare-and-swap on the token the attempt ran under, which
+succeeds exactly when nobody moved the run on. So the keeper then only renews: a renewal
+that loses its CAS ends the keeping, and never re-takes — a re-take would move the
+record's token under the verdict being written and refuse the attempt's own ending (a run
+that finished during a long cut took a second attempt after heal that way).
 """
 
 from __future__ import annotations
@@ -87,6 +94,13 @@ class Keeper:
         self.orders = Orders()
         self.may_retake = may_retake
         """False for a group's leader: its ranks carry the epoch they started with."""
+        self.settled = False
+        """The attempt's verdict is decided: renew only (see the module's docstring)."""
+
+    def settling(self) -> None:
+        """The attempt's verdict is decided and about to be written: from now on a lost
+        renewal ends the keeping, never re-takes the lease nor fences the attempt."""
+        self.settled = True
 
     async def keep(self, touch: Callable[[], Awaitable[None]]) -> None:
         interval = self.lease.ttl_s / 3
@@ -99,6 +113,12 @@ class Keeper:
                 await touch()
                 if not await self.lease.renew():
                     telemetry.LEASE_RENEW_FAILURES.add(1, {"baton.reason": "cas"})
+                    if self.settled:
+                        log.info(
+                            "%s: lease lapsed while the attempt's end is written; its "
+                            "record decides", self.run_id,
+                        )  # fmt: skip
+                        return
                     if not self.may_retake or not await self._retake():
                         self.orders.fence("the lease was taken over by another worker")
                         return

@@ -196,6 +196,38 @@ async def test_long_cut_without_another_trainer_loses_no_step(hub: Stack, site: 
     await site.assert_events_once_in_order(nc, run_id)
 
 
+async def test_a_run_that_ends_at_the_edge_during_a_long_cut_completes_once(
+    hub: Stack, site: Site
+) -> None:
+    """The edge finishes the run while cut off for longer than the TTL: its ending waits
+    for the link, and at heal it is written once — the lapsed lease is not taken back
+    under the ending (which would refuse it as fenced and train the run a second time)."""
+    nc = await hub.client()
+    want = await reference(nc, 160)
+    run_id = await submit(nc, paced(160))
+    log = EventLog(nc, run_id)
+    first = await log.wait_for(lambda e: isinstance(e, Started), 30, "start at the edge")
+    assert isinstance(first, Started) and first.worker == EDGE
+    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 20, 30, "step 20")
+    site.proxy.sever()
+    js = nc.jetstream()
+    await eventually(lambda: _lapsed(js, hub.lease_key(run_id)), 3 * TTL, "the lease to lapse")
+
+    async def ended_at_the_edge() -> bool:
+        return f"{run_id}: completed at step 160" in hub.log(EDGE)
+
+    await eventually(ended_at_the_edge, 60, "the run to finish at the edge, cut off")
+    site.proxy.restore()
+    record = await finished(nc, run_id, timeout=90)
+    assert record.state is RunState.COMPLETED and record.digest == want, record
+    await log.wait_for(lambda e: isinstance(e, Completed), 20, "completed at the hub")
+    assert record.attempts == 1, f"trained again after heal: {record.attempts} attempts"
+    assert [s.worker for s in log.of(Started)] == [EDGE], "one attempt"
+    assert len(log.of(Completed)) == 1 and not log.of(Fenced)
+    log.close()
+    await site.assert_events_once_in_order(nc, run_id)
+
+
 async def test_jobs_submitted_at_the_edge_while_cut_are_dispatched_once(
     hub: Stack, site: Site
 ) -> None:

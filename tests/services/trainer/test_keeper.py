@@ -214,3 +214,34 @@ async def test_a_lapsed_lease_whose_run_moved_on_is_released_again_and_fenced(
     finally:
         await stopped(keeping)
         await h.store.close()
+
+
+async def test_once_the_verdict_is_decided_a_lapsed_lease_is_never_retaken(
+    declared: Client, tmp_path: Path
+) -> None:
+    """The attempt's end is being written (through a long cut, say) when the lease lapses:
+    the keeper stops keeping instead of re-taking it, so the record keeps the token the
+    verdict's compare-and-swap names, and the attempt's own ending is not refused."""
+    h = await held(declared, tmp_path)
+    old = h.lease.token
+    h.keeper.settling()
+    await h.lapse()
+    keeping = await h.keep()
+    try:
+        await asyncio.wait_for(asyncio.shield(keeping), KEEP_S)
+        assert h.sent == [], "no new token for the child"
+        assert h.keeper.orders.given is None, h.keeper.orders.reason
+        assert not await is_held(h.js, RUN), "the lapsed lease was not taken again"
+        record, _ = await h.record()
+        assert record.token == old, f"the record's token moved: {old} -> {record.token}"
+
+        def complete(r: RunRecord) -> RunRecord | None:  # the verdict's write, as settle's
+            if r.token != old:
+                return None
+            return msgspec.structs.replace(r, state=RunState.COMPLETED)
+
+        done = await h.runs.update(RUN, complete)
+        assert done is not None and done.state is RunState.COMPLETED
+    finally:
+        await stopped(keeping)
+        await h.store.close()
