@@ -202,9 +202,13 @@ class Attempt:
         )
         background = [keeping, copying]
         try:
-            outcome = await apply(await self._follow(), scope)
+            verdict = await self._follow()
+            self.keeper.settling()
+            outcome = await apply(verdict, scope)
             if outcome is Outcome.COMPLETED:
                 await self._sample_speed()
+                if self.group is not None:
+                    await self.group.finished()
             return outcome
         finally:
             self.child.kill()
