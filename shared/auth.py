@@ -12,6 +12,8 @@ hub:
     reaper        read everything it sweeps; write run records; re-publish tasks; link sites
     trainer       take tasks (its consumer only); write the leases of the runs it was
                   handed, run records and heartbeats; publish events, logs, commit requests
+    dashboard     `baton ui`: read what its pages show; replay a dead letter to its work
+                  queue (pinning a checkpoint writes to the store, not to NATS)
 
 None but the operator may delete or purge a stream; a trainer can publish neither a task nor
 a submission. At a site, the leaf node has its own users (trainer, checkpointer, submitter,
@@ -35,20 +37,19 @@ token, so a rogue trainer can waste a run's compute but not corrupt its checkpoi
 from __future__ import annotations
 
 import json
-import os
-import secrets
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from shared.bus import names
+from shared.credentials import Credentials, inbox_prefix
 
 API = "$JS.API"
 HUB_API = f"$JS.{names.HUB_DOMAIN}.API"
 
-HUB_ROLES = ("operator", "submitter", "dispatcher", "checkpointer", "reaper", "trainer")
+HUB_ROLES = (
+    "operator", "submitter", "dispatcher", "checkpointer", "reaper", "trainer", "dashboard",
+)  # fmt: skip
 SITE_ROLES = ("operator", "submitter", "checkpointer", "trainer")
 
 
@@ -61,10 +62,6 @@ def owner_of(user: str) -> str:
     """The owner token of the runs `user` submits: none for operators (they may do
     anything anyway), else the user's name (`shared.contracts.run_id_for`)."""
     return "" if not user or user == "operator" or user.endswith("-operator") else user
-
-
-def inbox_prefix(user: str) -> str:
-    return f"_INBOX_{user}"
 
 
 def _create_consumer(api: str, stream: str) -> list[str]:
@@ -183,7 +180,43 @@ def hub_permissions(role: str) -> Permissions | None:
             publish=_trainer_publish(API, "", ""),
             subscribe=(inbox, f"{p}.control.>", f"{p}.events.>"),
         )
+    if role == "dashboard":
+        return dashboard_permissions()
     raise ValueError(f"no such role at the hub: {role!r}")
+
+
+DASHBOARD_REPLAYS = tuple(
+    f"{names.PREFIX}.{k}.>" for k in ("submit", "tasks", "calls", "ckpt", "cancel")
+)
+"""The hub's work queues, whose consumers dead-letter what they cannot take: where the
+dashboard may replay a dead letter to, and all it may publish."""
+
+
+def dashboard_permissions() -> Permissions:
+    """The dashboard reads what its pages show and replays dead letters, nothing else: the
+    runs, workers and sites buckets, archived records by run id, a run's events and output
+    (consumers filtered in the API subject, `baton/cli/reader.py`), streams' info and
+    consumer lists, dead letters by sequence; a replay re-publishes a letter to its work
+    queue (`DASHBOARD_REPLAYS`) and deletes it. No record, lease, event or stream write.
+    A replay is a submission or a task sent again: keep these credentials as the operator's."""
+    api, p = API, names.PREFIX
+    return Permissions(
+        publish=(
+            *_FLOW,
+            *_read_kv(api, names.RUNS_BUCKET, names.WORKERS_BUCKET, names.SITES_BUCKET),
+            _GET_ARCHIVED,
+            f"{api}.CONSUMER.CREATE.{names.EVENTS_STREAM}.*.{p}.events.>",
+            f"{api}.CONSUMER.DELETE.{names.EVENTS_STREAM}.*",
+            f"{api}.CONSUMER.CREATE.{names.LOGS_STREAM}.*.{p}.logs.>",
+            f"{api}.CONSUMER.DELETE.{names.LOGS_STREAM}.*",
+            *(f"{api}.STREAM.INFO.{s}" for s in names.ALL_STREAMS),
+            *(f"{api}.CONSUMER.LIST.{s}" for s in names.ALL_STREAMS),
+            f"{api}.STREAM.MSG.GET.{names.DLQ_STREAM}",
+            f"{api}.STREAM.MSG.DELETE.{names.DLQ_STREAM}",
+            *DASHBOARD_REPLAYS,
+        ),
+        subscribe=(f"{inbox_prefix('dashboard')}.>",),
+    )
 
 
 def submitter_permissions(user: str, site: str = "") -> Permissions:
@@ -282,92 +315,6 @@ def site_link(site: str) -> Permissions:
     out = (f"{names.PREFIX}.site.{site}.>", *hub_calls, *_FLOW, "$JSC.R.>", "$JS.S.>")
     into = (*site_users, f"{names.PREFIX}.control.>", f"$JS.{site}.API.>", *_FLOW)
     return Permissions(publish=out, subscribe=into)
-
-
-# -- credentials --------------------------------------------------------------------
-
-
-class Credentials(msgspec.Struct, frozen=True):
-    user: str
-    password: str
-
-
-class Vault:
-    """Generated passwords, one owner-only file per user under `root` (mode 0700)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def secret(self, name: str) -> Path:
-        """A generated secret's file (`<name>.secret`), created on first use."""
-        path = self.root / f"{name}.secret"
-        self._create(path, secrets.token_urlsafe(32) + "\n")
-        return path
-
-    def get(self, user: str) -> Credentials:
-        """The user's credentials, generated on first use and kept from then on."""
-        path = self.root / f"{user}.env"
-        self._create(path, f"NATS_USER={user}\nNATS_PASSWORD={secrets.token_urlsafe(24)}\n")
-        return read_env_file(path)
-
-    def _create(self, path: Path, text: str) -> None:
-        """Write `text` to `path` unless it exists; owner-only from its first byte (the mode
-        is set at creation, never after)."""
-        if path.exists():
-            return
-        self.root.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-
-
-def read_env_file(path: Path) -> Credentials:
-    """`NATS_USER=…` / `NATS_PASSWORD=…` lines, as `Vault` writes them."""
-    values = {}
-    for line in path.read_text().splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            values[key.strip()] = value.strip()
-    try:
-        return Credentials(user=values["NATS_USER"], password=values["NATS_PASSWORD"])
-    except KeyError as exc:
-        raise ValueError(f"{path}: no {exc.args[0]}") from None
-
-
-def lease_secret(env: Mapping[str, str] | None = None) -> bytes | None:
-    """The hub's lease secret (`BATON_LEASE_SECRET`, or a file named by
-    `BATON_LEASE_SECRET_FILE`); None keys leases by run id."""
-    env = os.environ if env is None else env
-    if env.get("BATON_LEASE_SECRET"):
-        return env["BATON_LEASE_SECRET"].encode()
-    if env.get("BATON_LEASE_SECRET_FILE"):
-        return Path(env["BATON_LEASE_SECRET_FILE"]).read_bytes().strip()
-    return None
-
-
-def client_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """nats-py options for the credentials in the environment: `NATS_USER` with
-    `NATS_PASSWORD` (or `NATS_PASSWORD_FILE`), or `NATS_AUTH_FILE` (a file as `Vault`
-    writes). The inbox prefix follows the user, as the servers' permissions expect."""
-    env = os.environ if env is None else env
-    creds: Credentials | None = None
-    if env.get("NATS_AUTH_FILE"):
-        creds = read_env_file(Path(env["NATS_AUTH_FILE"]))
-    elif env.get("NATS_USER"):
-        password = env.get("NATS_PASSWORD", "")
-        if not password and env.get("NATS_PASSWORD_FILE"):
-            password = Path(env["NATS_PASSWORD_FILE"]).read_text().strip()
-        creds = Credentials(user=env["NATS_USER"], password=password)
-    return options_for(creds) if creds else {}
-
-
-def options_for(creds: Credentials) -> dict[str, Any]:
-    return {
-        "user": creds.user,
-        "password": creds.password,
-        "inbox_prefix": inbox_prefix(creds.user.replace("-", "_")),
-    }
 
 
 # -- server configuration -----------------------------------------------------------

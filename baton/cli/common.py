@@ -97,6 +97,8 @@ Site = Annotated[
 ]
 SERVICES = ("dispatcher", "trainer", "checkpointer", "reaper")
 DEFAULT_AUTH_FILE = Path(".baton") / "auth" / "operator.env"
+DASHBOARD_AUTH_FILE = Path(".baton") / "auth" / "dashboard.env"
+"""`baton ui`'s default credentials next to `baton up`: the least-privilege `dashboard`."""
 
 
 class Connection:
@@ -110,21 +112,22 @@ class Connection:
     tls_key: str | None = None
 
     @classmethod
-    def options(cls) -> dict[str, Any]:
+    def options(cls, default: Path = DEFAULT_AUTH_FILE) -> dict[str, Any]:
         """Credentials: `--creds` (a JWT creds file), else `--auth-file`, else NATS_USER and
-        NATS_PASSWORD, else the operator's file that `baton up` wrote in ./.baton — so the
-        CLI next to a stack it started just works."""
+        NATS_PASSWORD, else the file that `baton up` wrote in ./.baton (`default`, the
+        operator's unless a command asks for its own role's) — so the CLI next to a stack it
+        started just works."""
         import ssl
 
-        from shared import auth
+        from shared import credentials
 
         opts: dict[str, Any] = {}
         if cls.creds:
             opts["user_credentials"] = cls.creds
         elif cls.auth_file:
-            opts.update(auth.options_for(auth.read_env_file(Path(cls.auth_file))))
-        elif not auth.client_options() and DEFAULT_AUTH_FILE.is_file():
-            opts.update(auth.options_for(auth.read_env_file(DEFAULT_AUTH_FILE)))
+            opts.update(credentials.options_for(credentials.read_env_file(Path(cls.auth_file))))
+        elif not credentials.client_options() and default.is_file():
+            opts.update(credentials.options_for(credentials.read_env_file(default)))
         if cls.tls_ca or cls.tls_cert:
             ctx = ssl.create_default_context(cafile=cls.tls_ca)
             if cls.tls_cert:

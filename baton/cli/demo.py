@@ -28,7 +28,7 @@ from rich.table import Table
 from baton.cli import client
 from baton.cli.errors import CliError
 from baton.cli.watch import describe
-from shared import auth
+from shared import credentials
 from shared.contracts import JobSpec
 from shared.contracts.events import Completed, Event, Failed, Started
 from shared.contracts.events import Progress as ProgressEvent
@@ -68,8 +68,8 @@ async def run_demo(console: Console, keep: bool) -> int:
     try:
         url = await _nats_url(proc)
         console.print(f"nats: {url}")
-        operator = auth.read_env_file(data / "auth" / "operator.env")
-        nc = await client.open_nats(url, **auth.options_for(operator))
+        operator = credentials.read_env_file(data / "auth" / "operator.env")
+        nc = await client.open_nats(url, **credentials.options_for(operator))
         try:
             return await _demo(console, nc, data, started)
         finally:

@@ -27,7 +27,6 @@ from nats.js.errors import NotFoundError
 from opentelemetry import trace
 
 from shared import telemetry
-from shared.auth import lease_secret
 from shared.bus import names
 from shared.bus.answer import handle
 from shared.bus.connect import publish
@@ -54,6 +53,7 @@ from shared.contracts import (
 from shared.contracts.control import CancelRequest, Command
 from shared.contracts.events import Accepted, Rejected
 from shared.contracts.jobs import MAX_SPEC_BYTES
+from shared.credentials import lease_secret
 from shared.errors import ContractError
 from shared.state.endings import settle
 from shared.state.lease import lease_key

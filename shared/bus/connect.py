@@ -20,7 +20,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
-from shared import auth
+from shared import credentials
 from shared.backoff import Backoff, retrying
 from shared.errors import ConfigError
 
@@ -43,7 +43,7 @@ async def connect(
 
     `first_attempt_timeout` bounds that first wait (CLI commands want a prompt error); None
     retries forever, as services do. Credentials come from `options`, else from the
-    environment (`shared.auth.client_options`): never from the URL, which gets logged.
+    environment (`shared.credentials.client_options`): never from the URL, which gets logged.
     """
 
     async def disconnected() -> None:
@@ -70,7 +70,7 @@ async def connect(
     deadline = None if first_attempt_timeout is None else loop.time() + first_attempt_timeout
     delays = Backoff(first=0.2, most=5.0)
     while True:
-        creds = {**auth.client_options(), **(options or {})}
+        creds = {**credentials.client_options(), **(options or {})}
         try:
             await _attempt(
                 nc,

@@ -15,7 +15,7 @@ from nats.aio.client import Client
 
 from baton.stack.embedded import StackOptions, nats_server, operator_options, user_of, vault
 from baton.stack.natsserver import NatsServer
-from shared import auth
+from shared import auth, credentials
 from shared.bus import names
 from shared.bus.streams import ensure, ensure_site
 from shared.contracts import encode
@@ -44,7 +44,7 @@ class Servers:
         server = self.site if at_site else self.hub
         nc = await nats.connect(
             server.url, error_cb=on_error, allow_reconnect=False,
-            **auth.options_for(v.get(user)),
+            **credentials.options_for(v.get(user)),
         )  # fmt: skip
         self.clients.append(nc)
         return nc

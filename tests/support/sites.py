@@ -15,10 +15,10 @@ from nats.js.errors import NotFoundError
 from baton.cli import reader
 from baton.stack.embedded import nats_server, service_specs, user_of, vault
 from baton.stack.natsserver import NatsServer
-from shared.auth import options_for
 from shared.bus import names
 from shared.bus import sourcing as sites
 from shared.bus.connect import connect
+from shared.credentials import options_for
 from shared.state.workers import live_workers
 from tests.support.proxy import Proxy
 from tests.support.stack import Stack, eventually
