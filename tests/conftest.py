@@ -13,6 +13,7 @@ from baton.stack.natsserver import NatsServer
 from shared.bus.connect import connect
 from shared.bus.streams import ensure
 from tests.support.helpers import descendants, wait_until_sync
+from tests.support.roles import AuthorizedHub
 
 
 @pytest.fixture
@@ -56,3 +57,15 @@ def no_leftover_processes() -> Iterator[None]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     pytest.fail(f"processes left behind: {left}")
+
+
+@pytest.fixture
+async def authorized(tmp_path: Path) -> AsyncIterator[AuthorizedHub]:
+    """A hub server under `baton up`'s authorization, Baton's streams declared; connect to
+    it as a role (`AuthorizedHub.connect`). Its log is audited when it stops."""
+    h = AuthorizedHub(tmp_path / "hub")
+    await h.start()
+    try:
+        yield h
+    finally:
+        await h.stop()

@@ -140,10 +140,16 @@ async def test_a_raw_client_submits_and_follows_its_run_to_completed(
     assert not any(n.startswith("follow-") for n in left), left
 
 
+PROBE = "refusal-probe"
+"""The name of this test's own connections, which the servers log with each refusal."""
+
+
 async def test_what_the_readme_says_is_refused_is_refused(stack: Stack) -> None:
     """Each refusal is the server's: a permissions violation, and no reply at all."""
     user, password = submitter_credentials(stack)
     violations: list[str] = []
+    # The servers log every refusal below; they are this test's own (and only its own).
+    stack.audit.allow_server(f":{PROBE}\" - ", "the test asks for what a submitter may not")
 
     async def on_error(exc: Exception) -> None:
         violations.append(str(exc))
@@ -155,6 +161,7 @@ async def test_what_the_readme_says_is_refused_is_refused(stack: Stack) -> None:
         password=password,
         inbox_prefix=f"_INBOX_{user}",
         error_cb=on_error,
+        name=PROBE,
     )
     try:
         js = nc.jetstream(timeout=2)
@@ -184,7 +191,9 @@ async def test_what_the_readme_says_is_refused_is_refused(stack: Stack) -> None:
 
     # A client's default inbox prefix: its replies' subscription is refused.
     violations.clear()
-    nc = await nats.connect(stack.nats.url, user=user, password=password, error_cb=on_error)
+    nc = await nats.connect(
+        stack.nats.url, user=user, password=password, error_cb=on_error, name=PROBE
+    )
     try:
         with pytest.raises(nats.errors.TimeoutError):
             await nc.request("$JS.API.INFO", b"", timeout=2)

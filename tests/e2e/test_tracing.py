@@ -3,7 +3,8 @@
 Spans of separate processes would need a collector to meet, so the dispatcher, the
 checkpointer and the trainer run here, in the test's process (the trainer still trains in a
 real child process), all sending to the SDK's in-memory exporter and metric reader. The
-trace context crosses NATS exactly as between processes: in message headers only.
+trace context crosses NATS exactly as between processes: in message headers only. The
+hub's server runs `baton up`'s authorization, and each service logs in as its own role.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from baton.cli import client
-from baton.stack.natsserver import NatsServer
+from baton.stack.embedded import StackOptions, hub, vault
 from services.checkpointer.service import Checkpointer
 from services.dispatcher.service import Dispatcher
 from services.trainer.service import Trainer
@@ -30,7 +31,9 @@ from shared.bus.connect import connect
 from shared.bus.service import StopSignals
 from shared.contracts import JobSpec, RunState, convert
 from shared.contracts.events import Accepted
+from shared.credentials import Vault, options_for
 from tests.e2e.jobs import finished
+from tests.support.audit import Audit
 from tests.support.otel import metric_points, sinks
 from tests.support.stack import eventually
 
@@ -39,8 +42,9 @@ class Services:
     """Dispatcher and checkpointer, and trainers started on demand, each on its own
     connection, all in this process."""
 
-    def __init__(self, url: str, tmp_path: Path) -> None:
+    def __init__(self, url: str, tmp_path: Path, vault: Vault) -> None:
         self.url = url
+        self.vault = vault
         self.env = {
             "NATS_URL": url,
             "BATON_STORE": f"file://{tmp_path / 'store'}",
@@ -52,26 +56,28 @@ class Services:
         self.tasks: list[asyncio.Task[None]] = []
         self.trainers: list[tuple[Trainer, StopSignals, asyncio.Task[None]]] = []
 
-    async def _conn(self) -> Client:
-        self.conns.append(await connect(self.url, f"t{len(self.conns)}", first_attempt_timeout=5))
+    async def _conn(self, role: str) -> Client:
+        options = options_for(self.vault.get(role))
+        name = f"{role}{len(self.conns)}"
+        self.conns.append(await connect(self.url, name, first_attempt_timeout=5, options=options))
         return self.conns[-1]
 
     async def start(self) -> Client:
         settings = config.load(self.env)
-        dispatcher = Dispatcher(await self._conn(), settings)
-        self.checkpointer = Checkpointer(await self._conn(), settings)
+        dispatcher = Dispatcher(await self._conn("dispatcher"), settings)
+        self.checkpointer = Checkpointer(await self._conn("checkpointer"), settings)
         for service in (dispatcher, self.checkpointer):
             await service.start()
         self.tasks += [
             asyncio.create_task(dispatcher.serve(self.stop)),
             asyncio.create_task(self.checkpointer.serve(self.stop)),
         ]
-        return await self._conn()
+        return await self._conn("operator")
 
     async def trainer(self, worker: str) -> tuple[Trainer, StopSignals, asyncio.Task[None]]:
         settings = config.load({**self.env, "BATON_WORKER_ID": worker})
         signals = StopSignals()
-        trainer = Trainer(await self._conn(), settings, signals)
+        trainer = Trainer(await self._conn("trainer"), settings, signals)
         await trainer.start()
         self.trainers.append((trainer, signals, asyncio.create_task(trainer.serve(signals.stop))))
         return self.trainers[-1]
@@ -89,12 +95,20 @@ class Services:
 
 
 @pytest.fixture
-async def stack(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Services]:
-    s = Services(nats_server.url, tmp_path)
+async def stack(tmp_path: Path) -> AsyncIterator[Services]:
+    opts = StackOptions(data_dir=tmp_path / "hub", port=0)
+    server, keys = hub(opts), vault(opts)
+    assert keys is not None, "the stack runs with authorization, as `baton up` does"
+    await server.start()
     try:
-        yield s
+        s = Services(server.url, tmp_path, keys)
+        try:
+            yield s
+        finally:
+            await s.close()
     finally:
-        await s.close()
+        await server.stop()
+    Audit(tmp_path).check()
 
 
 def job(total_steps: int, every: int) -> JobSpec:

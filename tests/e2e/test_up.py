@@ -1,4 +1,5 @@
-"""`baton up` and the CLI as a user runs them: real processes, real signals."""
+"""`baton up` and the CLI as a user runs them: real processes, real signals — and, when
+each stack has stopped, nothing refused or timed out in any of its logs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
+from tests.support.audit import Audit
 from tests.support.stack import alive, children_of, eventually
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,6 +110,7 @@ async def test_up_runs_a_job_through_the_cli_and_sigterm_leaves_nothing(tmp_path
         return not any(alive(p) for p in family)
 
     await eventually(none_left, 10, "every process baton up started to exit")
+    Audit(tmp_path).check()
 
 
 async def test_a_second_sigterm_stops_a_trainer_hard_without_an_orphan(tmp_path: Path) -> None:
@@ -137,6 +140,7 @@ async def test_a_second_sigterm_stops_a_trainer_hard_without_an_orphan(tmp_path:
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 90)
+    Audit(tmp_path).check()
 
 
 async def test_up_site_trains_the_hubs_work_and_baton_sites_shows_it(tmp_path: Path) -> None:
@@ -205,3 +209,4 @@ async def test_up_site_trains_the_hubs_work_and_baton_sites_shows_it(tmp_path: P
         return not any(alive(p) for p in family)
 
     await eventually(none_left, 10, "every process both stacks started to exit")
+    Audit(tmp_path).check()

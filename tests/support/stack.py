@@ -28,6 +28,7 @@ from baton.stack.embedded import (
 from baton.stack.natsserver import NatsServer
 from baton.stack.procs import ServiceSpec, Supervisor
 from shared.bus.connect import connect
+from tests.support.audit import Audit
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -69,6 +70,8 @@ class Stack:
         self.after_services: list[Callable[[], Awaitable[None]]] = []
         """Undone after the services stopped, before the hub's server: sites' leaf nodes
         and proxies (see tests/support/sites.py)."""
+        self.audit = Audit(root)
+        """Read when the stack stops: no permission refused, no JetStream API timeout."""
 
     @property
     def store_url(self) -> str:
@@ -182,6 +185,7 @@ class Stack:
             return not training_processes(self.root)
 
         await eventually(none_left, 10, "every training process to exit")
+        self.audit.check()
 
 
 async def eventually(

@@ -1,45 +1,33 @@
 """Ended runs leave the live control plane: the sweep reads the live index, never the
-history, and an archived run still answers."""
+history, and an archived run still answers. The reaper's code runs as the `reaper` user of
+a server with `baton up`'s authorization, so its retirement needs nothing its role lacks."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
-import pytest
 
 from baton.cli import client
 from baton.stack.natsserver import NatsServer
 from services.reaper.service import Reaper
 from shared import config
 from shared.bus import names
-from shared.bus.connect import connect
-from shared.bus.streams import ensure
 from shared.contracts import JobSpec, RunRecord, RunState, convert, encode, spec_hash
 from shared.state import archive
 from shared.state.lease import Lease
 from shared.state.runs import Runs
+from tests.support.roles import AuthorizedHub
 from tests.support.stack import eventually
 
 SPEC = convert({"name": "t", "entry_point": "m:f", "total_steps": 5}, JobSpec)
 HISTORY = 10_000
-
-
-@pytest.fixture
-async def monitored(tmp_path: Path) -> AsyncIterator[NatsServer]:
-    """A server whose monitoring port counts each connection's messages."""
-    server = NatsServer(tmp_path / "nats", port=0, http_port=0)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
 
 
 def record(run_id: str, state: RunState = RunState.QUEUED, **kw: object) -> RunRecord:
@@ -79,13 +67,13 @@ async def history_of(js: object, count: int) -> None:
 
 
 async def test_a_sweep_with_ten_thousand_ended_runs_makes_no_more_requests(
-    monitored: NatsServer, tmp_path: Path
+    authorized: AuthorizedHub, tmp_path: Path
 ) -> None:
-    setup = await connect(monitored.url, "setup", first_attempt_timeout=5)
-    reaper_nc = await connect(monitored.url, "reaper-under-test", first_attempt_timeout=5)
+    monitored = authorized.server
+    setup = await authorized.connect("operator", "setup")
+    reaper_nc = await authorized.connect("reaper", "reaper-under-test")
     try:
         js = setup.jetstream()
-        await ensure(js)
         runs = await Runs.open(js)
         # Live work of each kind the sweep looks at: a queued run, a running one with its
         # lease held, and a run that ended but whose terminal event is not stored yet.
@@ -118,9 +106,10 @@ async def test_a_sweep_with_ten_thousand_ended_runs_makes_no_more_requests(
 
 
 async def test_an_ended_run_is_archived_and_still_answers_once_the_bucket_forgot_it(
-    monitored: NatsServer, declared_at: None, tmp_path: Path
+    authorized: AuthorizedHub, tmp_path: Path
 ) -> None:
-    nc = await connect(monitored.url, "test", first_attempt_timeout=5)
+    nc = await authorized.connect("operator", "test")
+    as_reaper = await authorized.connect("reaper", "reaper-under-test")
     try:
         js = nc.jetstream()
         runs = await Runs.open(js)
@@ -138,12 +127,12 @@ async def test_an_ended_run_is_archived_and_still_answers_once_the_bucket_forgot
             "BATON_STORE": f"file://{tmp_path}",
         }
         # Not before it has been over for BATON_GC_AGE: a zombie's upload may still land.
-        patient = Reaper(nc, config.load(env))
+        patient = Reaper(as_reaper, config.load(env))
         await patient.start()
         await patient.sweep()
         await patient.close()
         assert sorted(await runs.live_ids()) == ["rdone", "rlate"]
-        reaper = Reaper(nc, config.load({**env, "BATON_GC_AGE": "1"}))
+        reaper = Reaper(as_reaper, config.load({**env, "BATON_GC_AGE": "1"}))
         await reaper.start()
 
         async def retired() -> bool:
@@ -161,8 +150,9 @@ async def test_an_ended_run_is_archived_and_still_answers_once_the_bucket_forgot
         # Still answers: the CLI's read, `baton status` itself, and the listing of history.
         assert (await client.record(nc, "rdone")).state is RunState.COMPLETED
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "baton", "status", "rdone", "-s", monitored.url, "--json",
+            sys.executable, "-m", "baton", "status", "rdone", "-s", authorized.url, "--json",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "NATS_AUTH_FILE": str(authorized.vault.root / "operator.env")},
         )  # fmt: skip
         out, err = await proc.communicate()
         assert proc.returncode == 0, err.decode()
@@ -187,12 +177,3 @@ async def test_an_ended_run_is_archived_and_still_answers_once_the_bucket_forgot
 
 async def _gone(runs: Runs, run_id: str) -> bool:
     return await runs.get(run_id) is None
-
-
-@pytest.fixture
-async def declared_at(monitored: NatsServer) -> None:
-    nc = await connect(monitored.url, "declare", first_attempt_timeout=5)
-    try:
-        await ensure(nc.jetstream())
-    finally:
-        await nc.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -20,6 +19,7 @@ from shared.contracts.events import Event, HandedOver
 from shared.state.handover import hand_over
 from shared.state.lease import Lease
 from shared.state.runs import Runs
+from tests.support.roles import AuthorizedHub
 from tests.support.stack import eventually
 
 SPEC = convert({"name": "t", "entry_point": "m:f", "total_steps": 5}, JobSpec)
@@ -68,12 +68,16 @@ async def handovers(js: JetStreamContext, run_id: str) -> list[HandedOver]:
         await sub.unsubscribe()
 
 
-async def test_an_expired_lease_hands_its_run_over_before_the_ack_wait(declared: Client) -> None:
-    nc = declared
+async def test_an_expired_lease_hands_its_run_over_before_the_ack_wait(
+    authorized: AuthorizedHub,
+) -> None:
+    nc = await authorized.connect("operator")  # the trainer's side, and the test's reads
     js = nc.jetstream()
     await ensure_consumer(js, names.TASKS_STREAM, trainer_consumer("default", ACK_WAIT_S, 100))
     runs = await Runs.open(js)
-    lapses = Lapses(nc, js, runs, None)
+    reaper = await authorized.connect("reaper")  # the code under test, as its own role
+    rjs = reaper.jetstream()
+    lapses = Lapses(reaper, rjs, await Runs.open(rjs), None)
     await lapses.start()
     try:
         # Renewed past its TTL, then released: neither is an expiry.
@@ -86,16 +90,21 @@ async def test_an_expired_lease_hands_its_run_over_before_the_ack_wait(declared:
         # Left to lapse: silent for a whole TTL.
         lost, _ = await held(js, runs, "rlost", ttl_s=1)
 
+        # One pull subscription for every poll: a subscription made per poll and dropped
+        # when its fetch timed out can still be handed the message, which then waits
+        # there, unseen, for its AckWait (a machine under load made that happen).
+        sub = await js.pull_subscribe_bind(names.trainer_consumer("default"), names.TASKS_STREAM)
+
         async def again() -> Msg | None:
-            sub = await js.pull_subscribe_bind(
-                names.trainer_consumer("default"), names.TASKS_STREAM
-            )
             try:
                 return (await sub.fetch(1, timeout=1))[0]
             except NatsTimeoutError:
                 return None
 
-        msg = await eventually(again, 20, "the task delivered again")
+        try:
+            msg = await eventually(again, 20, "the task delivered again")
+        finally:
+            await sub.unsubscribe()
         assert decode(msg.data, Task).run_id == "rlost" and msg.metadata.num_delivered == 2
         # The watch handles the bucket's entries in order: the kept run's release came first.
         assert await redelivered(js) == 1
@@ -105,7 +114,7 @@ async def test_an_expired_lease_hands_its_run_over_before_the_ack_wait(declared:
         assert (event.worker, event.token) == ("w1", lost.token)
         assert await handovers(js, "rkept") == []
         # Whoever comes second — the trainer's successor, a second reaper — hands nothing over.
-        assert not await hand_over(nc, js, runs, "rlost", lost.token, "again")
+        assert not await hand_over(reaper, rjs, runs, "rlost", lost.token, "again")
         assert not await lapses.lapsed("rlost")
     finally:
         await lapses.stop()

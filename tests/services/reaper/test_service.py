@@ -14,6 +14,7 @@ from shared.bus import names
 from shared.contracts import JobSpec, RunRecord, RunState, convert, encode, spec_hash
 from shared.state.lease import Lease
 from shared.state.runs import Runs
+from tests.support.roles import AuthorizedHub
 from tests.support.stack import eventually
 
 SPEC = convert({"name": "t", "entry_point": "m:f", "total_steps": 5}, JobSpec)
@@ -44,12 +45,14 @@ async def queued_tasks(nc: Client, run_id: str) -> int:
 
 
 async def test_two_racing_reapers_dispatch_a_lost_run_once(
-    declared: Client, tmp_path: Path
+    authorized: AuthorizedHub, tmp_path: Path
 ) -> None:
-    nc = declared
+    nc = await authorized.connect("operator")
     runs = await running(nc, "rlost")
     settings = config.load({"BATON_LEASE_TTL": "2", "BATON_STORE": f"file://{tmp_path}"})
-    a, b = Reaper(nc, settings), Reaper(nc, settings)
+    # Each as the `reaper` user of `baton up`'s authorization, on its own connection.
+    a = Reaper(await authorized.connect("reaper", "reaper-a"), settings)
+    b = Reaper(await authorized.connect("reaper", "reaper-b"), settings)
     await a.start()
     await b.start()
 

@@ -1,0 +1,60 @@
+"""A hub nats-server as `baton up` runs it — its authorization, a user per role — for tests
+that run a service's code in the test's process: the code under test connects as its own
+role, the test's set-up as the operator, so a permission the role lacks fails the test
+(the server's refusal reaches the client only as a timeout; the audit reads the log)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nats.aio.client import Client
+
+from baton.stack.cluster import HubCluster
+from baton.stack.embedded import StackOptions, hub, vault
+from baton.stack.natsserver import NatsServer
+from shared.bus.connect import connect
+from shared.bus.streams import ensure
+from shared.credentials import Vault, options_for
+from tests.support.audit import Audit
+
+
+class AuthorizedHub:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.opts = StackOptions(data_dir=root, port=0)
+        self.cluster: HubCluster = hub(self.opts, http_port=0)
+        keys = vault(self.opts)
+        assert keys is not None, "authorization is on by default"
+        self.vault: Vault = keys
+        self.clients: list[Client] = []
+        self.audit = Audit(root)
+
+    @property
+    def server(self) -> NatsServer:
+        return self.cluster.nodes[0]
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url
+
+    async def start(self) -> None:
+        """The server, with Baton's streams and buckets declared (by the operator)."""
+        await self.cluster.start()
+        await ensure((await self.connect("operator")).jetstream())
+
+    async def connect(self, role: str, name: str = "") -> Client:
+        """A client logged in as `role` (named `name`, for the server's connection list)."""
+        nc = await connect(
+            self.url, name or f"as-{role}", first_attempt_timeout=10,
+            options=options_for(self.vault.get(role)),
+        )  # fmt: skip
+        self.clients.append(nc)
+        return nc
+
+    async def stop(self) -> None:
+        """Close every client, stop the server, then read its log: nothing refused."""
+        for nc in self.clients:
+            if not nc.is_closed:
+                await nc.close()
+        await self.cluster.stop()
+        self.audit.check()
