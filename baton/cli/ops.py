@@ -73,8 +73,9 @@ def streams(
 
 @app.command()
 def sites(server: Server = DEFAULT, as_json: Json = False) -> None:
-    """Sites the hub has heard from: link state, last greeting, and backlog (messages the
-    hub has yet to take from the site's outbox, as last measured)."""
+    """Sites the hub has heard from: link state, when the hub last heard each (its server's
+    clock: the reaper's and this host's may be off), and backlog (messages the hub has yet
+    to take from the site's outbox, as last measured)."""
     from rich.table import Table
 
     from shared.bus import sourcing as site_links
@@ -251,15 +252,31 @@ def _when(at: float) -> str:
 @app.command()
 def ui(
     host: Annotated[
-        str, typer.Option(help="Address to listen on: loopback unless you say otherwise.")
+        str,
+        typer.Option(
+            help="Address to listen on: loopback unless you say otherwise. The dashboard "
+            "answers to it, to the loopback names and to each --allow-host; bound to every "
+            "address (0.0.0.0, ::), to any IP address too."
+        ),
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free one).")] = 8650,
+    allow_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-host",
+            metavar="NAME",
+            help="Another name browsers reach the dashboard by (`name` or `name:port`; "
+            "repeat for more): a request naming any other host is refused.",
+        ),
+    ] = None,
     server: Server = DEFAULT,
     store: Store = None,
 ) -> None:
     """Serve the live dashboard — runs, a run's loss and timeline, workers, sites, streams,
-    dead letters — until Ctrl-C. It logs in to NATS as the CLI does (the operator)."""
+    dead letters — until Ctrl-C. It logs in to NATS as the `dashboard` role that `baton up`
+    writes (./.baton/auth/dashboard.env: reads and replay only), else as the CLI does."""
     from baton.cli import client
+    from baton.cli.common import DASHBOARD_AUTH_FILE, DEFAULT_AUTH_FILE, Connection, fail
     from baton.cli.errors import CliError
     from baton.ui import server as dashboard
 
@@ -267,14 +284,29 @@ def ui(
         url: str | None = client.store_url(store)
     except CliError:
         url = None
+    try:
+        dashboard.hosts_for(host, port or 1, allow_host or ())
+    except CliError as exc:
+        fail(str(exc), exc.code)
     if not dashboard.loopback(host):
         err.print(
             f"[yellow]listening on {host}: whoever reaches it sees every run and may replay "
             "dead letters and pin checkpoints; the dashboard has no login of its own[/yellow]"
         )
+    # Next to `baton up`: its dashboard user, or an older stack's operator.
+    default = DASHBOARD_AUTH_FILE if DASHBOARD_AUTH_FILE.is_file() else DEFAULT_AUTH_FILE
+    options = Connection.options(default)
+    who = f"NATS user {options['user']}" if options.get("user") else "given NATS credentials"
 
     def ready(address: str) -> None:
-        out.print(f"Baton dashboard on {address}  (Ctrl-C to stop)")
+        out.print(f"Baton dashboard on {address}  ({who}; Ctrl-C to stop)")
         sys.stdout.flush()
 
-    run(lambda: with_nats(server, lambda nc: dashboard.serve(nc, url, host, port, ready)))
+    async def go() -> None:
+        nc = await client.open_nats(server, **options)
+        try:
+            await dashboard.serve(nc, url, host, port, ready, allow_host or ())
+        finally:
+            await nc.close()
+
+    run(go)

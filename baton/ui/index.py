@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from nats.js import JetStreamContext
@@ -24,6 +25,7 @@ from baton.ui.live import Fanout, Following
 from shared.bus import names
 from shared.contracts import RunRecord, RunState, decode
 from shared.errors import ContractError
+from shared.state.clock import ServerClock, created
 
 log = logging.getLogger("baton.ui")
 
@@ -48,14 +50,18 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     updated_at: float
     seq: int
     """The runs bucket's stream sequence of the record this summary was made from."""
+    stamped_at: float = 0.0
+    """The hub server's stamp of that record (its clock): how long ago the run last changed
+    is the hub's now less this. `created_at` and `updated_at` are their writers' clocks,
+    shown and never subtracted from another's."""
 
     @classmethod
-    def of(cls, r: RunRecord, seq: int) -> RunSummary:
+    def of(cls, r: RunRecord, seq: int, stamped_at: float) -> RunSummary:
         return cls(
             run_id=r.run_id, name=r.spec.name, state=r.state, step=r.step,
             total_steps=r.spec.total_steps, attempts=r.attempts, worker=r.worker,
             pool=r.spec.pool, owner=r.run_id.rpartition(".")[0], site=r.ending_site,
-            created_at=r.created_at, updated_at=r.updated_at, seq=seq,
+            created_at=r.created_at, updated_at=r.updated_at, seq=seq, stamped_at=stamped_at,
         )  # fmt: skip
 
 
@@ -87,6 +93,7 @@ class Page:
 class RunIndex:
     js: JetStreamContext
     fanout: Fanout
+    clock: ServerClock
     runs: dict[str, RunSummary] = field(default_factory=dict)
     _order: list[tuple[float, str]] = field(default_factory=list)  # (-created_at, run_id)
     following: Following = field(init=False)
@@ -98,25 +105,31 @@ class RunIndex:
         assert entry.value is not None and entry.revision is not None
         try:
             record = decode(entry.value, RunRecord)
-        except ContractError as exc:
+            stamped_at = created(entry)
+        except (ContractError, ValueError) as exc:
             log.warning("unreadable run record %s: %s", entry.key, exc)
             return
-        self._put(RunSummary.of(record, entry.revision))
+        self._put(RunSummary.of(record, entry.revision, stamped_at))
 
     def _put(self, s: RunSummary) -> None:
         if s.run_id not in self.runs:
             bisect.insort(self._order, (-s.created_at, s.run_id))
         self.runs[s.run_id] = s
-        self.fanout.publish("run", as_json(s), s.seq)
+        self.fanout.publish("run", self.shown(s), s.seq)
 
-    def page(self, where: Filter, after: str | None, limit: int) -> Page:
+    def shown(self, s: RunSummary) -> dict[str, Any]:
+        """A summary as a browser is sent it, with the hub's time now (`now`, the server's
+        clock, as `stamped_at` is): the page ages it by that clock, never its own."""
+        return {**as_json(s), "now": self.clock.now()}
+
+    def page(self, where: Filter, after: tuple[float, str] | None, limit: int) -> Page:
         """Up to `limit` runs admitted by `where`, newest first, older than the cursor
-        `after` (a previous page's `next`)."""
+        `after` (a previous page's `next`, parsed: `params.cursor`)."""
         limit = max(1, min(limit, MAX_PAGE))
         start = 0
-        if after:
-            at, _, run_id = after.partition(":")
-            start = bisect.bisect_right(self._order, (-float(at), run_id))
+        if after is not None:
+            at, run_id = after
+            start = bisect.bisect_right(self._order, (-at, run_id))
         out: list[RunSummary] = []
         i = start
         for i in range(start, len(self._order)):

@@ -23,6 +23,7 @@ from shared.bus import names
 from shared.contracts import decode
 from shared.contracts.control import WorkerInfo
 from shared.errors import ContractError
+from shared.state.clock import ServerClock, created
 
 log = logging.getLogger("baton.ui")
 
@@ -60,20 +61,49 @@ async def with_keepalive(source: AsyncIterator[str]) -> AsyncIterator[str]:
                 await pending
 
 
-class Fanout:
-    """Messages for every browser following the live stream, already in SSE form."""
+LIVE_QUEUE_MAX = 1000
+"""Messages waiting for one browser, at most. A browser that falls this far behind (a slow
+link, a stalled tab) is dropped rather than let its queue grow: the queue is emptied and its
+stream ends. Its `EventSource` reconnects by itself, naming the last change it saw
+(`Last-Event-ID`), and is sent the summaries changed since (`RunIndex.since`); a heartbeat
+it missed is replaced by the trainer's next one."""
 
-    def __init__(self) -> None:
-        self._queues: set[asyncio.Queue[str]] = set()
+
+class Fanout:
+    """Messages for every browser following the live stream, already in SSE form. Invariant:
+    no browser's queue holds more than `limit` messages; one that would is dropped, and its
+    queue then holds only the end of its stream (None)."""
+
+    def __init__(self, limit: int = LIVE_QUEUE_MAX) -> None:
+        self.limit = limit
+        self.dropped = 0
+        """Browsers dropped for falling behind, since start."""
+        self._queues: set[asyncio.Queue[str | None]] = set()
+
+    @property
+    def following(self) -> int:
+        return len(self._queues)
 
     def publish(self, kind: str, data: Any, id: int | None = None) -> None:
         message = sse(kind, data, id)
-        for q in self._queues:
-            q.put_nowait(message)
+        for q in list(self._queues):
+            try:
+                q.put_nowait(message)
+            except asyncio.QueueFull:
+                self._drop(q)
+
+    def _drop(self, q: asyncio.Queue[str | None]) -> None:
+        self._queues.discard(q)
+        self.dropped += 1
+        while not q.empty():
+            q.get_nowait()
+        q.put_nowait(None)
+        log.info("a browser fell %d messages behind the live stream: dropped", self.limit)
 
     @contextlib.asynccontextmanager
-    async def follow(self) -> AsyncIterator[asyncio.Queue[str]]:
-        q: asyncio.Queue[str] = asyncio.Queue()
+    async def follow(self) -> AsyncIterator[asyncio.Queue[str | None]]:
+        """A queue of this browser's messages; None ends its stream (it was dropped)."""
+        q: asyncio.Queue[str | None] = asyncio.Queue(maxsize=self.limit)
         self._queues.add(q)
         try:
             yield q
@@ -118,14 +148,25 @@ class Following:
                 await watcher.stop()  # type: ignore[no-untyped-call]
 
 
-class Heartbeats:
-    """The trainers' heartbeats, as they are written, for every browser that follows them."""
+def heard(info: WorkerInfo, stamped_at: float, now: float) -> dict[str, Any]:
+    """A heartbeat as a browser is sent it. Invariant: its age is the hub's to say — the
+    server's stamp of the heartbeat (`stamped_at`) and the hub's time when it was sent
+    (`now`), both the hub server's clock; the page adds only the seconds since it got them
+    on its own monotonic clock. The trainer's `at` is shown, never subtracted."""
+    return {**as_json(info), "stamped_at": stamped_at, "now": now}
 
-    def __init__(self, js: JetStreamContext, fanout: Fanout) -> None:
+
+class Heartbeats:
+    """The trainers' heartbeats, as they are written, for every browser that follows them,
+    each with the server's stamp of its entry and the hub's now (`heard`)."""
+
+    def __init__(self, js: JetStreamContext, fanout: Fanout, clock: ServerClock) -> None:
         self.fanout = fanout
+        self.clock = clock
         self.following = Following(js, names.WORKERS_BUCKET, self._beat)
 
     def _beat(self, entry: KeyValue.Entry) -> None:
         assert entry.value is not None
-        with contextlib.suppress(ContractError):
-            self.fanout.publish("worker", as_json(decode(entry.value, WorkerInfo)))
+        with contextlib.suppress(ContractError, ValueError):
+            info = decode(entry.value, WorkerInfo)
+            self.fanout.publish("worker", heard(info, created(entry), self.clock.now()))

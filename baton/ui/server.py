@@ -8,8 +8,11 @@ offline and behind any firewall.
 
 Reads come from the streams and buckets Baton already has (`index`, `views`, `live`); the
 only writes are an operator's two actions — replaying a dead letter and pinning a
-checkpoint — each a POST that must carry the page's token (`X-Baton-Token`), which another
-site's page cannot read, so a page elsewhere cannot make the browser act here.
+checkpoint — each a POST that must come from the dashboard's own page (`guard`: its Origin)
+and carry the page's token (`X-Baton-Token`), which another site's page cannot read. Every
+request must name a host the dashboard is served on (`guard`: no DNS rebinding), and every
+value taken from a URL is checked before it reaches NATS or the store (`params`). It logs
+in to NATS as the `dashboard` role (`shared.auth`): reads, and replay.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import ipaddress
 import logging
 import secrets
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from importlib import resources
 from typing import Any
 
@@ -36,10 +39,14 @@ from starlette.staticfiles import StaticFiles
 from baton.cli import inspect
 from baton.cli.errors import CliError
 from baton.cli.inspect import as_json
-from baton.ui import views
+from baton.ui import params, views
+from baton.ui.guard import Guard, Hosts
 from baton.ui.index import MAX_PAGE, Filter, RunIndex
 from baton.ui.live import Fanout, Heartbeats, sse, with_keepalive
+from shared.auth import DASHBOARD_REPLAYS
+from shared.bus import names
 from shared.errors import BatonError
+from shared.state.clock import ServerClock
 
 log = logging.getLogger("baton.ui")
 
@@ -50,6 +57,9 @@ INDEX_TIMEOUT_S = 30.0
 
 
 class Dashboard:
+    """One dashboard: reads for its pages, the two actions, and the page's token (made at
+    each start, so a page served by an earlier dashboard cannot act on this one)."""
+
     def __init__(self, nc: Client, store_url: str | None) -> None:
         self.nc = nc
         self.store_url = store_url
@@ -57,28 +67,38 @@ class Dashboard:
         self.reads = views.Reads()
         self.goodputs = views.Goodputs(nc, self.reads)
         self.fanout = Fanout()
-        self.index = RunIndex(nc.jetstream(), self.fanout)
-        self.beats = Heartbeats(nc.jetstream(), self.fanout)
+        # The hub's clock, which every age a page shows is read from (docs: "Clocks").
+        self.clock = ServerClock(nc, f"KV_{names.RUNS_BUCKET}")
+        self.index = RunIndex(nc.jetstream(), self.fanout, self.clock)
+        self.beats = Heartbeats(nc.jetstream(), self.fanout, self.clock)
+        self.guard: Guard | None = None
 
     async def start(self) -> None:
         runs, beats = self.index.following, self.beats.following
         try:
+            await self.clock.sync()
             await runs.start()
             await asyncio.wait_for(runs.ready.wait(), INDEX_TIMEOUT_S)
             await beats.start()
-        except (NatsError, TimeoutError) as exc:
+        except (NatsError, TimeoutError, RuntimeError) as exc:
             await self.stop()
             raise CliError(
                 f"cannot follow the runs and workers buckets ({type(exc).__name__}: {exc}); "
-                "the dashboard needs the operator's credentials (--auth-file, --creds or "
-                "NATS_USER/NATS_PASSWORD)"
+                "the dashboard needs the dashboard's or the operator's credentials "
+                "(--auth-file, --creds or NATS_USER/NATS_PASSWORD; `baton up` writes "
+                ".baton/auth/dashboard.env)"
             ) from None
 
     async def stop(self) -> None:
         await self.beats.following.stop()
         await self.index.following.stop()
 
-    def app(self) -> Starlette:
+    def app(self, hosts: Hosts) -> Guard:
+        """The routes, behind the Host and Origin checks of `guard`."""
+        self.guard = Guard(self._routes(), hosts)
+        return self.guard
+
+    def _routes(self) -> Starlette:
         return Starlette(
             routes=[
                 Route("/", self.page),
@@ -90,38 +110,47 @@ class Dashboard:
                 Route("/api/runs/{run_id}/live", self.run_live),
                 Route("/api/runs/{run_id}/logs", self.logs),
                 Route("/api/runs/{run_id}/checkpoints", self.checkpoints),
-                Route(
-                    "/api/runs/{run_id}/checkpoints/{step:int}/pin", self.pin, methods=["POST"]
-                ),
+                Route("/api/runs/{run_id}/checkpoints/{step}/pin", self.pin, methods=["POST"]),
                 Route("/api/workers", self.workers),
                 Route("/api/sites", self.sites),
                 Route("/api/streams", self.streams),
                 Route("/api/dlq", self.letters),
-                Route("/api/dlq/{seq:int}/replay", self.replay, methods=["POST"]),
+                Route("/api/dlq/{seq}/replay", self.replay, methods=["POST"]),
                 Mount("/static", StaticFiles(directory=str(STATIC)), name="static"),
             ],
-            exception_handlers={BatonError: _error, CliError: _error},
-        )
+            exception_handlers={
+                BatonError: _error, CliError: _error, NatsError: _unavailable,
+                TimeoutError: _unavailable,
+            },
+        )  # fmt: skip
 
     # -- pages and lists ------------------------------------------------------------------
 
     async def page(self, request: Request) -> Response:
         body = (STATIC / "index.html").read_text(encoding="utf-8")
-        return HTMLResponse(body.replace("{{token}}", self.token))
+        # The page holds the token: no cache keeps a copy of it.
+        headers = {"Cache-Control": "no-store"}
+        return HTMLResponse(body.replace("{{token}}", self.token), headers=headers)
 
     async def meta(self, request: Request) -> Response:
-        return JSONResponse({"reads": self.reads.count, "runs": len(self.index.runs)})
+        return JSONResponse({
+            "reads": self.reads.count, "runs": len(self.index.runs),
+            "following": self.fanout.following, "dropped": self.fanout.dropped,
+            "refused": self.guard.refused if self.guard is not None else 0,
+        })  # fmt: skip
 
     async def runs(self, request: Request) -> Response:
         q = request.query_params
         where = Filter(
-            state=q.get("state", ""), pool=q.get("pool", ""), owner=q.get("owner", ""),
-            site=q.get("site", ""),
+            state=params.state(q.get("state", "")), pool=q.get("pool", ""),
+            owner=q.get("owner", ""), site=q.get("site", ""),
         )  # fmt: skip
-        page = self.index.page(where, q.get("after"), int(q.get("limit", "50")))
-        return JSONResponse(
-            {"runs": as_json(page.runs), "next": page.next, "total": page.total}
-        )
+        limit = params.integer(q, "limit", 50, 1, MAX_PAGE)
+        page = self.index.page(where, params.cursor(q.get("after")), limit)
+        return JSONResponse({
+            "runs": as_json(page.runs), "next": page.next, "total": page.total,
+            "now": self.clock.now(),  # carried, not asked: a page costs the page alone
+        })  # fmt: skip
 
     async def goodput(self, request: Request) -> Response:
         """Goodput of the finished runs named in `runs` (comma-separated, at most a page):
@@ -141,31 +170,33 @@ class Dashboard:
                 yield "retry: 1000\n\n"
                 if last is not None:
                     for s in self.index.since(last):
-                        yield sse("run", as_json(s), s.seq)
-                while True:
-                    yield await queue.get()
+                        yield sse("run", self.index.shown(s), s.seq)
+                # None: this browser fell `LIVE_QUEUE_MAX` behind and was dropped; the end of
+                # the stream makes it reconnect, and re-read from its last id.
+                while (message := await queue.get()) is not None:
+                    yield message
 
         return _events(stream())
 
     # -- one run ---------------------------------------------------------------------------
 
     async def run(self, request: Request) -> Response:
-        run_id = request.path_params["run_id"]
+        run_id = params.run_id(request.path_params["run_id"])
         record = await self._record(run_id)
         async with views.RunEvents(self.nc, run_id, self.reads) as history:
-            return JSONResponse(views.run_view(record, history.events, history.seq))
+            return JSONResponse(await self._view(record, history))
 
     async def run_live(self, request: Request) -> Response:
         """The run's page, sent again whenever new events arrived (at most every
         `VIEW_EVERY_S`): one place computes a run's timeline, and the browser only draws."""
-        run_id = request.path_params["run_id"]
+        run_id = params.run_id(request.path_params["run_id"])
         await self._record(run_id)  # 404 before the stream starts
 
         async def stream() -> AsyncIterator[str]:
             async with views.RunEvents(self.nc, run_id, self.reads) as history:
                 while True:
                     record = await self._record(run_id)
-                    yield sse("view", views.run_view(record, history.events, history.seq))
+                    yield sse("view", await self._view(record, history))
                     await history.more(timeout=3600)
                     await asyncio.sleep(VIEW_EVERY_S)  # coalesce a burst into one view
                     await history.more(timeout=0.01)
@@ -173,7 +204,10 @@ class Dashboard:
         return _events(stream())
 
     async def logs(self, request: Request) -> Response:
-        run_id = request.path_params["run_id"]
+        """The run's output from the start, then live; 404 for a run that does not exist
+        (in the runs bucket or the archive) before anything is streamed."""
+        run_id = params.run_id(request.path_params["run_id"])
+        await self._record(run_id)
 
         async def stream() -> AsyncIterator[str]:
             async for text in views.log_tail(self.nc, run_id, self.reads):
@@ -182,19 +216,21 @@ class Dashboard:
         return _events(stream())
 
     async def checkpoints(self, request: Request) -> Response:
-        rows = await inspect.checkpoints(self._store(), request.path_params["run_id"])
+        run_id = params.run_id(request.path_params["run_id"])
+        rows = await inspect.checkpoints(self._store(), run_id)
         return JSONResponse(as_json(rows))
 
     async def pin(self, request: Request) -> Response:
         self._check_token(request)
-        run_id, step = request.path_params["run_id"], request.path_params["step"]
+        run_id = params.run_id(request.path_params["run_id"])
+        step = params.number(request.path_params["step"], "step", low=0)
         await inspect.pin(self._store(), run_id, step)
         return JSONResponse({"pinned": step})
 
     # -- the fleet ---------------------------------------------------------------------------
 
     async def workers(self, request: Request) -> Response:
-        return JSONResponse(await views.workers(self.nc, self.reads))
+        return JSONResponse(await views.workers(self.nc, self.reads, await self.clock.read()))
 
     async def sites(self, request: Request) -> Response:
         return JSONResponse(await views.sites(self.nc, self.reads))
@@ -203,14 +239,27 @@ class Dashboard:
         return JSONResponse(await views.streams(self.nc, self.reads))
 
     async def letters(self, request: Request) -> Response:
-        return JSONResponse(await views.letters(self.nc, self.reads))
+        return JSONResponse(await views.letters(self.nc, self.reads, await self.clock.read()))
 
     async def replay(self, request: Request) -> Response:
+        """Publish a dead letter again to its work queue, and remove it. Only to the hub's
+        work queues (`DASHBOARD_REPLAYS`, all the dashboard role may publish to)."""
         self._check_token(request)
-        subject = await inspect.dlq_replay(self.nc, request.path_params["seq"])
-        return JSONResponse({"replayed": request.path_params["seq"], "subject": subject})
+        seq = params.number(request.path_params["seq"], "seq")
+        subject = (await inspect.dlq_show(self.nc, seq)).letter.subject
+        if not replayable(subject):
+            raise params.bad(
+                f"dead letter #{seq} was bound for {subject}, not a hub work queue: the "
+                "dashboard does not replay it (`baton dlq replay`, as an operator, does)"
+            )
+        subject = await inspect.dlq_replay(self.nc, seq)
+        return JSONResponse({"replayed": seq, "subject": subject})
 
     # -- helpers -----------------------------------------------------------------------------
+
+    async def _view(self, record: Any, history: views.RunEvents) -> dict[str, Any]:
+        now = await self.clock.read()
+        return views.run_view(record, history.events, history.stamps, history.seq, now)
 
     async def _record(self, run_id: str) -> Any:
         record = await views.run_record(self.nc, run_id, self.reads)
@@ -228,12 +277,17 @@ class Dashboard:
             raise CliError("this action needs the page's token (reload the dashboard)", 4)
 
 
+def replayable(subject: str) -> bool:
+    return any(subject.startswith(root.removesuffix(">")) for root in DASHBOARD_REPLAYS)
+
+
 def _last_id(request: Request) -> int | None:
-    raw = request.headers.get("last-event-id") or request.query_params.get("since")
-    try:
-        return int(raw) if raw else None
-    except ValueError:
-        return None
+    """The last summary a reconnecting browser saw: its `Last-Event-ID` (an id we sent; one
+    that is not is ignored, since a browser told 400 would stop reconnecting) or `since`."""
+    if "since" in request.query_params:
+        return params.integer(request.query_params, "since", 0, 0, params.MAX_SEQ)
+    raw = request.headers.get("last-event-id", "")
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 19 else None
 
 
 def _events(source: AsyncIterator[str]) -> StreamingResponse:
@@ -252,6 +306,12 @@ async def _error(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": str(exc)}, status_code=code)
 
 
+async def _unavailable(request: Request, exc: Exception) -> Response:
+    """NATS did not answer (or refused: a missing permission reads as a timeout)."""
+    log.warning("%s %s: NATS: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+    return JSONResponse({"error": f"NATS: {type(exc).__name__}: {exc}"}, status_code=503)
+
+
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the server starts so its port is known (0: any
     free port)."""
@@ -268,6 +328,15 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def hosts_for(host: str, port: int, allow_hosts: Sequence[str]) -> Hosts:
+    """What the dashboard on `host`:`port` answers to; a value that is no host is a usage
+    error."""
+    try:
+        return Hosts.served(host, port, allow_hosts)
+    except ValueError as exc:
+        raise CliError(f"not a host name to serve on: {exc}", 2) from None
+
+
 def loopback(host: str) -> bool:
     with contextlib.suppress(ValueError):
         return ipaddress.ip_address(host).is_loopback
@@ -275,15 +344,23 @@ def loopback(host: str) -> bool:
 
 
 async def serve(
-    nc: Client, store_url: str | None, host: str, port: int, ready: Callable[[str], None]
+    nc: Client,
+    store_url: str | None,
+    host: str,
+    port: int,
+    ready: Callable[[str], None],
+    allow_hosts: Sequence[str] = (),
 ) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn's handlers only set its exit flag)."""
+    """Serve until SIGINT/SIGTERM (uvicorn's handlers only set its exit flag), answering
+    only requests for `host`, the loopback names and `allow_hosts` (`guard.Hosts`)."""
+    hosts_for(host, 1, allow_hosts)
     dash = Dashboard(nc, store_url)
     await dash.start()
     sock = bind(host, port)
     try:
+        hosts = hosts_for(host, sock.getsockname()[1], allow_hosts)
         config = uvicorn.Config(
-            dash.app(), log_level="warning", lifespan="off",
+            dash.app(hosts), log_level="warning", lifespan="off",
             # Live streams never end by themselves: give browsers a second, then close.
             timeout_graceful_shutdown=1,
         )  # fmt: skip

@@ -1,6 +1,12 @@
 """What the dashboard's pages show, as JSON-ready data: a run (its timeline, goodput and loss
 curves, computed by the same code as `baton report`), workers, sites, streams, dead letters.
 
+Every time a page subtracts is the hub server's (docs/architecture.md, "Clocks"): a run's
+events are put on the hub's clock from their stamps (`shared.history.clocks`) before its
+timeline and goodput are computed, and everything a page shows an age of comes with the
+server's stamp of it (`stamped_at`) and the hub's time when it was sent (`now`). A writer's
+own time (`at`, `created_at`) is shown as written, never subtracted.
+
 Every read the dashboard makes from NATS on a request's behalf goes through `Reads`, which
 counts it: the runs list must cost the page, not the history, and a test holds it to that.
 """
@@ -9,24 +15,28 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from baton.cli import inspect, reader
+from baton.ui.live import heard
 from shared.bus import names, sourcing
 from shared.contracts import RunRecord, decode
 from shared.contracts import events as ev
 from shared.contracts.events import Event, kind_of
+from shared.contracts.letters import DeadLetter
 from shared.errors import ContractError
+from shared.history.clocks import on_hub_clock
 from shared.history.goodput import goodput
 from shared.history.timeline import attempts_of
+from shared.state.clock import stamp
 from shared.state.runs import Runs
-from shared.state.workers import live_workers
+from shared.state.workers import heard_workers
 
 MAX_POINTS = 2000
 """Loss points per attempt sent to a browser: a long run's curve is thinned to this."""
@@ -40,13 +50,15 @@ class Reads:
 
 
 class RunEvents:
-    """A run's events from the first, then live: what a run page is built from."""
+    """A run's events from the first, then live: what a run page is built from. Invariant:
+    `stamps[i]` is the hub server's stamp of `events[i]`."""
 
     def __init__(self, nc: Client, run_id: str, reads: Reads) -> None:
         self.nc = nc
         self.run_id = run_id
         self.reads = reads
         self.events: list[Event] = []
+        self.stamps: list[float] = []
         self.seq = 0
         """The events stream's sequence of the newest event read."""
         self._sub: reader.StreamReader | None = None
@@ -79,11 +91,23 @@ class RunEvents:
         self.reads.count += 1
         self.seq = msg.metadata.sequence.stream
         with contextlib.suppress(ContractError):  # an event from a newer Baton: skip it
-            self.events.append(decode(msg.data, Event))
+            event = decode(msg.data, Event)
+            self.events.append(event)
+            self.stamps.append(stamp(msg.metadata.timestamp))
+
+    def on_hub_clock(self) -> list[Event]:
+        """The events so far, each `at` on the hub's clock: computed again from all of them
+        each time, since a later event may show a publisher's clock better."""
+        return on_hub_clock(self.events, self.stamps)
 
 
-def run_view(record: RunRecord, events: list[Event], seq: int) -> dict[str, Any]:
-    """A run page: the record, its attempts on a timeline, the marks on it, loss curves."""
+def run_view(
+    record: RunRecord, events: list[Event], stamps: list[float], seq: int, now: float
+) -> dict[str, Any]:
+    """A run page: the record, its attempts on a timeline, the marks on it, loss curves.
+    `stamps` are the server's stamps of `events`, and `now` the hub's time: the timeline,
+    goodput and ages are all on the hub's clock, whatever its publishers' clocks say."""
+    events = on_hub_clock(events, stamps)
     attempts = attempts_of(events) if events else []
     rows = []
     for a in attempts:
@@ -96,14 +120,17 @@ def run_view(record: RunRecord, events: list[Event], seq: int) -> dict[str, Any]
             "commits": [(c.step, c.at) for c in a.commits],
             "loss": _thin(a.steps, a.losses),
         })  # fmt: skip
-    spent = goodput(events)
+    # A live run lasts until now; a finished one whose ending is not stored, until its last.
+    spent = goodput(events, None if record.state.terminal else now)
+    accepted = next((e.at for e in events if isinstance(e, ev.Accepted)), None)
     return {
         "seq": seq,
         "record": _record(record),
         "goodput": spent.as_dict() if spent else None,
         "attempts": rows,
         "marks": [_mark(e) for e in events if _marked(e)],
-        "now": time.time(),
+        "accepted_at": accepted,
+        "now": now,
     }
 
 
@@ -156,7 +183,7 @@ class Goodputs:
         if run_id in self._done:
             return self._done[run_id]
         async with RunEvents(self.nc, run_id, self.reads) as history:
-            spent = goodput(history.events)
+            spent = goodput(history.on_hub_clock())
         found = spent.as_dict() if spent else None
         if spent is not None and spent.finished:
             if len(self._done) >= self.keep:
@@ -171,10 +198,11 @@ async def run_record(nc: Client, run_id: str, reads: Reads) -> RunRecord | None:
     return await (await Runs.open(nc.jetstream())).find(run_id)
 
 
-async def workers(nc: Client, reads: Reads) -> list[Any]:
-    found = await live_workers(nc.jetstream())
+async def workers(nc: Client, reads: Reads, now: float) -> list[Any]:
+    """Live trainers, each with the server's stamp of its newest heartbeat and `now`."""
+    found = await heard_workers(nc.jetstream())
     reads.count += len(found)
-    return [inspect.as_json(w) for w in found]
+    return [heard(h.info, h.at, now) for h in found]
 
 
 async def sites(nc: Client, reads: Reads) -> list[Any]:
@@ -189,17 +217,30 @@ async def streams(nc: Client, reads: Reads) -> list[Any]:
     return [inspect.as_json(s) for s in found]
 
 
-async def letters(nc: Client, reads: Reads) -> list[dict[str, Any]]:
-    found = await inspect.dlq(nc)
-    reads.count += len(found)
-    return [
-        {
-            "seq": f.seq, "reason": f.letter.reason, "subject": f.letter.subject,
-            "source": f.letter.source, "at": f.letter.at, "delivered": f.letter.delivered,
-            "preview": inspect.payload_text(f.letter.payload)[:2000],
-        }
-        for f in found
-    ]  # fmt: skip
+async def letters(nc: Client, reads: Reads, now: float) -> list[dict[str, Any]]:
+    """The dead letters, oldest first, each with the server's stamp of it (`stamped_at`:
+    when the hub stored it) and `now`; its `at` is its writer's clock, shown."""
+    js = nc.jetstream()
+    try:
+        info = await js.stream_info(names.DLQ_STREAM)
+    except NotFoundError:
+        return []
+    out = []
+    # An empty stream reports first_seq 0, and there is no message 0 to ask for.
+    for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
+        try:
+            msg = await js.get_msg(names.DLQ_STREAM, seq)
+        except NotFoundError:  # replayed (deleted) meanwhile
+            continue
+        reads.count += 1
+        letter = decode(msg.data or b"", DeadLetter)
+        out.append({
+            "seq": seq, "reason": letter.reason, "subject": letter.subject,
+            "source": letter.source, "at": letter.at, "delivered": letter.delivered,
+            "preview": inspect.payload_text(letter.payload)[:2000],
+            "stamped_at": stamp(msg.time), "now": now,
+        })  # fmt: skip
+    return out
 
 
 async def log_tail(nc: Client, run_id: str, reads: Reads) -> AsyncIterator[str]:

@@ -29,11 +29,12 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import ExternalStream, StreamSource, SubjectTransform
-from nats.js.errors import KeyNotFoundError
 
 from shared.bus import names
 from shared.contracts import decode, encode
 from shared.contracts.sites import SiteHello, SiteRecord
+from shared.errors import ContractError
+from shared.state.clock import age, server_now, stamped_values
 
 log = logging.getLogger("baton.sites")
 
@@ -88,49 +89,47 @@ async def link(js: JetStreamContext, site: str, *, nudge: bool) -> None:
 
 
 class SiteView(msgspec.Struct, frozen=True, kw_only=True):
-    """What `baton sites` shows of one site."""
+    """What `baton sites` shows of one site. Invariant: `link` and `last_seen_s` are read
+    off one clock, the hub server's (its stamp of the site's record against its time now):
+    the reaper rewrites the record on every greeting, so the stamp is when the hub last
+    heard the site, whatever the reaper's, the site's or this host's clock says."""
 
     site: str
     link: str
     """`up` (greeted within SILENCE_S) or `down`."""
     last_seen_s: float
-    """Seconds since the last greeting (by this host's clock against the hub's)."""
+    """Seconds since the last greeting: the hub server's now less its stamp of the record."""
+    heard_at: float = 0.0
+    """The hub server's stamp of the site's record (its clock, seconds since the epoch)."""
     backlog: int
     """Messages the hub has yet to source, summed over its streams, as last measured."""
     links: int
     outbox_last_seq: int
 
 
+def view_of(r: SiteRecord, heard_at: float, now: float, backlog: int) -> SiteView:
+    """One site as shown, from its record, the server's stamp of it and the server's now."""
+    seen = age(now, heard_at)
+    return SiteView(
+        site=r.site, link="up" if seen < SILENCE_S else "down", last_seen_s=seen,
+        heard_at=heard_at, backlog=backlog, links=r.links, outbox_last_seq=r.outbox_last_seq,
+    )  # fmt: skip
+
+
 async def views(nc: Client) -> list[SiteView]:
     """Every site the hub has heard of, with its link state and backlog (`nc` is connected
-    to the hub)."""
-    kv = await nc.jetstream().key_value(names.SITES_BUCKET)
-    try:
-        keys = await kv.keys()
-    except Exception:  # nats-py's NoKeysError is a bare Exception
-        keys = []
+    to the hub). How long ago each was heard is the hub server's to say (`SiteView`)."""
+    stored = await stamped_values(nc.jetstream(), names.SITES_BUCKET)
     records = []
-    for key in sorted(keys):
-        with contextlib.suppress(KeyNotFoundError):
-            entry = await kv.get(key)
-            if entry.value:
-                records.append(decode(entry.value, SiteRecord))
+    for found in stored:
+        with contextlib.suppress(ContractError):  # a newer Baton's record: left out
+            records.append((decode(found.value, SiteRecord), found.at))
     lag: dict[str, int] = {}
     for stream in SOURCED:
         for api, state in (await source_states(nc, stream)).items():
             lag[api] = lag.get(api, 0) + state.lag
-    now = time.time()
-    return [
-        SiteView(
-            site=r.site,
-            link="up" if now - r.last_hello < SILENCE_S else "down",
-            last_seen_s=max(0.0, now - r.last_hello),
-            backlog=lag.get(api_of(r.site), 0),
-            links=r.links,
-            outbox_last_seq=r.outbox_last_seq,
-        )
-        for r in records
-    ]
+    now = await server_now(nc, f"KV_{names.SITES_BUCKET}") if records else 0.0
+    return [view_of(r, at, now, lag.get(api_of(r.site), 0)) for r, at in records]
 
 
 class SourceState(msgspec.Struct, frozen=True):

@@ -1,11 +1,14 @@
-"""The dashboard in a real headless browser (Debian's Chromium) against a real stack: a run
-seen live through a kill and its resume, a dead letter replayed from the page, and a server
-that starts only with the operator's credentials and only on loopback unless told."""
+"""The dashboard in a real headless browser (Debian's Chromium) against a real stack, logged
+in as the `dashboard` role: a run seen live through a kill and its resume, a dead letter
+replayed from the page, and a server that starts only with credentials that can read the
+runs and only on loopback unless told."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +38,12 @@ class Rig:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
-    """One stack (two trainers, TTL 3), one `baton ui` and one browser for the module."""
+    """One stack (two trainers, TTL 3), one `baton ui` (as the dashboard) and one browser
+    for the module."""
     root = tmp_path_factory.mktemp("dashboard")
     s = Stack(root / "stack", trainers=2, lease_ttl=3)
     ui = UiProcess(
-        "--auth-file", str(root / "stack" / "auth" / "operator.env"), "ui", "--port", "0",
+        "--auth-file", str(root / "stack" / "auth" / "dashboard.env"), "ui", "--port", "0",
         "--server", "", "--store", s.store_url, cwd=root,
     )  # fmt: skip
     try:
@@ -127,15 +131,38 @@ async def test_a_dead_letter_replayed_from_the_page_is_dispatched_once(rig: Rig)
     # A second replay of the same letter — another tab, a script — finds it gone.
     seq = await letter.get_attribute("data-seq")
     token = await page.get_attribute('meta[name="baton-token"]', "content")
+    origin = rig.ui.url.rstrip("/")  # what the page's own requests carry
+    replay = f"{rig.ui.url}api/dlq/{seq}/replay"
     again = await page.request.post(
-        f"{rig.ui.url}api/dlq/{seq}/replay", headers={"X-Baton-Token": token or ""}
+        replay, headers={"X-Baton-Token": token or "", "Origin": origin}
     )
     assert again.status == 404
-    assert (await page.request.post(f"{rig.ui.url}api/dlq/{seq}/replay")).status == 403
+    assert (await page.request.post(replay, headers={"Origin": origin})).status == 403  # no token
+    assert (await page.request.post(replay, headers={"X-Baton-Token": token or ""})).status == 403
     record = await finished(nc, run_id, 90)
     assert record.dispatch == 1
     accepted = [e for e in await history(nc, run_id) if isinstance(e, Accepted)]
     assert [a.duplicate for a in accepted] == [False], "dispatched once"
+    await page.close()
+
+
+async def test_a_trainer_heard_just_now_reads_so_in_a_browser_whose_clock_is_5_minutes_off(
+    rig: Rig,
+) -> None:
+    """The page's ages are the hub's (its stamp and its now), never the browser's clock: a
+    browser 5 minutes ahead shows the live trainer heard seconds ago, not 5 minutes. The
+    browser's clock is skewed by Playwright's clock (`Date`), not libfaketime, which
+    Chromium's sandboxed processes do not reliably take."""
+    page = await rig.browser.new_page()
+    await page.clock.set_system_time(time.time() + 300)
+    await page.goto(f"{rig.ui.url}#/workers")
+    assert await page.evaluate("Date.now() / 1000") - time.time() > 250, "the skew took"
+    beats = page.locator("#workers-body tr[data-worker] .beat")
+    await expect(beats.first).to_have_text(re.compile(r" ago$"), timeout=WAIT_MS)
+    shown = await beats.all_inner_texts()
+    # The trainer killed earlier in this module may still be listed until its entry expires.
+    fresh = [int(t.removesuffix("s ago")) for t in shown if re.fullmatch(r"\d+s ago", t)]
+    assert fresh and min(fresh) < 60, shown
     await page.close()
 
 
@@ -145,7 +172,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def test_it_starts_only_with_the_operators_credentials_and_on_loopback(
+async def test_it_starts_only_with_credentials_that_read_the_runs_and_on_loopback(
     rig: Rig, tmp_path: Path
 ) -> None:
     # The module's dashboard was given no address: it listens on loopback alone.
@@ -164,6 +191,10 @@ async def test_it_starts_only_with_the_operators_credentials_and_on_loopback(
     assert "refused the credentials" in bare.output, bare.output
     assert listening_addresses(port) == set()
 
+    rig.stack.audit.allow_server(
+        r'"\$G/user:submitter" - Publish Violation - Subject "\$JS\.API\.CONSUMER\.CREATE\.KV_',
+        "a dashboard started as a submitter, to show it is refused the runs bucket",
+    )
     submitter = UiProcess(
         "--auth-file", str(rig.stack.root / "auth" / "submitter.env"), "ui", "--port",
         str(port), "--server", rig.stack.nats.url, cwd=tmp_path,
@@ -175,3 +206,16 @@ async def test_it_starts_only_with_the_operators_credentials_and_on_loopback(
         await submitter.stop()
     assert "operator's credentials" in submitter.output, submitter.output
     assert listening_addresses(port) == set()
+
+
+async def test_the_dashboard_role_was_refused_nothing_the_page_asked_for(rig: Rig) -> None:
+    """Run last: whatever this module's pages made the dashboard ask of NATS, the hub's
+    server refused none of it (a refusal reads, to the client, as a mere timeout)."""
+    assert "NATS user dashboard" in rig.ui.output, rig.ui.output
+    refused = [
+        line
+        for log in sorted(rig.stack.root.rglob("nats-server.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if "Violation" in line and "dashboard" in line
+    ]
+    assert refused == []

@@ -10,10 +10,12 @@ import re
 import shutil
 import sys
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import msgspec
 from playwright.async_api import Browser, async_playwright
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,10 +29,11 @@ def chromium() -> str:
 
 
 @contextlib.asynccontextmanager
-async def browser() -> AsyncIterator[Browser]:
+async def browser(*args: str) -> AsyncIterator[Browser]:
+    """Headless Chromium, with `args` on its command line (`--host-resolver-rules=…`)."""
     async with async_playwright() as p:
         b = await p.chromium.launch(
-            executable_path=chromium(), headless=True, args=["--no-sandbox"]
+            executable_path=chromium(), headless=True, args=["--no-sandbox", *args]
         )
         try:
             yield b
@@ -101,3 +104,65 @@ def listening_addresses(port: int) -> set[str]:
                 if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
                     found.add(address)
     return found
+
+
+READ_S = 30.0
+"""How long a test's HTTP read may wait before the test fails (never a measure)."""
+
+
+class Reply(msgspec.Struct, frozen=True):
+    status: int
+    headers: dict[str, str]
+    """Lower-case names; a repeated header's values joined by ", "."""
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def request(
+    url: str, path: str, *, method: str = "GET", headers: dict[str, str] | None = None
+) -> Reply:
+    """One HTTP/1.1 request to the server at `url`, sent as written (`path` is not
+    re-encoded, and `headers` may replace the `Host` that `url` names). An event stream's
+    body is not read: its status and headers are the answer."""
+    where = urlsplit(url)
+    sent = {"Host": where.netloc, "Connection": "close", **(headers or {})}
+    reader, writer = await asyncio.open_connection(where.hostname, where.port)
+    try:
+        head = "".join(f"{k}: {v}\r\n" for k, v in sent.items())
+        writer.write(f"{method} {path} HTTP/1.1\r\n{head}Content-Length: 0\r\n\r\n".encode())
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), READ_S)
+        status = int(status_line.split()[1])
+        got: dict[str, str] = {}
+        while (line := await asyncio.wait_for(reader.readline(), READ_S)) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            key = name.strip().lower()
+            got[key] = f"{got[key]}, {value.strip()}" if key in got else value.strip()
+        streaming = got.get("content-type", "").startswith("text/event-stream")
+        body = b"" if streaming else await asyncio.wait_for(reader.read(), READ_S)
+        return Reply(status=status, headers=got, body=body)
+    finally:
+        writer.close()
+
+
+async def events(url: str, path: str) -> AsyncGenerator[tuple[str, Any], None]:
+    """The Server-Sent Events of `path`, as (event, data) pairs, for as long as the caller
+    reads them."""
+    where = urlsplit(url)
+    reader, writer = await asyncio.open_connection(where.hostname, where.port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {where.netloc}\r\n\r\n".encode())
+        await writer.drain()
+        status = (await asyncio.wait_for(reader.readline(), READ_S)).split()[1]
+        assert status == b"200", f"{path}: {status!r}"
+        kind = ""
+        while line := await asyncio.wait_for(reader.readline(), READ_S):
+            text = line.decode().rstrip("\r\n")
+            if text.startswith("event: "):
+                kind = text[7:]
+            elif text.startswith("data: ") and kind:
+                yield kind, json.loads(text[6:])
+    finally:
+        writer.close()

@@ -30,8 +30,23 @@ function h(tag, attrs = {}, ...children) {
   return el;
 }
 
-function age(at) {
-  const s = Math.max(0, Date.now() / 1000 - at);
+// Every age is read off the hub's clock, never this browser's nor the writer's: with each
+// item the server sends the hub server's stamp of it (`stamped_at`) and the hub's time when
+// it sent it (`now`); the page adds only how long ago it got them (`received`), on its own
+// monotonic clock.
+function arrived(item, now = item.now) {
+  item.now = now;
+  item.received = performance.now();
+  return item;
+}
+
+function hubAge(item, stamped = item.stamped_at) {
+  if (stamped === null || stamped === undefined || item.now === undefined) return null;
+  return Math.max(0, item.now + (performance.now() - item.received) / 1000 - stamped);
+}
+
+function age(s) {
+  if (s === null) return "—";
   if (s < 60) return `${s.toFixed(0)}s`;
   if (s < 3600) return `${(s / 60).toFixed(0)}m`;
   if (s < 86400) return `${(s / 3600).toFixed(1)}h`;
@@ -79,7 +94,7 @@ live.onopen = () => { link.textContent = "live"; link.className = "link up"; };
 live.onerror = () => { link.textContent = "reconnecting…"; link.className = "link down"; };
 for (const kind of ["run", "worker"]) {
   live.addEventListener(kind, (e) => {
-    const data = JSON.parse(e.data);
+    const data = arrived(JSON.parse(e.data));
     for (const f of listeners) f(kind, data);
   });
 }
@@ -109,7 +124,7 @@ function viewRuns() {
     h("h1", {}, "Runs"),
     h("div", { class: "filters" }, states, field("pool", "pool"), field("owner", "owner"), field("site", "site")),
     h("table", { id: "runs" },
-      h("thead", {}, h("tr", {}, ["run", "name", "state", "step", "attempts", "worker", "goodput", "pool", "age"].map((x) => h("th", {}, x)))),
+      h("thead", {}, h("tr", {}, ["run", "name", "state", "step", "attempts", "worker", "goodput", "pool", "changed"].map((x) => h("th", {}, x)))),
       body),
     h("div", { class: "pager" }, newer, older, count),
   );
@@ -124,7 +139,8 @@ function viewRuns() {
       h("td", {}, s.worker ?? "—"),
       h("td", { class: "num goodput-cell" }, "—"),
       h("td", {}, s.pool),
-      h("td", { class: "num", title: new Date(s.created_at * 1000).toISOString() }, age(s.created_at)));
+      h("td", { class: "num changed", title: `created ${new Date(s.created_at * 1000).toISOString()} (the dispatcher's clock)` },
+        age(hubAge(s))));
   }
 
   function admits(s) {
@@ -136,6 +152,7 @@ function viewRuns() {
     const q = new URLSearchParams({ limit: PAGE, ...filters });
     if (after) q.set("after", after);
     const page = await getJSON(`/api/runs?${q}`);
+    for (const s of page.runs) arrived(s, page.now);
     next = page.next;
     body.replaceChildren(...page.runs.map(row));
     if (!page.runs.length) body.append(h("tr", {}, h("td", { colspan: 9, class: "empty" }, "no runs")));
@@ -194,7 +211,7 @@ function viewRun(runId) {
 
   const views = new EventSource(`/api/runs/${encodeURIComponent(runId)}/live`);
   views.addEventListener("view", (e) => {
-    const view = JSON.parse(e.data);
+    const view = arrived(JSON.parse(e.data));
     drawFacts(facts, view);
     drawGoodput(spent, view.goodput);
     chart = drawLoss(chartBox, legend, view, chart);
@@ -244,7 +261,7 @@ function drawFacts(box, view) {
     fact("token", r.token ?? "—"),
     fact("pool", r.spec.pool),
     fact("entry point", r.spec.entry_point),
-    fact("age", age(r.created_at)),
+    fact("age", age(hubAge(view, view.accepted_at)), "run-age"),
     fact("digest", r.digest ? `${r.digest.slice(0, 16)}…` : "—"),
     ...(r.reason ? [fact("reason", r.reason)] : []),
   );
@@ -389,14 +406,17 @@ function viewWorkers() {
   const body = h("tbody", { id: "workers-body" });
   main.replaceChildren(h("h1", {}, "Workers"),
     h("table", {}, h("thead", {}, h("tr", {}, ["worker", "pool", "site", "host", "device", "GPU", "run", "step", "heartbeat"].map((x) => h("th", {}, x)))), body));
-  const row = (w) => h("tr", { dataset: { worker: w.worker, at: w.at } },
+  const row = (w) => h("tr", { dataset: { worker: w.worker, at: w.at, stamped: w.stamped_at, now: w.now, received: w.received } },
     h("td", {}, w.worker), h("td", {}, w.pool), h("td", {}, w.site || "hub"), h("td", {}, w.host),
     h("td", {}, w.device), h("td", {}, w.gpu_name || "—"),
     h("td", {}, w.run_id ? h("a", { href: `#/run/${encodeURIComponent(w.run_id)}` }, w.run_id) : "idle"),
-    h("td", { class: "num" }, w.step ?? "—"), h("td", { class: "num beat" }, `${age(w.at)} ago`));
-  getJSON("/api/workers").then((ws) => body.replaceChildren(...ws.map(row)));
-  const tick = setInterval(() => { // ages move with the clock, not with the server
-    for (const tr of body.querySelectorAll("tr[data-at]")) tr.querySelector(".beat").textContent = `${age(+tr.dataset.at)} ago`;
+    h("td", { class: "num" }, w.step ?? "—"), h("td", { class: "num beat" }, `${age(hubAge(w))} ago`));
+  getJSON("/api/workers").then((ws) => body.replaceChildren(...ws.map((w) => row(arrived(w)))));
+  const tick = setInterval(() => { // ages move with this page's monotonic clock, from the hub's
+    for (const tr of body.querySelectorAll("tr[data-stamped]")) {
+      const { stamped, now, received } = tr.dataset;
+      tr.querySelector(".beat").textContent = `${age(hubAge({ now: +now, received: +received }, +stamped))} ago`;
+    }
   }, 1000);
   const stop = listen((kind, w) => {
     if (kind !== "worker") return;
@@ -443,7 +463,7 @@ function viewStreams() {
 
 function viewDlq() {
   return refreshable("Dead letters", async (box) => {
-    const letters = await getJSON("/api/dlq");
+    const letters = (await getJSON("/api/dlq")).map((l) => arrived(l));
     if (!letters.length) { box.replaceChildren(h("p", { class: "empty" }, "no dead letters")); return; }
     box.replaceChildren(table(["#", "when", "from", "subject", "reason", "payload", ""], letters.map((l) => {
       const status = h("span", {});
@@ -454,7 +474,7 @@ function viewDlq() {
           status.textContent = `replayed to ${r.subject}`;
         } catch (e) { status.textContent = e.message; status.className = "error"; replay.disabled = false; }
       } }, "replay");
-      return h("tr", { dataset: { seq: l.seq } }, h("td", { class: "num" }, l.seq), h("td", {}, `${age(l.at)} ago`),
+      return h("tr", { dataset: { seq: l.seq } }, h("td", { class: "num" }, l.seq), h("td", { title: `written ${new Date(l.at * 1000).toISOString()} (its writer's clock)` }, `${age(hubAge(l))} ago`),
         h("td", {}, l.source), h("td", {}, l.subject), h("td", { style: "white-space:normal" }, l.reason),
         h("td", {}, h("pre", { class: "preview" }, l.preview)), h("td", {}, replay, " ", status));
     })));
