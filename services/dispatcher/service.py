@@ -19,7 +19,6 @@ import json
 import logging
 import time
 
-import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -55,6 +54,7 @@ from shared.contracts.events import Accepted, Rejected
 from shared.contracts.jobs import MAX_SPEC_BYTES
 from shared.credentials import lease_secret
 from shared.errors import ContractError
+from shared.state import transitions
 from shared.state.endings import settle
 from shared.state.lease import lease_key
 from shared.state.pools import Pools, load_table
@@ -225,14 +225,7 @@ class Dispatcher:
             # a body naming another run would cancel what it may not touch.
             raise ContractError(f"run {req.run_id!r} differs from the subject's", "$.run_id")
 
-        def cancel(r: RunRecord) -> RunRecord | None:
-            if r.state is RunState.QUEUED:
-                return msgspec.structs.replace(r, state=RunState.CANCELLED, reason=req.reason)
-            if r.state is RunState.RUNNING and r.cancel_requested is None:
-                return msgspec.structs.replace(r, cancel_requested=req.reason)
-            return None
-
-        record = await settle(self.js, self.runs, req.run_id, cancel)
+        record = await settle(self.js, self.runs, req.run_id, transitions.cancel(req.reason))
         if record is None:
             log.info("cancel of %s: nothing to do (no such run, or already over)", req.run_id)
         elif record.state is RunState.CANCELLED:

@@ -11,16 +11,16 @@ from __future__ import annotations
 import contextlib
 import logging
 
-import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from shared.bus import names
 from shared.bus.answer import post_letter
-from shared.contracts import RunRecord, RunState, Task, decode
+from shared.contracts import Task, decode
 from shared.contracts.letters import MaxDeliveries
 from shared.errors import ContractError
+from shared.state import transitions
 from shared.state.endings import settle
 from shared.state.runs import Runs
 
@@ -56,10 +56,4 @@ async def _fail_run(js: JetStreamContext, runs: Runs, data: bytes, reason: str) 
         task = decode(data, Task)
     except ContractError:
         return
-
-    def fail(r: RunRecord) -> RunRecord | None:
-        if r.state.terminal:
-            return None
-        return msgspec.structs.replace(r, state=RunState.FAILED, reason=reason, worker=None)
-
-    await settle(js, runs, task.run_id, fail)
+    await settle(js, runs, task.run_id, transitions.fail(reason))

@@ -37,7 +37,6 @@ import contextlib
 import logging
 import time
 
-import msgspec
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -60,6 +59,7 @@ from shared.contracts import RunRecord, RunState, Task, encode
 from shared.contracts.control import Command, WorkerInfo
 from shared.contracts.events import Redispatched, RunWarning
 from shared.credentials import lease_secret
+from shared.state import transitions
 from shared.state.endings import repair, settle
 from shared.state.lease import holder as lease_holder
 from shared.state.lease import lease_key
@@ -212,14 +212,7 @@ class Reaper:
             await self._warn_once(r, "stalled", f"no step progress for {quiet:.0f}s at step {step}")
         if quiet >= timeout * 1.5 and r.stop_token != r.token:
             reason = f"stalled: no step progress for {quiet:.0f}s at step {step}"
-            changed = await self.runs.update(
-                r.run_id,
-                lambda x: (
-                    msgspec.structs.replace(x, stop_token=x.token, stop_reason=reason)
-                    if x.state is RunState.RUNNING and x.token == r.token
-                    else None
-                ),
-            )
+            changed = await self.runs.update(r.run_id, transitions.stop(r.token, reason))
             if changed is not None and changed.worker:
                 await self._command(changed.worker, Command(run_id=r.run_id, action="wake"))
 
@@ -320,12 +313,7 @@ class Reaper:
     # -- helpers -------------------------------------------------------------------------
 
     async def _end(self, r: RunRecord, state: RunState, reason: str) -> None:
-        def end(x: RunRecord) -> RunRecord | None:
-            if x.state.terminal:
-                return None
-            return msgspec.structs.replace(x, state=state, reason=reason)
-
-        if await settle(self.js, self.runs, r.run_id, end) is None:
+        if await settle(self.js, self.runs, r.run_id, transitions.end(state, reason)) is None:
             return  # someone else ended it first
         if r.worker:  # its trainer reads the record at once and stops the child
             await self._command(r.worker, Command(run_id=r.run_id, action="wake", reason=reason))
@@ -340,27 +328,15 @@ class Reaper:
     async def _warn_once(self, r: RunRecord, kind: str, detail: str) -> None:
         if kind in r.warned:
             return
-        changed = await self.runs.update(
-            r.run_id,
-            lambda x: (
-                msgspec.structs.replace(x, warned=[*x.warned, kind])
-                if kind not in x.warned and not x.state.terminal
-                else None
-            ),
-        )
+        changed = await self.runs.update(r.run_id, transitions.warn(kind))
         if changed is not None:
             warning = RunWarning(run_id=r.run_id, kind=kind, detail=detail)
             await emit(self.js, warning, msg_id=f"warning.{r.run_id}.{kind}")
 
     async def _redispatch(self, seen: RunRecord) -> bool:
-        def bump(r: RunRecord) -> RunRecord | None:
-            if r.state is not RunState.RUNNING or r.dispatch != seen.dispatch:
-                return None  # someone else moved it on since we looked
-            return msgspec.structs.replace(r, dispatch=r.dispatch + 1, worker=None)
-
-        record = await self.runs.update(seen.run_id, bump)
+        record = await self.runs.update(seen.run_id, transitions.redispatch(seen.dispatch))
         if record is None:
-            return False
+            return False  # someone else moved it on since we looked
         task = Task(
             run_id=record.run_id, spec=record.spec, dispatch=record.dispatch,
             lease_key=lease_key(record.run_id, self.lease_secret),

@@ -26,7 +26,6 @@ import logging
 import time
 from pathlib import Path
 
-import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -43,7 +42,7 @@ from shared.bus import names
 from shared.checkpoint import commit
 from shared.checkpoint.store import Store
 from shared.config import Settings
-from shared.contracts import RunRecord, RunState, Task
+from shared.contracts import RunRecord, Task
 from shared.contracts.child import (
     EXIT_BAD_LAUNCH,
     CheckpointReady,
@@ -63,9 +62,10 @@ from shared.contracts.events import (
     RankLost,
     Started,
 )
+from shared.state import transitions
 from shared.state.lease import Lease
 from shared.state.pools import Pools
-from shared.state.runs import Change, Runs
+from shared.state.runs import Runs
 
 log = logging.getLogger("baton.trainer")
 
@@ -165,9 +165,12 @@ class Attempt:
         )  # fmt: skip
         token = self.lease.token
         self._delivery = msg.reply
-        record = await self.runs.update(self.run_id, self._mark_running)
+        group = [self.worker, *(m.worker for m in self.group.members)] if self.group else []
+        running = transitions.mark_running(self.worker, token, self._delivery, group)
+        record = await self.runs.update(self.run_id, running)
         if record is None:  # over, or someone newer holds it: the attempt never starts
-            return await apply(Verdict(Outcome.FENCED, change=_unchanged, quiet=True), scope)
+            unchanged = transitions.unchanged
+            return await apply(Verdict(Outcome.FENCED, change=unchanged, quiet=True), scope)
         latest = await commit.read_latest(self.store, self.run_id)
         self.step = self.start_step = latest[0].step if latest else 0
         span.set_attributes({telemetry.ATTEMPT: record.attempts, telemetry.START_STEP: self.step})
@@ -351,10 +354,7 @@ class Attempt:
         if not await self.commits.wait(final.token, final.step, FINAL_COMMIT_WAIT_S):
             return self._fenced(f"final commit at step {final.step} was refused")
         log.info("%s: completed at step %d, digest %s", self.run_id, final.step, final.digest[:16])
-        done = self._spent(
-            state=RunState.COMPLETED, step=final.step, digest=final.digest,
-            metrics=final.metrics, worker=None, reason=None,
-        )  # fmt: skip
+        done = transitions.complete(self._spent(), final.step, final.digest, final.metrics)
         return Verdict(Outcome.COMPLETED, change=done)
 
     async def _stopped_early(self, finished: Finished | None) -> Verdict:
@@ -365,17 +365,17 @@ class Attempt:
         last = self.last_checkpoint
         # The record's step follows commits as their events arrive; a commit heard of only
         # from the store (or whose event is still being handled) is written here.
-        kept: dict[str, object] = {}
+        kept: int | None = None
         grace = self.settings.grace_s
         if (
             finished is not None
             and last is not None
             and await self.commits.wait(last.token, last.step, grace)
         ):
-            kept = {"step": last.step}
+            kept = last.step
         if self.orders.given is Order.CANCEL:
             reason = self.orders.reason
-            cancelled = self._spent(state=RunState.CANCELLED, reason=reason, worker=None, **kept)
+            cancelled = transitions.cancel_attempt(self._spent(), reason, kept)
             return Verdict(Outcome.CANCELLED, change=cancelled)
         step = last.step if last else 0
         why = ""
@@ -388,8 +388,8 @@ class Attempt:
         def preempted(r: RunRecord) -> Event:
             return Preempted(run_id=self.run_id, worker=self.worker, step=step, reason=why)
 
-        spent = self._spent(worker=None, **kept)
-        return Verdict(Outcome.PREEMPTED, change=spent, event=preempted)
+        released = transitions.release(self._spent(), kept)
+        return Verdict(Outcome.PREEMPTED, change=released, event=preempted)
 
     def _fenced(self, reason: str) -> Verdict:
         self.child.kill()
@@ -429,8 +429,8 @@ class Attempt:
                 lost=cause.worker, reason=cause.reason, step=step,
             )  # fmt: skip
 
-        spent = self._spent(worker=None, group=[])
-        return Verdict(Outcome.PREEMPTED, change=spent, event=lost)
+        released = transitions.release(self._spent())
+        return Verdict(Outcome.PREEMPTED, change=released, event=lost)
 
     def _child_failed(
         self, code: int, why: str = "", *, tail: str | None = None, rank: int | None = None
@@ -443,19 +443,10 @@ class Attempt:
         )
         tail = tail_of(self.log_path) if tail is None else tail
         trace.get_current_span().set_status(trace.StatusCode.ERROR, reason)
-        spent = self._spent()
-
-        def count(r: RunRecord) -> RunRecord | None:
-            if r.state.terminal or r.token != self.lease.token:
-                return None
-            r = spent(r) or r
-            retries = r.retries + 1
-            give_up = code == EXIT_BAD_LAUNCH or retries > r.spec.limits.max_retries
-            return msgspec.structs.replace(
-                r, retries=retries, stop_token=None, stop_reason=None, worker=None, group=[],
-                state=RunState.FAILED if give_up else r.state,
-                reason=reason if give_up else r.reason,
-            )  # fmt: skip
+        # The token as the change applies: a lapsed lease re-taken meanwhile moves it.
+        count = transitions.count_failure(
+            lambda: self.lease.token, self._spent(), reason, fatal=code == EXIT_BAD_LAUNCH
+        )
 
         def failed(r: RunRecord) -> Event:
             return AttemptFailed(
@@ -467,16 +458,6 @@ class Attempt:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _mark_running(self, r: RunRecord) -> RunRecord | None:
-        if r.state.terminal or (r.token or 0) > self.lease.token:
-            return None
-        group = [self.worker, *(m.worker for m in self.group.members)] if self.group else []
-        return msgspec.structs.replace(
-            r, state=RunState.RUNNING, worker=self.worker, token=self.lease.token,
-            attempts=r.attempts + 1, delivery=self._delivery, waiting=None, group=group,
-            group_size=len(group) or 1,
-        )  # fmt: skip
-
     async def _sample_speed(self) -> None:
         final = self.last_checkpoint
         if final is None or final.step <= self.start_step:
@@ -485,27 +466,12 @@ class Attempt:
         with contextlib.suppress(Exception):  # a speed sample is not worth failing over
             await self.pools.record(self.task.spec.pool, elapsed / (final.step - self.start_step))
 
-    def _spent(self, **fields: object) -> Change:
-        """A record change that also books this attempt's time and cost, applied only
-        while the record still names our token."""
+    def _spent(self) -> transitions.Spent:
+        """This attempt's time and cost so far, and its token: what its verdict's record
+        change books (`transitions.book_time`), only while the record still names it."""
         elapsed = time.monotonic() - self._began
         cost = elapsed * self.pools.rate(self.task.spec.pool) / 3600
-        token = self.lease.token
-        if fields.get("worker", "") is None:
-            fields["group"] = []  # nobody holds the run, so no group trains it either
-
-        def change(r: RunRecord) -> RunRecord | None:
-            if r.state.terminal or r.token != token:
-                return None
-            return msgspec.structs.replace(
-                r, busy_s=r.busy_s + elapsed, actual_cost=r.actual_cost + cost, **fields
-            )
-
-        return change
-
-
-def _unchanged(r: RunRecord) -> RunRecord | None:
-    return None
+        return transitions.Spent(self.lease.token, elapsed, cost)
 
 
 async def _first(

@@ -16,7 +16,6 @@ import contextlib
 import time
 from collections.abc import Callable
 
-import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from opentelemetry import trace
@@ -27,10 +26,11 @@ from shared.bus import names
 from shared.bus.connect import publish
 from shared.checkpoint import commit
 from shared.checkpoint.store import Store
-from shared.contracts import CommitRequest, RunRecord, decode, encode
+from shared.contracts import CommitRequest, decode, encode
 from shared.contracts.child import CheckpointReady
 from shared.contracts.events import CheckpointCommitted, CommitRefused, Event
 from shared.errors import ContractError
+from shared.state import transitions
 from shared.state.runs import Runs
 
 POLL_STORE_S = 2.0
@@ -119,7 +119,7 @@ class Commits:
         else:
             self._end_span(event.token, event.step, "refused", error=event.reason)
         if isinstance(event, CheckpointCommitted) and event.token == self._token():
-            await self.runs.update(self.run_id, self._advance(event.step))
+            await self.runs.update(self.run_id, transitions.advance_step(self._token(), event.step))
 
     async def wait(self, token: int, step: int, timeout: float) -> bool:
         """True once the checkpoint (token, step) is committed; False if refused, if a
@@ -168,13 +168,3 @@ class Commits:
         if key not in self._outcomes:
             self._outcomes[key] = asyncio.get_running_loop().create_future()
         return self._outcomes[key]
-
-    def _advance(self, step: int) -> Callable[[RunRecord], RunRecord | None]:
-        token = self._token()
-
-        def change(r: RunRecord) -> RunRecord | None:
-            if r.token != token or r.step >= step or r.state.terminal:
-                return None
-            return msgspec.structs.replace(r, step=step)
-
-        return change

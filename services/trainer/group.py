@@ -45,6 +45,7 @@ from shared.contracts import RunRecord, Task, encode
 from shared.contracts.child import EXIT_GROUP_BROKEN, EXIT_USER_ERROR
 from shared.contracts.events import GroupFormed, Resized
 from shared.contracts.groups import GroupKey, MemberKey, RankCall
+from shared.state import transitions
 from shared.state.groups import GroupStore
 from shared.state.lease import Lease
 from shared.state.runs import Runs
@@ -255,13 +256,7 @@ class Leader:
         if why == self._waiting:
             return
         self._waiting = why
-        token = self.lease.token
-
-        def change(r: RunRecord) -> RunRecord | None:
-            if r.state.terminal or (r.token or 0) > token or r.waiting == why:
-                return None
-            return msgspec.structs.replace(r, waiting=why)
-
+        change = transitions.note_waiting(why, self.lease.token)
         with contextlib.suppress(Exception):  # advisory: the next change says it again
             await self.runs.update(self.task.run_id, change)
 

@@ -23,13 +23,11 @@ import enum
 import logging
 from collections.abc import Awaitable, Callable
 
-import msgspec
-
 from shared import telemetry
 from shared.checkpoint import commit
 from shared.checkpoint.store import Store
-from shared.contracts import RunRecord
 from shared.contracts.child import Control
+from shared.state import transitions
 from shared.state.lease import Lease
 from shared.state.runs import Runs
 
@@ -169,14 +167,5 @@ class Keeper:
             "%s: lease lapsed and was re-taken; token %d -> %d", self.run_id, old, self.lease.token
         )
         self.send(Control(action="token", token=self.lease.token))
-        await self.runs.update(self.run_id, _retoken(old, self.lease.token))
+        await self.runs.update(self.run_id, transitions.retoken(old, self.lease.token))
         return True
-
-
-def _retoken(old: int, new: int) -> Callable[[RunRecord], RunRecord | None]:
-    def change(r: RunRecord) -> RunRecord | None:
-        if r.state.terminal or r.token != old:
-            return None
-        return msgspec.structs.replace(r, token=new)
-
-    return change

@@ -24,7 +24,6 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
@@ -47,11 +46,12 @@ from shared.bus.service import StopSignals, pull_loop
 from shared.bus.streams import ensure_consumer, trainer_consumer
 from shared.checkpoint.store import Store, open_store
 from shared.config import Settings
-from shared.contracts import RunRecord, RunState, Task, decode, encode
+from shared.contracts import RunRecord, Task, decode, encode
 from shared.contracts.control import Command, WorkerInfo
 from shared.contracts.groups import RankCall
 from shared.contracts.tasks import Claim
 from shared.errors import ContractError
+from shared.state import transitions
 from shared.state.groups import GroupStore, key_ttl
 from shared.state.handover import hand_over
 from shared.state.lease import Lease
@@ -191,7 +191,7 @@ class Trainer:
         elif record.cancel_requested is not None:
             # Asked to cancel, and its trainer is gone: nothing trains it, so it is
             # cancelled here, before any work starts.
-            await apply(Verdict(Outcome.CANCELLED, change=_cancel_unowned), scope)
+            await apply(Verdict(Outcome.CANCELLED, change=transitions.cancel_unowned), scope)
         elif task.spec.max_ranks > 1:
             await self._lead(task, lease, msg, scope, record)
         else:
@@ -237,7 +237,7 @@ class Trainer:
         if isinstance(formed, GaveWay):
             await leader.end()
             log.info("%s: no group yet: %s", task.run_id, formed.reason)
-            change = _waiting(formed.reason, lease.token)
+            change = transitions.wait(formed.reason, lease.token)
             await apply(Verdict(Outcome.PREEMPTED, change=change, delay=formed.delay), scope)
             return
         await self._held(task, lease, msg, scope, leader)
@@ -302,13 +302,7 @@ class Trainer:
         allowed = ", ".join(self.settings.entry_allow)
         reason = f"entry point module {module!r} is not allowed here (allowed: {allowed})"
         log.warning("%s: refused: %s", task.run_id, reason)
-
-        def fail(r: RunRecord) -> RunRecord | None:
-            if r.state.terminal:
-                return None
-            return msgspec.structs.replace(r, state=RunState.FAILED, reason=reason, worker=None)
-
-        return Verdict(Outcome.FAILED, change=fail)
+        return Verdict(Outcome.FAILED, change=transitions.fail(reason))
 
     async def _on_command(self, msg: Msg) -> None:
         try:
@@ -352,23 +346,6 @@ class Trainer:
         # Required by cuBLAS for deterministic results; harmless without a GPU.
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         return env
-
-
-def _waiting(why: str, token: int) -> Callable[[RunRecord], RunRecord | None]:
-    """The record of a run whose group did not form (yet), saying why."""
-
-    def change(r: RunRecord) -> RunRecord | None:
-        if r.state.terminal or (r.token or 0) > token:
-            return None
-        return msgspec.structs.replace(r, waiting=why)
-
-    return change
-
-
-def _cancel_unowned(r: RunRecord) -> RunRecord | None:
-    if r.state is not RunState.RUNNING or r.cancel_requested is None:
-        return None
-    return msgspec.structs.replace(r, state=RunState.CANCELLED, reason=r.cancel_requested)
 
 
 UNREACHABLE = (

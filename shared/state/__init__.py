@@ -1,2 +1,3 @@
-"""The state kept in KV buckets: run records and how a run ends (`runs`, `endings`), leases
-(`lease`), the worker registry (`workers`) and pools (`pools`)."""
+"""The state kept in KV buckets: run records and how a run ends (`runs`, `endings`), every
+way a record may move (`transitions`), leases (`lease`), the worker registry (`workers`),
+pools (`pools`), groups (`groups`), and the hub's clock (`clock`)."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import msgspec
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -35,6 +34,7 @@ from shared.bus import names
 from shared.bus.emit import emit
 from shared.contracts import RunRecord, RunState
 from shared.contracts.events import Cancelled, Completed, Failed, kind_of
+from shared.state import transitions
 from shared.state.runs import Change, Runs
 
 log = logging.getLogger("baton.endings")
@@ -63,16 +63,6 @@ def terminal_event(record: RunRecord, detail: str = "") -> Ending:
     raise ValueError(f"{record.run_id} is {record.state.value}, not over")
 
 
-def _stamped(change: Change, site: str) -> Change:
-    def stamp(r: RunRecord) -> RunRecord | None:
-        new = change(r)
-        if new is None or not new.state.terminal:
-            return new
-        return msgspec.structs.replace(new, announce_pending=True, ending_site=site)
-
-    return stamp
-
-
 async def settle(
     js: JetStreamContext,
     runs: Runs,
@@ -88,7 +78,7 @@ async def settle(
     stop trying (None too). If the change ended the run, announce it. `site`: where the
     caller publishes (a site's outbox, or the hub for "")."""
     record = await retrying(
-        lambda: runs.update(run_id, _stamped(change, site)),
+        lambda: runs.update(run_id, transitions.mark_ending(change, site)),
         retry_on=OUTAGES,
         what=f"{run_id}: writing the run record failed",
         backoff=Backoff(first=0.5, most=5.0),
@@ -110,15 +100,9 @@ async def announce(
     event = terminal_event(record, detail)
     await emit(js, event, msg_id=names.ending_id(kind_of(event), record.run_id), site=site)
     try:
-        await runs.update(record.run_id, _announced)
+        await runs.update(record.run_id, transitions.announced)
     except OUTAGES as exc:
         log.info("%s: announced; clearing the mark failed (%s)", record.run_id, exc)
-
-
-def _announced(r: RunRecord) -> RunRecord | None:
-    if not r.announce_pending:
-        return None
-    return msgspec.structs.replace(r, announce_pending=False)
 
 
 async def repair(js: JetStreamContext, runs: Runs, record: RunRecord) -> bool:
@@ -135,5 +119,5 @@ async def repair(js: JetStreamContext, runs: Runs, record: RunRecord) -> bool:
     if not stored:
         log.warning("%s: %s without its event; publishing it", record.run_id, kind)
         await emit(js, terminal_event(record), msg_id=names.ending_id(kind, record.run_id))
-    await runs.update(record.run_id, _announced)
+    await runs.update(record.run_id, transitions.announced)
     return not stored

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import logging
 
-import msgspec
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from shared.bus import names
 from shared.bus.emit import emit
-from shared.contracts import RunRecord, RunState
+from shared.contracts import RunRecord
 from shared.contracts.events import HandedOver
+from shared.state import transitions
 from shared.state.runs import Runs
 
 log = logging.getLogger("baton.handover")
@@ -53,14 +53,13 @@ async def hand_over(
     is nothing to hand over: the attempt answered its task, the run moved on or is over, or
     someone else handed it over first."""
     taken: list[RunRecord] = []
+    clear = transitions.hand_over(token)
 
     def take(r: RunRecord) -> RunRecord | None:
-        if r.state is not RunState.RUNNING or r.token != token or r.worker is None:
-            return None
-        if not r.delivery:
-            return None
-        taken.append(r)
-        return msgspec.structs.replace(r, delivery=None)
+        new = clear(r)
+        if new is not None:
+            taken.append(r)  # the delivery to nak is the one the change cleared
+        return new
 
     if await runs.update(run_id, take) is None:
         return False
