@@ -11,12 +11,12 @@ import contextlib
 from typing import NamedTuple
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import KeyNotFoundError
 
 from shared.bus import names
 from shared.contracts import decode
 from shared.contracts.control import WorkerInfo
-from shared.state.clock import stamp
+from shared.state.clock import stamped_values
 
 
 class Heard(NamedTuple):
@@ -44,19 +44,5 @@ async def live_workers(js: JetStreamContext) -> list[WorkerInfo]:
 
 async def heard_workers(js: JetStreamContext) -> list[Heard]:
     """As `live_workers`, each with the server's stamp of its newest heartbeat."""
-    kv = await js.key_value(names.WORKERS_BUCKET)
-    try:
-        keys = await kv.keys()
-    except Exception:  # nats-py raises a bare NoKeysError when the bucket is empty
-        return []
-    out = []
-    for key in sorted(keys):
-        try:
-            msg = await js.get_msg(
-                f"KV_{names.WORKERS_BUCKET}", subject=f"$KV.{names.WORKERS_BUCKET}.{key}"
-            )
-        except NotFoundError:  # expired between listing and reading
-            continue
-        if msg.data and (msg.headers or {}).get("KV-Operation") not in ("DEL", "PURGE"):
-            out.append(Heard(decode(msg.data, WorkerInfo), stamp(msg.time)))
-    return out
+    stamped = await stamped_values(js, names.WORKERS_BUCKET)
+    return [Heard(decode(s.value, WorkerInfo), s.at) for s in stamped]

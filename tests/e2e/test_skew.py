@@ -12,7 +12,8 @@ preloads it. `FAKETIME_DONT_FAKE_MONOTONIC` keeps the monotonic clock true, as a
 skewed wall clock leaves it. nats-server is a static Go binary: it reads the clock without
 libc, so libfaketime cannot skew it (checked below) — the servers' clocks stay true here,
 and only the hosts running Baton's services are skewed. The training processes pace their
-steps with `Event.wait` (`skew_jobs.py`: libfaketime 0.9.10 breaks `time.sleep`).
+steps with `Event.wait` (`tests.support.workloads:paced`: libfaketime 0.9.10 breaks
+`time.sleep`).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ async def hub(tmp_path: Path) -> AsyncIterator[Stack]:
 
 def paced(total: int, pace: float, **over: object) -> JobSpec:
     return job(
-        entry_point="tests.e2e.skew_jobs:paced", total_steps=total, seed=11,
+        entry_point="tests.support.workloads:paced", total_steps=total, seed=11,
         checkpoint={"every_steps": 10, "keep_last": 3}, config={"pace": pace}, **over,
     )  # fmt: skip
 
