@@ -77,6 +77,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`BATON_FORM_WAIT`: seconds a run of several ranks holds its leader's trainer while
     its group forms; then it gives the trainer back for that long times its tries so far (at
     most 10 minutes), so a group that cannot form never keeps other runs off the pool."""
+    upload_bps: float = 0.0
+    """`BATON_UPLOAD_BPS`: most bytes per second one process sends checkpoint files to an S3
+    store at, so that an upload leaves room on a site's uplink for its NATS link (leases,
+    pings); `250k`, `1.5M` (powers of 1000, bytes) also do. Per process: a host's training
+    processes each get this much. 0 (the default): no cap."""
     retain_ended_s: float = 86400.0
     """`BATON_RETAIN_ENDED`: seconds an ended run's record stays in the runs bucket after
     the reaper archived it; afterwards it is read from the archive (`baton status`,
@@ -135,9 +140,24 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             retain_ended_s=_float(env, "BATON_RETAIN_ENDED", d.retain_ended_s),
             host_addr=env.get("BATON_HOST_ADDR", d.host_addr),
             form_wait_s=_float(env, "BATON_FORM_WAIT", d.form_wait_s),
+            upload_bps=upload_bps(env),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+_SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+def upload_bps(env: Mapping[str, str]) -> float:
+    """`BATON_UPLOAD_BPS` in bytes per second (0: no cap); the S3 store reads it too."""
+    raw = env.get("BATON_UPLOAD_BPS", "").strip()
+    if not raw:
+        return 0.0
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kKmMgG]?)", raw)
+    if match is None:  # a ConfigError, not a ValueError: the store reads it outside `load`
+        raise ConfigError(f"BATON_UPLOAD_BPS={raw!r} is not bytes per second (`250000`, `250k`)")
+    return float(match[1]) * _SCALE[match[2].lower()]
 
 
 def _site(raw: str) -> str:

@@ -11,10 +11,7 @@ site are, message for message, the site's outbox in the order the site stored it
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
-import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +27,7 @@ from shared.contracts.events import Completed, Fenced, Progress, Redispatched, R
 from shared.state.lease import holder
 from shared.state.workers import live_workers
 from tests.e2e.jobs import EventLog, finished, job, submit
-from tests.support.sites import Site, stored
+from tests.support.sites import Site, hub_leaves, stored
 from tests.support.stack import Stack, eventually
 
 PACED = "tests.support.workloads:paced"
@@ -83,17 +80,6 @@ async def progressed_at_site(site: Site, run_id: str, beyond: int) -> int | None
     sent = await site.outbox(names.at_site(names.event_subject(run_id, "progress"), site.name))
     steps = [decode(d, Progress).step for _, d in sent]
     return max(steps) if steps and max(steps) > beyond else None
-
-
-async def hub_leaves(hub: Stack) -> int:
-    """Leaf nodes the hub's server holds a link to, from its monitoring endpoint."""
-
-    def get() -> int:
-        url = f"http://127.0.0.1:{hub.nats.http_port}/leafz"
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return len(json.load(resp).get("leafs") or [])
-
-    return await asyncio.to_thread(get)
 
 
 async def worker_info(nc: Client, worker: str) -> WorkerInfo | None:

@@ -12,6 +12,10 @@ Two faults, because they look different to the peers:
 `restore()` undoes either. Blackholed connections are aborted on restore rather than
 resumed: bytes were dropped mid-stream, so resuming would hand each peer a corrupt protocol
 stream; a reset makes them reconnect cleanly, as they would after a real partition.
+
+`accepted` counts the connections piped through to the target and `refused` the dials reset
+while severed, so a test can tell how often its peers reconnected. `tests/support/link.py`
+adds delay, jitter, a bandwidth cap and flapping on top (`_pipe` is what it replaces).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from types import TracebackType
-from typing import Literal
+from typing import Literal, Self
 
 _CHUNK = 65536
 
@@ -31,6 +35,11 @@ class Proxy:
         self._server: asyncio.Server | None = None
         self._mode: Literal["open", "severed", "blackholed"] = "open"
         self._conns: set[asyncio.StreamWriter] = set()
+        self.accepted = 0
+        """Connections piped through to the target (the peers' dials, reconnects included)."""
+        self.refused = 0
+        """Dials reset on accept because the link was severed."""
+        self._handlers: set[asyncio.Task[None]] = set()
 
     @property
     def url(self) -> str:
@@ -64,8 +73,12 @@ class Proxy:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        # Every connection was reset: let their handlers finish rather than be cancelled
+        # with the event loop (asyncio logs those as errors).
+        if handlers := {t for t in self._handlers if not t.done()}:
+            await asyncio.wait(handlers, timeout=5)
 
-    async def __aenter__(self) -> Proxy:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -86,7 +99,11 @@ class Proxy:
         self._conns.clear()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if (me := asyncio.current_task()) is not None:
+            self._handlers.add(me)
+            me.add_done_callback(self._handlers.discard)
         if self._mode == "severed":
+            self.refused += 1
             writer.transport.abort()
             return
         if self._mode == "blackholed":
@@ -106,17 +123,21 @@ class Proxy:
             up_w.transport.abort()
             writer.transport.abort()
             return
+        self.accepted += 1
         self._conns.update((writer, up_w))
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(Exception):
-                while data := await src.read(_CHUNK):
-                    # Checked per chunk, so a blackhole also silences links already open.
-                    if self._mode == "blackholed":
-                        continue
-                    dst.write(data)
-                    await dst.drain()
-            dst.transport.abort()
-
-        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+        await asyncio.gather(self._pipe(reader, up_w, up=True), self._pipe(up_r, writer, up=False))
         self._conns.difference_update((writer, up_w))
+
+    async def _pipe(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, up: bool
+    ) -> None:
+        """Copy one direction of a connection (`up`: towards the target) until either end
+        goes, then reset the other."""
+        with contextlib.suppress(Exception):
+            while data := await src.read(_CHUNK):
+                # Checked per chunk, so a blackhole also silences links already open.
+                if self._mode == "blackholed":
+                    continue
+                dst.write(data)
+                await dst.drain()
+        dst.transport.abort()

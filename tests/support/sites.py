@@ -8,6 +8,10 @@ the sites' leaf nodes and proxies, then the hub's server — also when the test 
 
 from __future__ import annotations
 
+import asyncio
+import json
+import urllib.request
+
 import msgspec
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
@@ -141,3 +145,14 @@ async def stored(nc: Client, stream: str, subject_filter: str) -> list[tuple[str
         return [(m.subject, m.data) for m in await reader.drain(sub)]
     finally:
         await sub.unsubscribe()
+
+
+async def hub_leaves(hub: Stack) -> int:
+    """Leaf nodes linked to the hub's server now, from its monitoring endpoint."""
+
+    def get() -> int:
+        url = f"http://127.0.0.1:{hub.nats.http_port}/leafz"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return len(json.load(resp).get("leafs") or [])
+
+    return await asyncio.to_thread(get)

@@ -4,6 +4,7 @@ ones. Imported by real trainer child processes, like any user's code."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -14,11 +15,15 @@ from examples.regression import make_batch
 
 
 def paced(ctx: RunContext) -> None:
-    """The example regression, sleeping `pace` seconds per step so a test can act mid-run."""
+    """The example regression, waiting `pace` seconds per step so a test can act mid-run.
+    A timed `Event.wait`, not `time.sleep`: under libfaketime with the monotonic clock left
+    true (a host whose wall clock is off, tests/e2e/test_skew.py), 0.9.10 fails Python's
+    `time.sleep` (an absolute `clock_nanosleep`) with EINVAL."""
     dim, hidden, batch = (
         int(ctx.config.get(k, d)) for k, d in (("dim", 16), ("hidden", 32), ("batch", 32))
     )
     pace = float(ctx.config.get("pace", 0.02))
+    never = threading.Event()
     model = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 1))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     ctx.restore(model=model, optimizer=opt)
@@ -29,7 +34,8 @@ def paced(ctx: RunContext) -> None:
         loss.backward()
         opt.step()
         ctx.report(loss=loss.item())
-        time.sleep(pace)
+        if pace > 0:
+            never.wait(pace)
 
 
 def stall(ctx: RunContext) -> None:
@@ -147,3 +153,45 @@ def elastic_probe(ctx: RunContext) -> None:
         time.sleep(float(cfg.get("pace", 0.0)))
     if ctx.finished_early:
         dump("stopped")
+
+
+class _Pairs(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """`size` (x, y) pairs of a fixed random linear map with noise; pair i is a pure function
+    of (seed, i), so a resumed run's loader hands out the same samples."""
+
+    def __init__(self, size: int, dim: int, seed: int) -> None:
+        self.size, self.dim, self.seed = size, dim, seed
+        self.w = torch.randn(dim, dim, generator=torch.Generator().manual_seed(seed)) / dim**0.5
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        x = torch.randn(self.dim, generator=g)
+        return x, torch.tanh(self.w @ x) + 0.05 * torch.randn(self.dim, generator=g)
+
+
+def wide(ctx: RunContext) -> None:
+    """A user-shaped job whose checkpoints weigh a few MB: a wide MLP (`dim → width → dim`,
+    4 × dim × width bytes of weights, as many again of SGD momentum), fed by
+    `ctx.data_loader` over a map-style dataset, with dropout; sleeps `pace` s per step."""
+    cfg = ctx.config
+    dim, width = int(cfg.get("dim", 32)), int(cfg.get("width", 4096))
+    model = nn.Sequential(nn.Linear(dim, width), nn.ReLU(), nn.Dropout(0.1), nn.Linear(width, dim))
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    batches = ctx.data_loader(
+        _Pairs(int(cfg.get("samples", 512)), dim, ctx.seed),
+        batch_size=int(cfg.get("batch", 16)),
+        num_workers=int(cfg.get("num_workers", 0)),
+        drop_last=True,
+    )
+    ctx.restore(model=model, optimizer=opt)
+    for _step in ctx.steps():
+        x, y = next(batches)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.report(loss=loss.item())
+        time.sleep(float(cfg.get("pace", 0.0)))

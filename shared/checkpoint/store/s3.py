@@ -13,6 +13,10 @@ there mean we won.
 Payload signing is off; every PUT carries its SHA-256 as `x-amz-checksum-sha256` instead, so
 the server still rejects a damaged body (BadDigest), while the hash of a large file is taken
 once in a worker thread rather than by the signer inside the event loop.
+
+A file larger than `part_bytes` goes up in parts, each retried on its own, and a failed call
+leaves its progress for the next (`multipart.py`); every file is read through the process's
+upload cap, `BATON_UPLOAD_BPS` (`pace.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import asyncio
 import base64
 import builtins
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -36,8 +41,11 @@ import aiohttp
 import botocore.exceptions as bex
 from aiobotocore.config import AioConfig
 
+from shared import config
 from shared.backoff import Backoff
 from shared.checkpoint.store.base import CHUNK, ObjectInfo, Store, check_key, sha256_file
+from shared.checkpoint.store.multipart import MIN_PART_BYTES, PART_BYTES, Upload, put_multipart
+from shared.checkpoint.store.pace import PacedFile, pace_for
 from shared.errors import (
     AlreadyExists,
     ConfigError,
@@ -103,7 +111,17 @@ class S3Store(Store):
         max_backoff_s: float = 2.0,
         connect_timeout_s: float = 3.0,
         read_timeout_s: float = 30.0,
+        upload_bps: float = 0.0,
+        part_bytes: int = PART_BYTES,
     ) -> None:
+        """`upload_bps`: this process's cap on bytes/s of checkpoint files sent (0: none);
+        `part_bytes`: files larger than this go up in parts of this size (≥ 5 MiB)."""
+        if part_bytes < MIN_PART_BYTES:
+            raise ConfigError(f"S3 parts must be at least {MIN_PART_BYTES} bytes")
+        self.part_bytes = part_bytes
+        self.pace = pace_for(upload_bps)
+        self.uploads: dict[str, Upload] = {}
+        """Multipart uploads under way, by key: what a retried `put_file` goes on from."""
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self._root = f"{self.prefix}/" if self.prefix else ""
@@ -153,6 +171,7 @@ class S3Store(Store):
             prefix,
             endpoint=env.get("BATON_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL") or None,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+            upload_bps=config.upload_bps(env),
         )
 
     def _key(self, key: str) -> str:
@@ -170,10 +189,14 @@ class S3Store(Store):
 
     async def put_file(self, key: str, path: Path) -> None:
         check_key(key)
-        size, digest = await asyncio.to_thread(sha256_file, path)
-        etag, ambiguous = await self._put_if(key, lambda: path.open("rb"), digest, IfNoneMatch="*")
-        if etag is None and not (ambiguous and await self._holds(key, size, digest)):
-            raise AlreadyExists(key)
+        if (await asyncio.to_thread(path.stat)).st_size > self.part_bytes:
+            await put_multipart(self, key, path)
+        else:
+            size, digest = await asyncio.to_thread(sha256_file, path)
+            body = functools.partial(PacedFile, path, 0, size, self.pace)
+            etag, ambiguous = await self._put_if(key, body, digest, IfNoneMatch="*")
+            if etag is None and not (ambiguous and await self._holds(key, size, digest)):
+                raise AlreadyExists(key)
         await asyncio.to_thread(path.unlink, missing_ok=True)
 
     async def get(self, key: str) -> bytes:
