@@ -254,16 +254,18 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
     from shared.contracts.events import Diverged
     from shared.history.goodput import goodput as spent_of
 
-    async def get(nc: Any) -> tuple[RunRecord, list[Event]]:
-        return await client.record(nc, run_id), await client.history(nc, run_id)
+    async def get(nc: Any) -> tuple[RunRecord, list[Event] | None]:
+        return await client.record(nc, run_id), await client.readable_history(nc, run_id)
 
-    record, events = run(lambda: with_nats(server, get))
+    # At a site its operator reads the record from the hub, not the run's events (None).
+    record, found = run(lambda: with_nats(server, get))
+    events = found or []
     diverged = [e for e in events if isinstance(e, Diverged)]
     spent = spent_of(events)
     if as_json:
         print_json({
             **msgspec.to_builtins(record), "diverged": msgspec.to_builtins(diverged),
-            "goodput": spent.as_dict() if spent else None,
+            "goodput": spent.as_dict() if spent else None, "events": found is not None,
         })  # fmt: skip
         return
     exact = "-"
@@ -287,6 +289,7 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
         ("exact", exact),
         ("goodput", describe(spent) if spent else "-"),
         ("reason", record.reason or "-"),
+        *([("events", "not readable from this site (exact, goodput unknown)")] * (found is None)),
     ]:
         t.add_row(f"[bold]{k}[/bold]", v)
     out.print(t)

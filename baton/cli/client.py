@@ -19,6 +19,7 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from baton.cli import reader
 from baton.cli.errors import CliError as CliError  # re-exported: callers catch client.CliError
+from baton.cli.errors import needs
 from shared import auth
 from shared.bus import names
 from shared.bus.connect import connect
@@ -43,6 +44,29 @@ async def open_nats(url: str, **options: Any) -> Client:
         )
     except ConnectionError as exc:
         raise CliError(f"{exc}. Is the stack up? Start it with `baton up`.") from None
+
+
+def site_of(nc: Client) -> str:
+    """The JetStream domain of the server `nc` is connected to when it is a site's leaf node
+    (not the hub's domain); "" at the hub."""
+    domain = str(getattr(nc, "_server_info", {}).get("domain") or "")
+    return "" if domain == names.HUB_DOMAIN else domain
+
+
+def hub_domain(nc: Client) -> str | None:
+    """The domain a read of the hub's state goes to: the hub's from a site's leaf node (the
+    site's users may read the runs bucket across the link), else the server's own."""
+    return names.HUB_DOMAIN if site_of(nc) else None
+
+
+async def hub_answers(nc: Client, timeout: float = 2.0) -> bool:
+    """Whether the hub's JetStream answers from here (across a site's link, which carries
+    `$JS.hub.API.INFO` for the site's users)."""
+    try:
+        await nc.request(f"$JS.{names.HUB_DOMAIN}.API.INFO", b"", timeout=timeout)
+    except Exception:
+        return False
+    return True
 
 
 async def wait_for_services(nc: Client, pool: str, timeout: float) -> None:
@@ -169,8 +193,13 @@ async def follow(nc: Client, run_id: str, idle_s: float) -> AsyncIterator[Event 
 
 async def _subscribe_events(nc: Client, run_id: str, domain: str | None = None) -> Any:
     try:
-        return await reader.read(nc, names.EVENTS_STREAM, names.events_of_run(run_id), domain)
+        with needs("events stream"):
+            return await reader.read(
+                nc, names.EVENTS_STREAM, names.events_of_run(run_id), domain or hub_domain(nc)
+            )
     except NotFoundError:
+        if site_of(nc):
+            raise
         raise CliError(
             f"stream {names.EVENTS_STREAM} does not exist on this server: no Baton service has"
             " started here yet (`baton up` starts them)"
@@ -189,6 +218,22 @@ async def history(nc: Client, run_id: str) -> list[Event]:
         await sub.unsubscribe()
 
 
+async def readable_history(nc: Client, run_id: str) -> list[Event] | None:
+    """As `history`; None at a site whose link does not carry the run's events for these
+    credentials (a site's submitter reads its own runs' events; its operator reads only
+    their records)."""
+    from nats.errors import NoRespondersError
+
+    if not site_of(nc):
+        return await history(nc, run_id)
+    try:
+        return await history(nc, run_id)
+    except (NoRespondersError, NatsTimeoutError, TimeoutError, ServiceUnavailableError):
+        if not await hub_answers(nc):
+            raise  # cut off, not refused
+        return None
+
+
 async def divergences(nc: Client, run_id: str) -> list[Diverged]:
     """The run's `diverged` events: each a resume found not exact (`baton.runtime.witness`)."""
     sub = await reader.read(nc, names.EVENTS_STREAM, names.event_subject(run_id, "diverged"))
@@ -200,7 +245,8 @@ async def divergences(nc: Client, run_id: str) -> list[Diverged]:
 
 async def record(nc: Client, run_id: str, domain: str | None = None) -> RunRecord:
     """The run's record, from the runs bucket or, once it was retired, the archive."""
-    found = await (await Runs.open(nc.jetstream(domain=domain))).find(run_id)
+    with needs("runs bucket"):
+        found = await (await Runs.open(nc.jetstream(domain=domain or hub_domain(nc)))).find(run_id)
     if found is None:
         raise CliError(f"no run {run_id!r}", 3)
     return found
@@ -208,15 +254,23 @@ async def record(nc: Client, run_id: str, domain: str | None = None) -> RunRecor
 
 async def all_records(nc: Client, history: bool = False) -> list[RunRecord]:
     """The runs not yet retired (the reaper retires a run once it has been over for
-    `BATON_GC_AGE`), oldest first; with `history`, every run, archived ones included."""
-    js = nc.jetstream()
-    runs = await Runs.open(js)
-    if not history:
-        records = [found[0] for _, found in await runs.live() if found is not None]
-    else:
-        kept = {r.run_id: r for r in await archive.records(js)}
-        kept.update((r.run_id, r) for r in await runs.all())
-        records = list(kept.values())
+    `BATON_GC_AGE`), oldest first; with `history`, every run, archived ones included.
+
+    At a site, from the hub's runs bucket across the link, which carries that bucket but
+    not the live index: what the bucket holds is the same set (the live runs and those not
+    yet retired)."""
+    js = nc.jetstream(domain=hub_domain(nc))
+    with needs("runs bucket"):
+        runs = await Runs.open(js)
+        if not history and site_of(nc):
+            records = await runs.all()
+        elif not history:
+            records = [found[0] for _, found in await runs.live() if found is not None]
+        else:
+            with needs("archive"):
+                kept = {r.run_id: r for r in await archive.records(js)}
+            kept.update((r.run_id, r) for r in await runs.all())
+            records = list(kept.values())
     return sorted(records, key=lambda r: r.created_at)
 
 
@@ -236,7 +290,8 @@ async def cancel(nc: Client, run_id: str, reason: str, site: str = "") -> RunRec
 
 
 async def workers(nc: Client) -> list[WorkerInfo]:
-    return await live_workers(nc.jetstream())
+    with needs("workers bucket"):
+        return await live_workers(nc.jetstream())
 
 
 async def workers_seen(nc: Client) -> list[tuple[WorkerInfo, float]]:
@@ -246,8 +301,9 @@ async def workers_seen(nc: Client) -> list[tuple[WorkerInfo, float]]:
     from shared.state.clock import age, server_now
     from shared.state.workers import heard_workers
 
-    heard = await heard_workers(nc.jetstream())
-    now = await server_now(nc, f"KV_{names.WORKERS_BUCKET}") if heard else 0.0
+    with needs("workers bucket"):
+        heard = await heard_workers(nc.jetstream())
+        now = await server_now(nc, f"KV_{names.WORKERS_BUCKET}") if heard else 0.0
     return [(h.info, age(now, h.at)) for h in heard]
 
 

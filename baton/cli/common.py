@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand
 
-from baton.cli.errors import CliError
+from baton.cli.errors import SEEN, CliError, explain
 from shared.errors import BatonError
 
 T = TypeVar("T")
@@ -137,21 +137,46 @@ class Connection:
 
 
 def run(coro: Callable[[], Awaitable[T]]) -> T:
+    """Run a command's coroutine: the one place where what it raised becomes a message of
+    one line and an exit code — a JetStream that did not answer too (`errors.explain`: at a
+    site, the hub cut off, or a read its link does not carry)."""
     import asyncio
 
+    SEEN.reset()
     try:
         return asyncio.run(coro())  # type: ignore[arg-type]
     except CliError as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        _error(str(exc))
         raise typer.Exit(exc.code) from None
     except BatonError as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        _error(str(exc))
         raise typer.Exit(1) from None
+    except Exception as exc:
+        explained = explain(exc, _command())
+        if explained is None:
+            raise
+        _error(str(explained))
+        raise typer.Exit(explained.code) from None
+
+
+def _error(message: str) -> None:
+    """One line on stderr, however long (rich would wrap it at the terminal's width)."""
+    err.print(f"[red]error:[/red] {message}", soft_wrap=True)
+
+
+def _command() -> str:
+    """The running command's name, as typed after `baton` ("runs", "dlq list")."""
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return "this command"
+    return ctx.command_path.partition(" ")[2] or ctx.command_path
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
     """Print `message` as an error and exit with `code` (2: bad usage)."""
-    err.print(f"[red]error:[/red] {message}")
+    _error(message)
     raise typer.Exit(code)
 
 
@@ -164,11 +189,20 @@ def print_json(obj: Any) -> None:
 
 
 async def with_nats(server: str, fn: Callable[[Any], Awaitable[T]]) -> T:
+    """`fn(nc)` on a connection to `server`. At a site's leaf, a failure is looked into
+    before the connection closes: did the hub's JetStream answer across the link? (`run`
+    words the error from that.)"""
     from baton.cli import client
 
+    SEEN.reset()
     nc = await client.open_nats(server, **Connection.options())
+    SEEN.site = client.site_of(nc)
     try:
         return await fn(nc)
+    except Exception:
+        if SEEN.site:
+            SEEN.hub_up = await client.hub_answers(nc)
+        raise
     finally:
         await nc.close()
 

@@ -13,8 +13,8 @@ from nats.aio.client import Client
 from nats.errors import ConnectionClosedError
 from nats.js.errors import NotFoundError
 
-from baton.cli import reader
-from baton.cli.errors import CliError
+from baton.cli import client, reader
+from baton.cli.errors import CliError, needs
 from shared.bus import names
 from shared.checkpoint import retention
 from shared.checkpoint.store import open_store
@@ -125,9 +125,10 @@ class Letter(msgspec.Struct, frozen=True):
 
 
 async def dlq(nc: Client) -> list[Letter]:
-    js = nc.jetstream()
+    js = nc.jetstream(domain=client.hub_domain(nc))
     try:
-        info = await js.stream_info(names.DLQ_STREAM)
+        with needs("dead-letter stream"):
+            info = await js.stream_info(names.DLQ_STREAM)
     except NotFoundError:
         return []
     out = []
@@ -142,7 +143,8 @@ async def dlq(nc: Client) -> list[Letter]:
 
 async def dlq_show(nc: Client, seq: int) -> Letter:
     try:
-        msg = await nc.jetstream().get_msg(names.DLQ_STREAM, seq)
+        with needs("dead-letter stream"):
+            msg = await nc.jetstream(domain=client.hub_domain(nc)).get_msg(names.DLQ_STREAM, seq)
     except NotFoundError:
         raise CliError(f"no dead letter #{seq}", 3) from None
     assert msg.data is not None
@@ -156,7 +158,7 @@ async def dlq_replay(nc: Client, seq: int) -> str:
     letter = found.letter
     headers = {k: v for k, v in letter.headers.items() if not k.startswith("Nats-")}
     headers["Nats-Msg-Id"] = f"replay.{seq}.{letter.stream_seq}"
-    js = nc.jetstream()
+    js = nc.jetstream(domain=client.hub_domain(nc))
     await js.publish(letter.subject, letter.payload, headers=headers)
     await js.delete_msg(names.DLQ_STREAM, seq)
     return letter.subject
@@ -172,7 +174,10 @@ def payload_text(payload: bytes) -> str:
 async def log_chunks(nc: Client, run_id: str, follow: bool) -> AsyncIterator[bytes]:
     """The run's captured stdout/stderr, from the start; with `follow`, then live."""
     try:
-        sub = await reader.read(nc, names.LOGS_STREAM, names.logs_subject(run_id))
+        with needs("logs stream"):
+            sub = await reader.read(
+                nc, names.LOGS_STREAM, names.logs_subject(run_id), client.hub_domain(nc)
+            )
     except NotFoundError:
         raise CliError(f"stream {names.LOGS_STREAM} does not exist on this server", 3) from None
     idle_deadline = time.monotonic() + 1.0

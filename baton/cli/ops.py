@@ -78,9 +78,14 @@ def sites(server: Server = DEFAULT, as_json: Json = False) -> None:
     to take from the site's outbox, as last measured)."""
     from rich.table import Table
 
+    from baton.cli.errors import needs
     from shared.bus import sourcing as site_links
 
-    found = run(lambda: with_nats(server, site_links.views))
+    async def go(nc: Any) -> list[site_links.SiteView]:
+        with needs("sites bucket"):
+            return await site_links.views(nc)
+
+    found = run(lambda: with_nats(server, go))
     if as_json:
         print_json(found)
         return

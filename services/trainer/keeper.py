@@ -27,6 +27,7 @@ from shared import telemetry
 from shared.checkpoint import commit
 from shared.checkpoint.store import Store
 from shared.contracts.child import Control
+from shared.logs import Condition
 from shared.state import transitions
 from shared.state.lease import Lease
 from shared.state.runs import Runs
@@ -94,6 +95,8 @@ class Keeper:
         """False for a group's leader: its ranks carry the epoch they started with."""
         self.settled = False
         """The attempt's verdict is decided: renew only (see the module's docstring)."""
+        self.renewal = Condition(log, f"{run_id}: lease renewal", "training goes on")
+        """Logs a run of failed renewals (a cut link) once as it starts and once as it ends."""
 
     def settling(self) -> None:
         """The attempt's verdict is decided and about to be written: from now on a lost
@@ -121,14 +124,11 @@ class Keeper:
                         self.orders.fence("the lease was taken over by another worker")
                         return
                 await self._read_orders()
+                self.renewal.ok()
                 wait = interval
             except Exception as exc:  # a link that is down: keep training, try again
                 telemetry.LEASE_RENEW_FAILURES.add(1, {"baton.reason": "error"})
-                log.warning(
-                    "%s: lease renewal failed (%s); training goes on",
-                    self.run_id,
-                    type(exc).__name__,
-                )
+                self.renewal.failed(exc)
                 # A trainer at a site keeps its connection to the leaf through a WAN cut,
                 # so no reconnect tells it the link is back: retry soon, to renew within
                 # the TTL a cut shorter than the TTL leaves.

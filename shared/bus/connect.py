@@ -23,6 +23,7 @@ from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 from shared import credentials
 from shared.backoff import Backoff, retrying
 from shared.errors import ConfigError
+from shared.logs import Condition
 
 log = logging.getLogger("baton.nats")
 
@@ -142,22 +143,74 @@ async def publish(
     can replace the id that makes the retries safe."""
     hdrs = {**(headers or {}), "Nats-Msg-Id": msg_id}
     try:  # the common case, without the retry loop's set-up (hot in the dispatcher)
-        return await js.publish(subject, payload, headers=hdrs, timeout=timeout)
+        ack = await js.publish(subject, payload, headers=hdrs, timeout=timeout)
     except RETRY_PUBLISH as exc:
+        _unconfirmed(subject).failed(exc)
         if attempts == 1:
             raise
-        log.info("publish to %s not confirmed (%s); retrying", subject, type(exc).__name__)
+    else:
+        if _failing:
+            _unconfirmed(subject).ok()
+        return ack
+    unconfirmed = _unconfirmed(subject)
+
+    async def once() -> PubAck:
+        try:
+            ack = await js.publish(subject, payload, headers=hdrs, timeout=timeout)
+        except RETRY_PUBLISH as exc:
+            unconfirmed.failed(exc)
+            raise
+        unconfirmed.ok()
+        return ack
+
     backoff = Backoff(first=0.1, most=2.0)
     await asyncio.sleep(backoff.next())
     return await retrying(
-        lambda: js.publish(subject, payload, headers=hdrs, timeout=timeout),
+        once,
         retry_on=RETRY_PUBLISH,
         what=f"publish to {subject} not confirmed",
         backoff=backoff,
         attempts=max(0, attempts - 1),
         log=log,
-        level=logging.INFO,
+        level=logging.DEBUG,
     )
+
+
+_failing: dict[str, Condition] = {}
+"""One condition per destination (`where`), kept while any of its publishes fail: every
+publish that is retried during a cut shares it, so the cut is logged once, not per try."""
+
+
+def _unconfirmed(subject: str) -> Condition:
+    """The condition of publishes to where `subject` goes, logged on `log` (once as they
+    start failing, once as one is confirmed again); it stays registered only while on."""
+    key = where(subject)
+    found = _failing.get(key)
+    if found is None:
+        found = _failing[key] = _Unconfirmed(key)
+    return found
+
+
+class _Unconfirmed(Condition):
+    """A `Condition` that keeps itself in `_failing` exactly while it is on."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(log, f"publishes to {key}", "each is retried until it is stored")
+        self.key = key
+
+    def ok(self) -> bool:
+        _failing.pop(self.key, None)
+        return super().ok()
+
+
+def where(subject: str) -> str:
+    """What `subject` names as a destination, without the per-message tokens: the bucket of a
+    KV write (`$JS.hub.API.$KV.baton_leases`), else the kind of message, at a site or not
+    (`baton.events`, `baton.site.lab1.events`)."""
+    tokens = subject.split(".")
+    if subject.startswith("$JS.") and "$KV" in tokens:
+        return ".".join(tokens[: tokens.index("$KV") + 2])
+    return ".".join(tokens[: 4 if tokens[1:2] == ["site"] else 2])
 
 
 RETRY_PUBLISH = (TimeoutError, NoStreamResponseError, nats.errors.TimeoutError)
