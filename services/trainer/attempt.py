@@ -210,8 +210,6 @@ class Attempt:
             outcome = await apply(verdict, scope)
             if outcome is Outcome.COMPLETED:
                 await self._sample_speed()
-                if self.group is not None:
-                    await self.group.finished()
             return outcome
         finally:
             self.child.kill()

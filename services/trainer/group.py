@@ -352,13 +352,6 @@ class Leader:
             return users[0]
         return Breakage(0, self.worker, "a collective failed (a peer was too slow)", False)
 
-    async def finished(self) -> None:
-        """The run finished cleanly: every rank's process ends by itself after its last
-        step. Before the group is ended (which kills what still runs), wait until each
-        member's key says its process exited, or its trainer went silent — at most a key's
-        TTL — so a clean finish kills no rank."""
-        await self._ends()
-
     async def _ends(self) -> dict[int, MemberKey | None]:
         """How each member ended: its exited key, or None for a silent trainer. A dead
         trainer's key outlives it by up to its TTL; it is known silent sooner, once its

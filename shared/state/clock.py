@@ -26,6 +26,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
+from shared.state.keys import keys
+
 API = "$JS.API"
 
 
@@ -85,13 +87,8 @@ class Stamped(NamedTuple):
 async def stamped_values(js: JetStreamContext, bucket: str) -> list[Stamped]:
     """Each live key of a KV bucket, in name order, with its value and the server's stamp of
     its newest revision (one message get per key: a KV get leaves the stamp out)."""
-    kv = await js.key_value(bucket)
-    try:
-        keys = await kv.keys()
-    except Exception:  # nats-py raises a bare NoKeysError when the bucket is empty
-        return []
     out = []
-    for key in sorted(keys):
+    for key in sorted(await keys(js, bucket)):
         try:
             msg = await js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
         except NotFoundError:  # deleted or expired between listing and reading

@@ -30,7 +30,6 @@ from nats.js.errors import (
     KeyDeletedError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
-    NoKeysError,
     NotFoundError,
 )
 from nats.js.kv import KeyValue
@@ -40,6 +39,7 @@ from shared.bus.kvwrite import KvWriter
 from shared.contracts import RunRecord, decode, encode
 from shared.state import archive
 from shared.state.clock import stamp
+from shared.state.keys import keys
 
 Change = Callable[[RunRecord], RunRecord | None]
 
@@ -154,11 +154,7 @@ class Runs:
         return [(run_id, await self.stamped(run_id)) for run_id in await self.live_ids()]
 
     async def live_ids(self) -> list[str]:
-        kv = await self._js.key_value(names.LIVE_BUCKET)
-        try:
-            return list(await kv.keys())
-        except NoKeysError:  # nats-py's answer for an empty bucket
-            return []
+        return await keys(self._js, names.LIVE_BUCKET)
 
     async def retire(self, record: RunRecord, revision: int, keep_s: float) -> bool:
         """Archive an ended run and take it out of the live index; the runs bucket forgets
@@ -184,12 +180,8 @@ class Runs:
     async def all(self) -> list[RunRecord]:
         """Every record still in the runs bucket (live runs and recently ended ones): reads
         each one, so its cost follows the bucket's size; only `baton runs --all` uses it."""
-        try:
-            keys = await self._kv.keys()
-        except NoKeysError:
-            return []
         out = []
-        for key in keys:
+        for key in await keys(self._js, names.RUNS_BUCKET):
             found = await self.get(key)
             if found is not None:
                 out.append(found[0])

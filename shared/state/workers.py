@@ -17,6 +17,7 @@ from shared.bus import names
 from shared.contracts import decode
 from shared.contracts.control import WorkerInfo
 from shared.state.clock import stamped_values
+from shared.state.keys import keys
 
 
 class Heard(NamedTuple):
@@ -29,12 +30,8 @@ async def live_workers(js: JetStreamContext) -> list[WorkerInfo]:
     """Every trainer whose heartbeat has not expired (the server's per-key TTL removes a
     dead trainer's entry), in name order."""
     kv = await js.key_value(names.WORKERS_BUCKET)
-    try:
-        keys = await kv.keys()
-    except Exception:  # nats-py raises a bare NoKeysError when the bucket is empty
-        return []
     out = []
-    for key in sorted(keys):
+    for key in sorted(await keys(js, names.WORKERS_BUCKET)):
         with contextlib.suppress(KeyNotFoundError):  # expired between listing and reading
             entry = await kv.get(key)
             if entry.value:

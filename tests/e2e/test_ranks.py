@@ -86,29 +86,6 @@ async def reference(nc: Client, total: int = 80) -> str:
     return _reference[total]
 
 
-async def test_a_clean_finish_ends_every_rank_without_killing_one(three: Stack) -> None:
-    """A group that trains to its last step ends with each rank's process exiting by
-    itself: the leader waits for its members before it ends the group, whose end kills
-    whatever still runs."""
-    nc = await three.client()
-    run_id = await submit(nc, ddp("clean-finish", total=30, steps_sleep=0.0))
-    log = EventLog(nc, run_id)
-    formed = await log.wait_for(lambda e: isinstance(e, GroupFormed), 60, "the group")
-    assert isinstance(formed, GroupFormed)
-    record = await finished(nc, run_id, timeout=120)
-    assert record.state is RunState.COMPLETED, record.reason
-    member = formed.members[1]
-
-    async def exited() -> str | None:
-        lines = [ln for ln in three.log(member).splitlines() if f"{run_id}: rank 1's" in ln]
-        return next((ln for ln in lines if "process exited" in ln), None)
-
-    line = await eventually(exited, 30, "rank 1's process to end")
-    assert line.endswith("process exited 0"), line
-    assert f"{run_id}: the group of epoch" not in three.log(member), "a rank was killed"
-    log.close()
-
-
 async def test_a_rank_killed_reforms_on_the_spare_and_ends_bitwise_equal(three: Stack) -> None:
     nc = await three.client()
     want = await reference(nc)

@@ -271,7 +271,11 @@ async def _heard(nc: Client, worker: str) -> bool:
 
 
 async def _retired(nc: Client, run_id: str) -> bool:
-    return run_id not in await (await Runs.open(nc.jetstream())).live_ids()
+    """Archived, and out of the live index (`Runs.retire` does both, in that order)."""
+    js = nc.jetstream()
+    if await archive.find(js, run_id) is None:
+        return False
+    return run_id not in await (await Runs.open(js)).live_ids()
 
 
 async def _exported(hub: Stack, run_id: str) -> float | None:
