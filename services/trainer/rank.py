@@ -30,21 +30,12 @@ from services.trainer.attempt import OUTPUT_DRAIN_S, tail_of
 from services.trainer.child_proc import Child, Zygote
 from services.trainer.group import GIVE_WAY_S, POLL_S, local_rank
 from shared.bus import names
-from shared.contracts.child import (
-    EXIT_USER_ERROR,
-    Control,
-    Finished,
-    Launch,
-    Rendezvous,
-    StepDone,
-)
+from shared.contracts.child import EXIT_USER_ERROR, Control, Launch, Rendezvous, StepDone
 from shared.contracts.groups import GroupKey, MemberKey, RankCall
 from shared.state.groups import GroupStore
 
 log = logging.getLogger("baton.trainer")
 
-FINISH_GRACE_S = 5.0
-"""How long a rank's process that finished may take to exit once its group is over."""
 GROW_YIELD_S = 5.0
 """How long an offer to grow a group stays off the queue when other work was waiting."""
 
@@ -77,8 +68,6 @@ class Member:
         self._publish_output = publish_output
         self._ack_wait_s = ack_wait_s
         self.step = 0
-        self.finished = False
-        """This rank's process reported `Finished`: the group ended as it should."""
         self.key = names.member_key(self.run_id, call.epoch, call.rank)
         self.me = MemberKey(
             run_id=self.run_id, epoch=call.epoch, rank=call.rank, worker=worker,
@@ -248,29 +237,11 @@ class Member:
             except Exception:  # a blip: the keys outlive a few misses
                 continue
             if not alive:
-                await self._end(child, exited)
-                return
-
-    async def _end(self, child: Child, exited: asyncio.Future[int]) -> None:
-        """The group is over. After a clean finish (this rank's process said `Finished`)
-        its process is exiting by itself — its teardown may wait on rank 0's process, which
-        the leader stopped as the group ended — so it gets `FINISH_GRACE_S` to do so before
-        it is stopped. Otherwise it is killed at once: no rank outlives its group."""
-        if self.finished:
-            await asyncio.wait({exited}, timeout=FINISH_GRACE_S)
-            if exited.done():
-                return
-            log.info("%s: rank %d's process finished but did not exit within %.0fs; stopped",
-                     self.run_id, self.call.rank, FINISH_GRACE_S)  # fmt: skip
-        else:
-            log.warning("%s: the group of epoch %d is over; rank %d's process killed",
-                        self.run_id, self.call.epoch, self.call.rank)  # fmt: skip
-        child.kill()
-        await asyncio.wait({exited})  # a SIGKILLed process is reaped at once
+                log.warning("%s: the group of epoch %d is over; rank %d's process killed",
+                            self.run_id, self.call.epoch, self.call.rank)  # fmt: skip
+                child.kill()
 
     async def _read(self, child: Child) -> None:
         async for msg in child.messages():
             if isinstance(msg, StepDone):
                 self.step = msg.step
-            elif isinstance(msg, Finished):
-                self.finished = True

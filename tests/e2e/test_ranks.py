@@ -86,30 +86,6 @@ async def reference(nc: Client, total: int = 80) -> str:
     return _reference[total]
 
 
-async def test_a_clean_finish_ends_every_rank_without_killing_one(three: Stack) -> None:
-    """A group that trains to its last step ends with each rank's process exiting by
-    itself: a member whose process said it finished gives it time to exit once the group
-    is over, instead of killing it (services/trainer/rank.py, `FINISH_GRACE_S`)."""
-    nc = await three.client()
-    run_id = await submit(nc, ddp("clean-finish", total=30, steps_sleep=0.0))
-    log = EventLog(nc, run_id)
-    formed = await log.wait_for(lambda e: isinstance(e, GroupFormed), 60, "the group")
-    assert isinstance(formed, GroupFormed)
-    record = await finished(nc, run_id, timeout=120)
-    assert record.state is RunState.COMPLETED, record.reason
-    member = formed.members[1]
-
-    async def exited() -> str | None:
-        lines = [ln for ln in three.log(member).splitlines() if f"{run_id}: rank 1's" in ln]
-        return next((ln for ln in lines if "process exited" in ln), None)
-
-    line = await eventually(exited, 30, "rank 1's process to end")
-    assert line.endswith("process exited 0"), line
-    said = three.log(member)
-    assert f"{run_id}: the group of epoch" not in said and "killed" not in said, said[-2000:]
-    log.close()
-
-
 async def test_a_rank_killed_reforms_on_the_spare_and_ends_bitwise_equal(three: Stack) -> None:
     nc = await three.client()
     want = await reference(nc)
