@@ -41,6 +41,19 @@ def job(**over: Any) -> JobSpec:
     return convert(base, JobSpec)
 
 
+def paced(total: int, pace: float = 0.05, **over: Any) -> JobSpec:
+    """The paced regression (`tests.support.workloads:paced`), a checkpoint every 10 steps:
+    slow enough that a test can cut a link or kill a process mid-run."""
+    return job(
+        entry_point="tests.support.workloads:paced",
+        total_steps=total,
+        checkpoint={"every_steps": 10},
+        config={"pace": pace},
+        seed=11,
+        **over,
+    )
+
+
 async def submit(nc: Client, spec: JobSpec) -> str:
     run_id, answer = await client.submit(nc, spec, 10)
     assert answer is not None and type(answer).__name__ == "Accepted", answer

@@ -21,31 +21,19 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from shared.bus import names
-from shared.contracts import JobSpec, RunState, decode
+from shared.contracts import RunState, decode
 from shared.contracts.control import WorkerInfo
 from shared.contracts.events import Completed, Fenced, Progress, Redispatched, Restored, Started
 from shared.state.lease import holder
 from shared.state.workers import live_workers
-from tests.e2e.jobs import EventLog, finished, job, submit
+from tests.e2e.jobs import EventLog, finished, paced, submit
 from tests.support.sites import Site, hub_leaves, stored
 from tests.support.stack import Stack, eventually
 
-PACED = "tests.support.workloads:paced"
 TTL = 6
 HUB_ONLY = ("dispatcher", "checkpointer", "reaper")
 EDGE = "lab1-trainer-1"
 _references: dict[tuple[int, int], str] = {}
-
-
-def paced(total: int, pace: float = 0.05, **over: Any) -> JobSpec:
-    return job(
-        entry_point=PACED,
-        total_steps=total,
-        checkpoint={"every_steps": 10},
-        config={"pace": pace},
-        seed=11,
-        **over,
-    )
 
 
 @pytest.fixture

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from shared.bus import names
-from shared.contracts import JobSpec, decode
+from shared.contracts import decode
 from shared.contracts.events import Progress, Started
 from shared.state.lease import holder
-from tests.e2e.jobs import EventLog, job, submit
+from tests.e2e.jobs import EventLog, paced, submit
 from tests.support.sites import Site
 from tests.support.stack import Stack, eventually
 
@@ -38,16 +38,6 @@ ABOUT_THE_CUT = re.compile(
 """The trainer's log lines about what a cut makes fail, and about its recovery."""
 MOST_LINES = 6
 """A handful: the renewals' start and recovery, the publishes' start and recovery, slack."""
-
-
-def paced(total: int) -> JobSpec:
-    return job(
-        entry_point="tests.support.workloads:paced",
-        total_steps=total,
-        checkpoint={"every_steps": 10},
-        config={"pace": 0.05},
-        seed=11,
-    )
 
 
 @pytest.fixture
