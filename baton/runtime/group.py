@@ -179,7 +179,9 @@ def join(rdv: Rendezvous, listening: Callable[[int], None]) -> Group:
         world_size=rdv.world_size,
         timeout=timeout,
     )
-    control = dist.new_group(backend="gloo")
+    # The same timeout: without it `new_group` takes gloo's own default (30 minutes), and a
+    # peer that stops while the others are in the per-step agreement would hold them there.
+    control = dist.new_group(backend="gloo", timeout=timeout)
     return Group(rdv, store, writer, control, [tcp, own])
 
 

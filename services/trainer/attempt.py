@@ -31,7 +31,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from opentelemetry import trace
 
-from services.trainer.child_proc import Child
+from services.trainer.child_proc import FINISH_GRACE_S, Child
 from services.trainer.commits import Commits
 from services.trainer.group import Breakage, Leader
 from services.trainer.keeper import Keeper, Order
@@ -316,8 +316,11 @@ class Attempt:
             code = await self.child.wait()
             await self._output_copied()
             return self._child_failed(code)
-        # `Finished` comes after the child's last write, so its exit (a second or so of
-        # interpreter teardown) is not waited for: the next worker would wait with us.
+        # `Finished` comes after the child's last write; it then leaves promptly (no
+        # interpreter teardown), so its exit is waited for, briefly: nothing is killed.
+        if not await self.child.exit_or_kill():
+            log.info("%s: the training process finished but did not exit within %.0fs; "
+                     "stopped", self.run_id, FINISH_GRACE_S)  # fmt: skip
         if finished.stopped:
             return await self._stopped_early(finished)
         return await self._finished()

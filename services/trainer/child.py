@@ -23,10 +23,16 @@ failure ended it:
 A process of a group that fails leaves by `os._exit` once its output is flushed: measured
 with torch 2.13, a normal exit after a gloo collective timed out aborts the process in
 gloo's teardown more often than not (SIGABRT), which would turn the status into a signal.
+
+A process that finished (`Finished` sent: its last checkpoint written, its group left)
+leaves promptly (`leave_promptly`): the user's exit hooks run, then it ends without the
+interpreter's module teardown, which takes a second or more with torch loaded. Its trainer
+gives it `FINISH_GRACE_S` to be gone before stopping it, so a clean finish kills nothing.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import sys
@@ -61,9 +67,20 @@ def main(argv: list[str]) -> int:
         from services.trainer.zygote import serve
 
         _warm_up()
-        return serve(int(argv[2]), run)
+        return serve(int(argv[2]), lambda ctl_in, ctl_out: leave_promptly(run(ctl_in, ctl_out)))
     _warm_up()
-    return run(int(argv[1]), int(argv[2]))
+    leave_promptly(run(int(argv[1]), int(argv[2])))
+
+
+def leave_promptly(code: int) -> NoReturn:
+    """End this training process once its attempt is over, as a normal exit would but for
+    the interpreter's module teardown: threads the user's code left running are not waited
+    for, the user's `atexit` hooks run (a metrics logger's last flush), and the output is
+    flushed."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run(ctl_in_fd: int, ctl_out_fd: int) -> int:

@@ -22,6 +22,10 @@ log = logging.getLogger("baton.trainer")
 
 PR_SET_PDEATHSIG = 1
 CHILD_MODULE = "services.trainer.child"
+FINISH_GRACE_S = 5.0
+"""How long a training process that reported `Finished` may take to exit by itself before
+it is stopped. It leaves promptly (`child.leave_promptly`: milliseconds); the grace is for
+the user's `atexit` hooks and a loaded machine."""
 
 
 def _die_with_parent() -> None:
@@ -103,6 +107,17 @@ class Child:
             except ProcessLookupError:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pid, signal.SIGKILL)
+
+    async def exit_or_kill(self, grace: float = FINISH_GRACE_S) -> bool:
+        """Give the process `grace` seconds to exit by itself, then kill it. Whether it
+        exited by itself."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wait(), grace)
+        if self.returncode is not None:
+            return True
+        self.kill()
+        await self.wait()
+        return False
 
     async def wait(self) -> int:
         code = await asyncio.shield(self._exited)

@@ -27,10 +27,17 @@ import msgspec
 from nats.aio.msg import Msg
 
 from services.trainer.attempt import OUTPUT_DRAIN_S, tail_of
-from services.trainer.child_proc import Child, Zygote
+from services.trainer.child_proc import FINISH_GRACE_S, Child, Zygote
 from services.trainer.group import GIVE_WAY_S, POLL_S, local_rank
 from shared.bus import names
-from shared.contracts.child import EXIT_USER_ERROR, Control, Launch, Rendezvous, StepDone
+from shared.contracts.child import (
+    EXIT_USER_ERROR,
+    Control,
+    Finished,
+    Launch,
+    Rendezvous,
+    StepDone,
+)
 from shared.contracts.groups import GroupKey, MemberKey, RankCall
 from shared.state.groups import GroupStore
 
@@ -68,6 +75,8 @@ class Member:
         self._publish_output = publish_output
         self._ack_wait_s = ack_wait_s
         self.step = 0
+        self.finished = False
+        """This rank's process reported `Finished`: it is leaving by itself."""
         self.key = names.member_key(self.run_id, call.epoch, call.rank)
         self.me = MemberKey(
             run_id=self.run_id, epoch=call.epoch, rank=call.rank, worker=worker,
@@ -237,11 +246,23 @@ class Member:
             except Exception:  # a blip: the keys outlive a few misses
                 continue
             if not alive:
-                log.warning("%s: the group of epoch %d is over; rank %d's process killed",
-                            self.run_id, self.call.epoch, self.call.rank)  # fmt: skip
-                child.kill()
+                await self._end(child)
+                return
+
+    async def _end(self, child: Child) -> None:
+        """The group is over: no rank outlives it. A process that finished is leaving by
+        itself and gets `FINISH_GRACE_S` to do so; any other is killed at once."""
+        if not self.finished:
+            log.warning("%s: the group of epoch %d is over; rank %d's process killed",
+                        self.run_id, self.call.epoch, self.call.rank)  # fmt: skip
+            child.kill()
+        elif not await child.exit_or_kill():
+            log.info("%s: rank %d's process finished but did not exit within %.0fs; stopped",
+                     self.run_id, self.call.rank, FINISH_GRACE_S)  # fmt: skip
 
     async def _read(self, child: Child) -> None:
         async for msg in child.messages():
             if isinstance(msg, StepDone):
                 self.step = msg.step
+            elif isinstance(msg, Finished):
+                self.finished = True

@@ -60,7 +60,8 @@ def serve(sock_fd: int, run: Callable[[int, int], int]) -> int:
                 if pid == 0:
                     sel.close()
                     _become_child(sock, (wake_r, wake_w), fds)
-                    sys.exit(run(fds[0], fds[1]))  # a normal exit: the user's atexit runs
+                    # `run` may end the process itself; if it returns, a normal exit.
+                    sys.exit(run(fds[0], fds[1]))
                 for fd in fds:
                     os.close(fd)
                 sock.sendall(f"forked {pid}\n".encode())

@@ -113,11 +113,27 @@ async def test_a_run_shrinks_grows_back_and_ends_as_at_one_and_at_two_ranks(pool
         lambda e: isinstance(e, Progress) and e.step > shrunk.step + 5, 60, "one rank training"
     )
 
-    # A queued run and a free trainer: the queued run gets the trainer first.
-    other = await submit(nc, job(entry_point="tests.support.workloads:paced", total_steps=40))
-    await pool.add_trainer("e3")
-    done = await finished(nc, other, timeout=60)
-    assert done.state is RunState.COMPLETED and done.worker is None
+    # A queued run and a free trainer: the queued run gets the trainer first. The one rank
+    # left is held (SIGSTOP) until the new trainer, done with that run, holds the offer to
+    # grow, so that the run cannot reach its end first however slow the machine is: the
+    # group grows at the rank's next step boundary once it goes on.
+    held = attempt_processes(pool.pid(first.members[0]))
+    assert held, "the surviving rank has no training process"
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        other = await submit(nc, job(entry_point="tests.support.workloads:paced", total_steps=40))
+        await pool.add_trainer("e3")
+        done = await finished(nc, other, timeout=90)
+        assert done.state is RunState.COMPLETED and done.worker is None
+
+        async def offer_held() -> bool:
+            return "offered to grow its group" in pool.log("e3")
+
+        await eventually(offer_held, 60, "the new trainer to hold the offer to grow")
+    finally:
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
     (started,) = [e for e in await history(nc, other) if isinstance(e, Started)]
     grown = await log.wait_for(
         lambda e: isinstance(e, Resized) and e.to_ranks == 2 and e.epoch > shrunk.epoch,

@@ -86,6 +86,34 @@ async def reference(nc: Client, total: int = 80) -> str:
     return _reference[total]
 
 
+async def test_a_clean_finish_ends_every_rank_without_killing_one(three: Stack) -> None:
+    """A group that trains to its last step ends with each rank's process exiting by
+    itself: after `Finished` a training process leaves promptly, and its trainer — the
+    leader for rank 0, a member for rank 1 — waits for that rather than kill it
+    (`FINISH_GRACE_S`, services/trainer/child_proc.py)."""
+    nc = await three.client()
+    run_id = await submit(nc, ddp("clean-finish", total=30, steps_sleep=0.0))
+    log = EventLog(nc, run_id)
+    formed = await log.wait_for(lambda e: isinstance(e, GroupFormed), 60, "the group")
+    assert isinstance(formed, GroupFormed)
+    record = await finished(nc, run_id, timeout=120)
+    assert record.state is RunState.COMPLETED, record.reason
+    leader, member = formed.members
+
+    def about_the_run(worker: str) -> list[str]:
+        return [ln for ln in three.log(worker).splitlines() if f"{run_id}:" in ln]
+
+    async def exited() -> str | None:
+        return next((ln for ln in about_the_run(member) if "rank 1's process exited" in ln), None)
+
+    line = await eventually(exited, 30, "rank 1's process to end")
+    assert line.endswith("process exited 0"), line
+    for worker in (leader, member):
+        said = about_the_run(worker)
+        assert not [ln for ln in said if "killed" in ln or "did not exit" in ln], said
+    log.close()
+
+
 async def test_a_rank_killed_reforms_on_the_spare_and_ends_bitwise_equal(three: Stack) -> None:
     nc = await three.client()
     want = await reference(nc)

@@ -226,7 +226,10 @@ def alive(pid: int) -> bool:
 
 def attempt_processes(trainer_pid: int) -> list[int]:
     """A trainer's training processes (and what they spawned), without its zygote, which
-    lives as long as the trainer does (services/trainer/zygote.py)."""
+    lives as long as the trainer does (services/trainer/zygote.py). The zygote is the
+    trainer's own child; the processes it forks carry its command line too, so that alone
+    does not tell them apart."""
+
     def zygote(pid: int) -> bool:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -234,11 +237,23 @@ def attempt_processes(trainer_pid: int) -> list[int]:
         except FileNotFoundError:
             return False
 
-    return [p for p in children_of(trainer_pid) if not zygote(p)]
+    ours = set(_kids().get(trainer_pid, []))
+    return [p for p in children_of(trainer_pid) if not (p in ours and zygote(p))]
 
 
 def children_of(pid: int) -> list[int]:
     """Every descendant of `pid` (read from /proc), for asserting no process is left."""
+    kids = _kids()
+    out, todo = [], [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kids() -> dict[int, list[int]]:
+    """Each live process's children, by parent pid (read from /proc)."""
     kids: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -248,12 +263,7 @@ def children_of(pid: int) -> list[int]:
             except (FileNotFoundError, ProcessLookupError, IndexError):
                 continue
             kids.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in kids.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    return kids
 
 
 def training_processes(root: Path | None = None) -> list[int]:
