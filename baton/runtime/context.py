@@ -108,6 +108,7 @@ class RunContext:
         self._step_metrics: dict[str, float] = {}
         # Rank 0's metrics stand for the run's: only its steps are checked.
         self._witness = witness.Witness(enabled=task.spec.deterministic and self.rank == 0)
+        self._spool = spool
         self._snap = Snapshotter(store_url, spool, prefix=rank_prefix(self.rank))
         self._lock = threading.Lock()
         self._want_checkpoint = False
@@ -294,6 +295,12 @@ class RunContext:
 
     def _after_step(self) -> None:
         self._check_step()
+        if self._boundary():
+            self._save(final=False)
+
+    def _boundary(self, report: bool = True) -> bool:
+        """What every rank agrees on once a step is done (a stop is kept in `should_stop`);
+        whether a checkpoint is due now. With `report`, the step's progress is sent too."""
         now = time.monotonic()
         policy = self.spec.checkpoint
         with self._lock:
@@ -317,11 +324,17 @@ class RunContext:
         # it is postponed to the first step after that write is done. Asked-for ones wait.
         save = self.step < self.total_steps and (asked or (periodic and not busy))
         self._postponed = periodic and not save and self.step < self.total_steps
-        if now - self._last_report >= REPORT_INTERVAL_S or save or self.step == self.total_steps:
+        if report:
+            self._progress(save)
+        return save
+
+    def _progress(self, due: bool) -> None:
+        """Tell the trainer the step is done, with the metrics so far: at most every
+        `REPORT_INTERVAL_S`, and always when `due` (a checkpoint's step) and at the end."""
+        now = time.monotonic()
+        if due or now - self._last_report >= REPORT_INTERVAL_S or self.step == self.total_steps:
             self._last_report = now
             self._send(StepDone(step=self.step, metrics=dict(self._metrics)))
-        if save:
-            self._save(final=False)
 
     def _save(self, final: bool) -> None:
         if self._write_error is not None:
@@ -336,10 +349,22 @@ class RunContext:
             self._postponed = False
             return
         groups, meta = self._state()
+        self._write(groups, meta, final)
+
+    def _write(
+        self,
+        groups: dict[str, dict[str, torch.Tensor]],
+        meta: dict[str, Any],
+        final: bool,
+        staged: Path | None = None,
+    ) -> None:
+        """Capture this step's checkpoint and hand it to the writer thread (with `staged`,
+        a framework's own files: `baton.runtime.external`)."""
         try:
             snap, stalled = self._snap.capture(self.step, groups, meta)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"ctx.cursor must hold only JSON values: {exc}") from None
+        snap.staged = staged
         if not final:
             self._witness.checkpointed(self.step)
         ready = CheckpointReady(
@@ -357,8 +382,11 @@ class RunContext:
         self._last_ckpt_time = time.monotonic()
         self._postponed = False
 
-    def _state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-        """This rank's part of a checkpoint now: tensors by file, and its meta.json."""
+    def _state(
+        self, weights: dict[str, torch.Tensor] | None = None
+    ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        """This rank's part of a checkpoint now: tensors by file, and its meta.json. The
+        digest is of `weights`, or else of the first registered object's tensors."""
         groups: dict[str, dict[str, torch.Tensor]] = {}
         trees: dict[str, Any] = {}
         for slot in self._slots:
@@ -378,7 +406,7 @@ class RunContext:
         if self.rank > 0:
             meta["rank"] = self.rank
             return groups, meta
-        meta["digest"] = weights_digest(next(iter(groups.values())))
+        meta["digest"] = weights_digest(next(iter(groups.values())) if weights is None else weights)
         meta["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
         if self.world_size > 1 and not self.spec.elastic:
             meta["ranks"] = self.world_size
@@ -397,7 +425,10 @@ class RunContext:
     def _check_step(self) -> None:
         """The step just done, against the witness of the checkpoint it follows."""
         metrics, self._step_metrics = self._step_metrics, {}
-        complete, diverged = self._witness.stepped(self.step, metrics)
+        self._witnessed(self.step, metrics)
+
+    def _witnessed(self, step: int, metrics: dict[str, float]) -> None:
+        complete, diverged = self._witness.stepped(step, metrics)
         for start, rows in complete:
             self._snap.write_witness(commit.witness_key(self.run_id, start), witness.encode(rows))
         if diverged is not None:

@@ -30,6 +30,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +40,7 @@ from safetensors.torch import save_file
 
 from shared.backoff import Backoff
 from shared.checkpoint.commit import data_key
+from shared.checkpoint.files import FILE_PREFIX
 from shared.checkpoint.store import Store, open_store
 from shared.checkpoint.store.base import sha256_file
 from shared.contracts import FileRef
@@ -64,6 +66,9 @@ class Snapshot:
         self.step = step
         self.groups = groups
         self.meta = meta
+        self.staged: Path | None = None
+        """A directory of a framework's own files to store too, each as `file.<name>`
+        (`baton.runtime.external`): the snapshot's own copies, removed once written."""
 
 
 class Snapshotter:
@@ -175,12 +180,17 @@ class Snapshotter:
         meta_name = f"{self._prefix}meta.json"
         (self._spool / meta_name).write_bytes(snap.meta)
         files.append((meta_name, self._spool / meta_name))
+        if snap.staged is not None:
+            for path in sorted(snap.staged.iterdir()):
+                files.append((f"{self._prefix}{FILE_PREFIX}{path.name}", path))
         refs = []
         for name, path in files:
             size, digest = sha256_file(path)
             key = data_key(run_id, token, snap.step, name)
             self._put(key, path, size, digest)
             refs.append(FileRef(name=name, key=key, size=size, sha256=digest))
+        if snap.staged is not None:
+            shutil.rmtree(snap.staged, ignore_errors=True)
         return refs
 
     def _put(self, key: str, path: Path, size: int, digest: str) -> None:

@@ -152,8 +152,10 @@ def heard(info: WorkerInfo, stamped_at: float, now: float) -> dict[str, Any]:
     """A heartbeat as a browser is sent it. Invariant: its age is the hub's to say — the
     server's stamp of the heartbeat (`stamped_at`) and the hub's time when it was sent
     (`now`), both the hub server's clock; the page adds only the seconds since it got them
-    on its own monotonic clock. The trainer's `at` is shown, never subtracted."""
-    return {**as_json(info), "stamped_at": stamped_at, "now": now}
+    on its own monotonic clock. The trainer's `at` is shown, never subtracted. `now` is at
+    least `stamped_at`: the server stamped the entry before we heard of it, and a carried
+    clock (`ServerClock`, off by up to a round trip) may lag that stamp by a little."""
+    return {**as_json(info), "stamped_at": stamped_at, "now": max(now, stamped_at)}
 
 
 class Heartbeats:

@@ -8,6 +8,12 @@ under the same prefix, each name prefixed `rank<k>.` (`rank1.meta.json`,
 Everything about them comes from storage or from a message, so nothing is trusted before it
 is checked here:
 
+A checkpoint written by a framework that owns the training loop (`baton.runtime.external`)
+holds, besides `meta.json` and `rng.safetensors`, the framework's own files as it wrote
+them, each named `file.<its name>` (`file.optimizer.pt`, `rank1.file.random_states_1.pkl`):
+opaque bytes to Baton, checked by size and sha256 like every file, handed back to the
+framework as they were.
+
 * a name is a plain file name from that set, never a path (it becomes a local path when a
   checkpoint is downloaded), and a key is exactly the checkpoint's prefix plus the name;
 * a safetensors header is parsed here, strictly and within a size cap, before the file is
@@ -68,6 +74,9 @@ _RANKED = re.compile(r"rank([1-9][0-9]{0,2})\.(.+)")
 """A rank's shard: `rank<k>.` (k >= 1, no leading zero) before a plain file name. A group name
 has no dot, so a name is either plain or ranked, never both."""
 _ENTRY_FIELDS = {"dtype", "shape", "data_offsets"}
+FILE_PREFIX = "file."
+"""Before each name of a framework's own file (`baton.runtime.external`)."""
+_FOREIGN = re.compile(r"file\.([A-Za-z0-9_][A-Za-z0-9_.-]*)")
 
 
 def check_name(name: str) -> str:
@@ -85,14 +94,29 @@ def check_name(name: str) -> str:
     elif len(name) > MAX_NAME:
         problem = f"is longer than {MAX_NAME} characters"
     elif not _plain(name) and not ((m := _RANKED.fullmatch(name)) and _plain(m.group(2))):
-        problem = f"is neither {META} nor <group>{SUFFIX}, nor one of them after rank<k>."
+        problem = (
+            f"is neither {META}, <group>{SUFFIX} nor {FILE_PREFIX}<name>, nor one of them"
+            " after rank<k>."
+        )
     else:
         return name
     raise IntegrityError(f"checkpoint file name {name!r} {problem}")
 
 
 def _plain(name: str) -> bool:
-    return name == META or (name.endswith(SUFFIX) and bool(_GROUP.fullmatch(name[: -len(SUFFIX)])))
+    return (
+        name == META
+        or (name.endswith(SUFFIX) and bool(_GROUP.fullmatch(name[: -len(SUFFIX)])))
+        or bool(_FOREIGN.fullmatch(name))
+    )
+
+
+def foreign_name(name: str) -> str | None:
+    """The framework's own name of a (checked) file of its (`file.<name>`, any rank's);
+    None for a file of Baton's."""
+    m = _RANKED.fullmatch(name)
+    f = _FOREIGN.fullmatch(m.group(2) if m else name)
+    return f.group(1) if f else None
 
 
 def rank_prefix(rank: int) -> str:
@@ -121,7 +145,9 @@ def check_shards(names: Collection[str], ranks: int) -> None:
 
 
 def is_tensor_file(name: str) -> bool:
-    return name.endswith(SUFFIX)
+    """A safetensors file of Baton's, whose header is checked; a framework's own files are
+    opaque (`file.model.safetensors` included)."""
+    return name.endswith(SUFFIX) and foreign_name(name) is None
 
 
 def check_refs(files: Sequence[FileRef], prefix: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
+from nats.aio.client import Client
 from playwright.async_api import Browser, async_playwright
 
 REPO = Path(__file__).resolve().parents[2]
@@ -166,3 +167,18 @@ async def events(url: str, path: str) -> AsyncGenerator[tuple[str, Any], None]:
                 yield kind, json.loads(text[6:])
     finally:
         writer.close()
+
+
+@contextlib.asynccontextmanager
+async def served(nc: Client, store_url: str) -> AsyncIterator[str]:
+    """The dashboard served in this process on a free loopback port, over `nc`: its URL."""
+    from baton.ui.server import serve
+
+    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(nc, store_url, "127.0.0.1", 0, ready.set_result))
+    try:
+        yield await asyncio.wait_for(asyncio.shield(ready), 30)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

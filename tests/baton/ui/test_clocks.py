@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from nats.aio.client import Client
 
-from baton.ui.server import serve
 from baton.ui.views import run_view
 from shared.bus import names
 from shared.contracts import JobSpec, RunRecord, RunState, convert, encode, spec_hash
@@ -25,7 +24,7 @@ from shared.contracts.letters import DeadLetter
 from shared.contracts.sites import SiteRecord
 from shared.state.clock import ServerClock, server_now
 from shared.state.runs import Runs
-from tests.support.dashboard import events, get
+from tests.support.dashboard import events, get, served
 from tests.support.stack import eventually
 
 SPEC = convert({"name": "t", "entry_point": "m:f", "total_steps": 5}, JobSpec)
@@ -81,20 +80,6 @@ async def test_the_hubs_clock_is_read_once_and_carried_on_the_monotonic_clock(
         await ServerClock(declared, "NO_SUCH_STREAM").sync()
 
 
-@contextlib.asynccontextmanager
-async def dashboard(nc: Client, tmp_path: Path) -> AsyncIterator[str]:
-    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(
-        serve(nc, f"file://{tmp_path}/store", "127.0.0.1", 0, ready.set_result)
-    )
-    try:
-        yield await asyncio.wait_for(asyncio.shield(ready), 30)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 async def skewed_fleet(nc: Client) -> None:
     """A trainer, a site, a run and a dead letter each 5 minutes ahead, and each 5 behind."""
     js = nc.jetstream()
@@ -134,7 +119,7 @@ async def test_ages_on_the_dashboard_are_near_0_for_writers_5_minutes_off(
     declared: Client, tmp_path: Path
 ) -> None:
     await skewed_fleet(declared)
-    async with dashboard(declared, tmp_path) as url:
+    async with served(declared, f"file://{tmp_path}/store") as url:
         workers = await get(f"{url}api/workers")
         assert [w["worker"] for w in workers] == ["w-ahead", "w-behind"]
         for w in workers:

@@ -4,8 +4,6 @@ one `Violation` in the server's log; and the role can write nothing else."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import re
 from collections.abc import AsyncIterator
@@ -21,7 +19,6 @@ from safetensors.torch import save
 
 from baton.stack.embedded import StackOptions, nats_server, operator_options, vault
 from baton.stack.natsserver import NatsServer
-from baton.ui.server import serve
 from shared import credentials
 from shared.bus import names
 from shared.bus.answer import post_letter
@@ -43,7 +40,7 @@ from shared.contracts.events import Accepted, Completed, Started
 from shared.contracts.sites import SiteRecord
 from shared.state import archive
 from shared.state.runs import Runs
-from tests.support.dashboard import events, request
+from tests.support.dashboard import events, request, served
 from tests.support.stack import eventually
 
 SPEC = convert({"name": "t", "entry_point": "m:f", "total_steps": 5}, JobSpec)
@@ -142,18 +139,6 @@ async def committed_checkpoint(store_url: str, run_id: str, step: int) -> None:
         await commit.commit(store, request_)
 
 
-@contextlib.asynccontextmanager
-async def dashboard(nc: Client, store_url: str) -> AsyncIterator[str]:
-    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(nc, store_url, "127.0.0.1", 0, ready.set_result))
-    try:
-        yield await asyncio.wait_for(asyncio.shield(ready), 30)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 async def first_event(url: str, path: str, kind: str) -> Any:
     stream = events(url, path)
     try:
@@ -167,7 +152,7 @@ async def first_event(url: str, path: str, kind: str) -> Any:
 
 async def test_the_dashboard_role_does_all_the_page_offers_with_no_violation(hub: Hub) -> None:
     nc = await hub.as_user("dashboard")
-    async with dashboard(nc, hub.store_url) as url:
+    async with served(nc, hub.store_url) as url:
         page = await request(url, "/")
         found = re.search(r'name="baton-token" content="([^"]+)"', page.body.decode())
         assert page.status == 200 and found

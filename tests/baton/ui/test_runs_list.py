@@ -5,7 +5,6 @@ stream is sent exactly what changed since the last change it saw."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,11 +12,10 @@ from pathlib import Path
 import msgspec
 from nats.aio.client import Client
 
-from baton.ui.server import serve
 from shared.contracts import JobSpec, RunRecord, RunState, convert, spec_hash
 from shared.state import archive
 from shared.state.runs import Runs
-from tests.support.dashboard import get
+from tests.support.dashboard import get, served
 from tests.support.stack import eventually
 
 SPEC = convert({"name": "t", "entry_point": "m:f", "total_steps": 5}, JobSpec)
@@ -43,26 +41,12 @@ async def cost(nc: Client, url: str) -> tuple[int, int]:
     return (await get(f"{url}api/meta"))["reads"] - reads, nc.stats["in_msgs"] - received
 
 
-@contextlib.asynccontextmanager
-async def dashboard(nc: Client, tmp_path: Path) -> AsyncIterator[str]:
-    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(
-        serve(nc, f"file://{tmp_path}/store", "127.0.0.1", 0, ready.set_result)
-    )
-    try:
-        yield await asyncio.wait_for(asyncio.shield(ready), 30)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 async def test_the_first_page_costs_the_same_with_10_or_1000_runs_of_history(
     declared: Client, tmp_path: Path
 ) -> None:
     runs = await Runs.open(declared.jetstream())
     await history(runs, 0, 10)
-    async with dashboard(declared, tmp_path) as url:
+    async with served(declared, f"file://{tmp_path}/store") as url:
         cost_at_10 = await cost(declared, url)
         page = await get(f"{url}api/runs?limit=10")
         assert [r["run_id"] for r in page["runs"]] == [f"r{i:05d}" for i in range(9, -1, -1)]
@@ -124,7 +108,7 @@ async def test_a_reconnecting_browser_is_sent_what_changed_since_its_last_event(
 ) -> None:
     runs = await Runs.open(declared.jetstream())
     await history(runs, 0, 3)
-    async with dashboard(declared, tmp_path) as url:
+    async with served(declared, f"file://{tmp_path}/store") as url:
         page = await get(f"{url}api/runs")
         newest_seen = max(r["seq"] for r in page["runs"])
         # While the browser was away: one run changed, one was created.

@@ -159,7 +159,7 @@ def test_a_file_written_by_safetensors_passes_with_its_dtypes_and_shapes(tmp_pat
         (".safetensors", "starts with a dot"),
         ("", "is empty"),
         ("m" * 200 + ".safetensors", "longer than 128"),
-        ("model.pt", "neither meta.json nor <group>.safetensors"),
+        ("model.pt", "neither meta.json, <group>.safetensors nor file.<name>"),
         ("meta.json.safetensors", "neither"),
         ("mod\u00e8le.safetensors", "neither"),
         # A rank's shard: rank<k>. (k >= 1, no leading zero) before a plain name, once.
@@ -186,6 +186,23 @@ def test_checkpoint_file_names_pass() -> None:
     ranks = {"meta.json": 0, "rank1.safetensors": 0, "rank1.meta.json": 1,
              "rank12.rank1.safetensors": 12}  # fmt: skip
     assert {n: checkpoint_files.rank_of(n) for n in ranks} == ranks
+
+
+def test_a_frameworks_own_files_are_named_after_file_and_kept_opaque() -> None:
+    """`baton.runtime.external`: a framework's files keep their names after `file.`."""
+    names = {"file.optimizer.pt": "optimizer.pt", "file.trainer_state.json":
+             "trainer_state.json", "rank1.file.random_states_1.pkl": "random_states_1.pkl",
+             "file.model.safetensors": "model.safetensors"}  # fmt: skip
+    for name, own in names.items():
+        assert checkpoint_files.check_name(name) == name
+        assert checkpoint_files.foreign_name(name) == own
+    assert checkpoint_files.rank_of("rank1.file.random_states_1.pkl") == 1
+    assert not checkpoint_files.is_tensor_file("file.model.safetensors")
+    assert checkpoint_files.is_tensor_file("model.safetensors")
+    assert checkpoint_files.foreign_name("model.safetensors") is None
+    for bad in ("file.", "file..hidden", "file.a/b", "file.-x", "files.x"):
+        with pytest.raises(IntegrityError):
+            checkpoint_files.check_name(bad)
 
 
 def ref(name: str, key: str, data: bytes = b"") -> FileRef:

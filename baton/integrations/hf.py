@@ -1,0 +1,140 @@
+"""The Hugging Face `Trainer` (and `Seq2SeqTrainer`, any subclass) under Baton.
+
+An existing script changes in two places: its `TrainingArguments` come from
+`training_arguments(ctx, ...)`, and `trainer.train()` becomes `fit(ctx, trainer)`:
+
+    from baton.integrations import hf
+
+    def train(ctx: RunContext) -> None:
+        model = AutoModelForCausalLM.from_config(config)
+        args = hf.training_arguments(ctx, per_device_train_batch_size=8, learning_rate=3e-3)
+        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
+        hf.fit(ctx, trainer)
+
+What each part does, and why:
+
+* `training_arguments` sets what Baton owns — `max_steps` (the job's `total_steps`), the
+  seeds (the job's), a local `output_dir` per rank — and defaults that keep a run quiet and
+  bounded: no reporting integration, no progress bar (the output is the run's log), two
+  local checkpoints at most. The save cadence is the job's `[checkpoint]` policy; a
+  `save_steps`/`save_strategy` given here adds the Trainer's own, and every save is a commit.
+* `fit` adds `BatonCallback` and resumes: the newest committed checkpoint's files are
+  downloaded and handed to `Trainer.train(resume_from_checkpoint=...)`, so the Trainer loads
+  its model, optimizer, scheduler, RNG states and trainer state itself and skips the
+  batches of the epoch already trained on (its own `ignore_data_skip` semantics).
+* `BatonCallback` is the step boundary (`baton.runtime.external`): at each step's end it
+  asks Baton whether to save or stop (`control.should_save`, `should_training_stop`); the
+  Trainer's `on_save` hands its `checkpoint-<step>` directory to Baton, which stores and
+  commits it under the attempt's fencing token; its logs (loss, learning rate, gradient
+  norm) become the run's metrics. It logs every step: the self-check compares each step's
+  loss after a resume, and the Trainer's logged loss is a mean since its last log, which
+  would differ between an attempt that resumed and one that did not if logs were sparser.
+
+Exactness: with `deterministic = true` and the same data order, a resumed run ends on the
+same bits as one that never stopped (tests/baton/integrations/test_hf.py). A run of several
+ranks is Accelerate's (`baton.integrations.accelerate`); the Trainer here runs `ranks = 1`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from baton.runtime.context import RunContext
+from baton.runtime.external import ExternalLoop, local_dir
+
+Args = TypeVar("Args", bound=TrainingArguments)
+
+_OWNED = ("max_steps", "num_train_epochs", "seed", "data_seed")
+"""Arguments Baton sets from the job: one run, one length, one seed."""
+
+
+def training_arguments(
+    ctx: RunContext, cls: type[Args] = TrainingArguments, **kwargs: Any  # type: ignore[assignment]
+) -> Args:
+    """`cls(**kwargs)` (`TrainingArguments`, `Seq2SeqTrainingArguments`, …) with what Baton
+    needs: the job's length and seed, a local output directory, a log line every step."""
+    if ctx.world_size > 1:
+        raise ValueError(
+            "the Trainer runs one rank under Baton (ranks = 1); for several, write the loop"
+            " with Accelerate (baton.integrations.accelerate)"
+        )
+    if taken := sorted(set(kwargs) & set(_OWNED)):
+        raise ValueError(
+            f"{', '.join(taken)} come(s) from the job (total_steps, seed): leave them out"
+        )
+    defaults: dict[str, Any] = {
+        "output_dir": str(local_dir(ctx, "hf")),
+        "save_strategy": "no",  # the job's policy asks through the callback
+        "save_total_limit": 2,
+        "report_to": "none",
+        "disable_tqdm": True,
+    }
+    return cls(
+        **{**defaults, **kwargs},
+        max_steps=ctx.total_steps,
+        seed=ctx.seed,
+        data_seed=ctx.seed,
+        logging_steps=1,
+    )
+
+
+def fit(ctx: RunContext, trainer: Trainer) -> None:
+    """`trainer.train()` under Baton: from the newest committed checkpoint, if any, to the
+    job's last step or until the run is told to stop (a checkpoint first)."""
+    if trainer.args.max_steps != ctx.total_steps:
+        raise ValueError(
+            f"the Trainer's max_steps is {trainer.args.max_steps}, the job's total_steps"
+            f" {ctx.total_steps}: build its arguments with training_arguments(ctx, ...)"
+        )
+    loop = ExternalLoop(ctx)
+    trainer.add_callback(BatonCallback(loop))
+    resume = loop.resume()
+    trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+
+
+class BatonCallback(TrainerCallback):
+    """The Trainer's side of Baton's step boundary (see the module's docstring)."""
+
+    def __init__(self, loop: ExternalLoop) -> None:
+        self.loop = loop
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any
+    ) -> None:
+        at = self.loop.step_ended(state.global_step)
+        control.should_log = True
+        if at.save:
+            control.should_save = True
+        if at.stop:
+            control.should_training_stop = True
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **_: Any,
+    ) -> None:
+        metrics = {
+            k: float(v)
+            for k, v in (logs or {}).items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        if metrics:
+            self.loop.reported(state.global_step, **metrics)
+
+    def on_save(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: Any = None,
+        **_: Any,
+    ) -> None:
+        step = state.global_step
+        directory = Path(str(args.output_dir)) / f"checkpoint-{step}"
+        self.loop.saved(step, directory, weights=model.state_dict())
