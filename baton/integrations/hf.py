@@ -15,9 +15,10 @@ What each part does, and why:
 
 * `training_arguments` sets what Baton owns — `max_steps` (the job's `total_steps`), the
   seeds (the job's), a local `output_dir` per rank — and defaults that keep a run quiet and
-  bounded: no reporting integration, no progress bar (the output is the run's log), two
-  local checkpoints at most. The save cadence is the job's `[checkpoint]` policy; a
-  `save_steps`/`save_strategy` given here adds the Trainer's own, and every save is a commit.
+  bounded: no reporting integration, no progress bar (the output is the run's log), a log
+  line every 10 steps (`logging_steps`), two local checkpoints at most. The save cadence
+  is the job's `[checkpoint]` policy; a `save_steps`/`save_strategy` given here adds the
+  Trainer's own, and every save is a commit.
 * `fit` adds `BatonCallback` and resumes: the newest committed checkpoint's files are
   downloaded and handed to `Trainer.train(resume_from_checkpoint=...)`, so the Trainer loads
   its model, optimizer, scheduler, RNG states and trainer state itself and skips the
@@ -26,9 +27,11 @@ What each part does, and why:
   asks Baton whether to save or stop (`control.should_save`, `should_training_stop`); the
   Trainer's `on_save` hands its `checkpoint-<step>` directory to Baton, which stores and
   commits it under the attempt's fencing token; its logs (loss, learning rate, gradient
-  norm) become the run's metrics. It logs every step: the self-check compares each step's
-  loss after a resume, and the Trainer's logged loss is a mean since its last log, which
-  would differ between an attempt that resumed and one that did not if logs were sparser.
+  norm) become the run's metrics. It has the Trainer log every step (printing only every
+  `logging_steps`): the self-check compares each step's loss after a resume, and the
+  Trainer's logged loss is a mean since its last log, which would differ between an
+  attempt that resumed and one that did not if logs were sparser. So a printed loss is its
+  step's, not a mean over the steps since the line before.
 
 Exactness: with `deterministic = true` and the same data order, a resumed run ends on the
 same bits as one that never stopped (tests/baton/integrations/test_hf.py). A run of several
@@ -40,7 +43,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TypeVar
 
-from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    PrinterCallback,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from baton.runtime.context import RunContext
 from baton.runtime.external import ExternalLoop, local_dir
@@ -71,13 +81,10 @@ def training_arguments(
         "save_total_limit": 2,
         "report_to": "none",
         "disable_tqdm": True,
+        "logging_steps": 10,
     }
     return cls(
-        **{**defaults, **kwargs},
-        max_steps=ctx.total_steps,
-        seed=ctx.seed,
-        data_seed=ctx.seed,
-        logging_steps=1,
+        **{**defaults, **kwargs}, max_steps=ctx.total_steps, seed=ctx.seed, data_seed=ctx.seed
     )
 
 
@@ -91,6 +98,8 @@ def fit(ctx: RunContext, trainer: Trainer) -> None:
         )
     loop = ExternalLoop(ctx)
     trainer.add_callback(BatonCallback(loop))
+    if trainer.pop_callback(PrinterCallback) is not None:
+        trainer.add_callback(_Printer())
     resume = loop.resume()
     trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
 
@@ -138,3 +147,20 @@ class BatonCallback(TrainerCallback):
         step = state.global_step
         directory = Path(str(args.output_dir)) / f"checkpoint-{step}"
         self.loop.saved(step, directory, weights=model.state_dict())
+
+
+class _Printer(PrinterCallback):
+    """The Trainer's log lines at the cadence the user asked for (`logging_steps`), though
+    Baton has it log every step; and the summary at the end."""
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        every = max(1, int(state.logging_steps or 1))
+        if logs and (state.global_step % every == 0 or "train_runtime" in logs):
+            super().on_log(args, state, control, logs=logs, **kwargs)
