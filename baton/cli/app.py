@@ -390,7 +390,8 @@ def pull(
     store: Annotated[str | None, typer.Option(envvar="BATON_STORE", help="Store URL.")] = None,
     as_json: Json = False,
 ) -> None:
-    """Download and verify the newest committed checkpoint (safetensors + metadata)."""
+    """Download and verify the newest committed checkpoint (safetensors + metadata; a
+    framework's checkpoint as the files the framework loads)."""
     from baton.cli import client
 
     url = run(lambda: call(client.store_url, store))

@@ -24,6 +24,7 @@ from shared import auth
 from shared.bus import names
 from shared.bus.connect import connect
 from shared.checkpoint import commit
+from shared.checkpoint import files as checkpoint_files
 from shared.checkpoint.store import open_store
 from shared.contracts import JobSpec, RunRecord, convert, decode, encode, run_id_for
 from shared.contracts.control import CancelRequest, WorkerInfo
@@ -319,6 +320,14 @@ def store_url(explicit: str | None) -> str:
     raise CliError("no store given: pass --store or set BATON_STORE", 2)
 
 
+def _local_name(name: str) -> str:
+    """Where a checkpoint file goes in `pull`'s directory: a framework's own file of rank 0
+    under the name the framework gave it (the directory is then one it can load), every
+    other file under its checkpoint name."""
+    foreign = checkpoint_files.foreign_name(name)
+    return foreign if foreign is not None and checkpoint_files.rank_of(name) == 0 else name
+
+
 async def pull(url: str, run_id: str, dest: Path) -> dict[str, Any]:
     """Download the newest committed checkpoint that verifies, check every file again after
     the download, and recompute the weights digest from the downloaded model file."""
@@ -333,15 +342,21 @@ async def pull(url: str, run_id: str, dest: Path) -> dict[str, Any]:
             raise CliError(f"run {run_id} has no committed checkpoint", 3)
         dest.mkdir(parents=True, exist_ok=True)
         for ref in manifest.files:
-            path = dest / ref.name
+            path = dest / _local_name(ref.name)
             await store.download(ref.key, path)
             if sha256_file(path) != (ref.size, ref.sha256):
                 raise IntegrityError(f"{ref.name}: downloaded bytes do not match the manifest")
     (dest / "manifest.json").write_bytes(encode(manifest))
-    model_file = next(r.name for r in manifest.files if r.name.endswith(".safetensors"))
-    digest = weights_digest(load_file(str(dest / model_file)))
-    if manifest.digest and digest != manifest.digest:
-        raise IntegrityError(f"digest {digest} of {model_file} differs from the manifest's")
+    if any(checkpoint_files.foreign_name(r.name) for r in manifest.files):
+        # A framework's checkpoint (`baton.runtime.external`): its digest is of the live
+        # model's tensors, which its own files may hold differently (tied weights saved
+        # once): every file's sha256 is checked, the digest is the manifest's.
+        digest = manifest.digest
+    else:
+        model_file = next(r.name for r in manifest.files if r.name.endswith(".safetensors"))
+        digest = weights_digest(load_file(str(dest / model_file)))
+        if manifest.digest and digest != manifest.digest:
+            raise IntegrityError(f"digest {digest} of {model_file} differs from the manifest's")
     return {
         "run_id": run_id,
         "step": manifest.step,

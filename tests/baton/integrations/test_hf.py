@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
+from transformers import GPT2LMHeadModel
 
+from shared.checkpoint.digest import weights_digest
 from shared.contracts import JobSpec, RunState
 from shared.contracts.events import (
     CheckpointCommitted,
@@ -132,7 +134,11 @@ async def test_sigterm_saves_the_trainers_state_in_the_grace_and_loses_no_step(
     log.close()
 
 
-async def test_the_trainers_logged_loss_is_in_status_and_on_the_loss_chart(two: Stack) -> None:
+async def test_the_trainers_logged_loss_is_in_status_and_on_the_loss_chart(
+    two: Stack, tmp_path: Path
+) -> None:
+    """…and `baton pull` gives a directory the Trainer's model loads from, holding the
+    weights the run ended on."""
     nc = await two.client()
     run_id = await submit(nc, lm("metrics", pace=0.0))
     record = await finished(nc, run_id, timeout=180)
@@ -144,6 +150,11 @@ async def test_the_trainers_logged_loss_is_in_status_and_on_the_loss_chart(two: 
         view = await get(f"{url}api/runs/{run_id}")
     (attempt,) = view["attempts"]
     losses = [loss for _, loss in attempt["loss"] if loss is not None]
+    final = str(tmp_path / "final")
+    pulled = await cli(two, "pull", run_id, final, "--store", two.store_url, "--json")
+    assert pulled["digest"] == record.digest and pulled["final"]
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "final")
+    assert weights_digest(model.state_dict()) == record.digest
     assert len(losses) == len(attempt["loss"]) >= 5, attempt["loss"]  # each with its loss
     assert all(0 < loss < 10 for loss in losses), attempt["loss"]
 
