@@ -162,5 +162,9 @@ class _Printer(PrinterCallback):
         **kwargs: Any,
     ) -> None:
         every = max(1, int(state.logging_steps or 1))
-        if logs and (state.global_step % every == 0 or "train_runtime" in logs):
-            super().on_log(args, state, control, logs=logs, **kwargs)
+        if logs and state.is_local_process_zero and (
+            state.global_step % every == 0 or "train_runtime" in logs
+        ):  # as the Trainer's own printer shows them
+            shown = {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in logs.items()}
+            shown.pop("total_flos", None)
+            print(shown, flush=True)

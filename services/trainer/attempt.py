@@ -199,6 +199,8 @@ class Attempt:
             group=rendezvous,
         )  # fmt: skip
         self.child.send(launch)
+        if self.group is not None:
+            self._watching = asyncio.create_task(self.group.watch())
         keeping = self._keeping = asyncio.create_task(self.keeper.keep(msg.in_progress))
         copying = self._copying = asyncio.create_task(
             self.child.copy_output(self.log_path, self._publish_output)
@@ -341,7 +343,6 @@ class Attempt:
                 await self.reports.diverged(msg)
             elif isinstance(msg, Listening) and self.group is not None:
                 await self.group.go(msg.port)
-                self._watching = asyncio.create_task(self.group.watch())
             elif isinstance(msg, Finished):
                 return msg
         return None

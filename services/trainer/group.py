@@ -132,6 +132,9 @@ class Leader:
         self.breakage: Breakage | None = None
         self._waiting = ""
         self._revision = 0
+        self._writing = asyncio.Lock()
+        """One write of the group's key at a time: `watch` renews it from the launch on,
+        and `go` writes the port into it meanwhile (each write names the last revision)."""
         """Of this leader's last write of the group's key: every write is a compare-and-swap
         on it, so a leader whose group was replaced (a zombie) can never overwrite or delete
         the newer group's key."""
@@ -305,7 +308,9 @@ class Leader:
 
     async def watch(self) -> None:
         """Renew the group's key and read the members' until one is lost or its process
-        ends; then set `broken`. Runs for the whole attempt (cancelled at its end)."""
+        ends; then set `broken`. Runs for the whole attempt, from the launch of rank 0's
+        process (cancelled at its end): that process imports the user's code before it
+        reports its port (`go`), which may take longer than the key's TTL."""
         while True:
             try:
                 await self.renew()
@@ -386,10 +391,11 @@ class Leader:
     async def renew(self) -> None:
         """Write the group's key again (its TTL starts over); `Superseded` if it changed
         since this leader's last write."""
-        revision = await self.store.write(self.group_key, self.key, self._revision)
-        if revision is None:
-            raise Superseded()
-        self._revision = revision
+        async with self._writing:
+            revision = await self.store.write(self.group_key, self.key, self._revision)
+            if revision is None:
+                raise Superseded()
+            self._revision = revision
 
     async def end(self) -> None:
         """The group is over (whatever the outcome): its members' processes stop. Only the

@@ -16,6 +16,7 @@ import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
@@ -112,6 +113,22 @@ async def test_a_clean_finish_ends_every_rank_without_killing_one(three: Stack) 
         said = about_the_run(worker)
         assert not [ln for ln in said if "killed" in ln or "did not exit" in ln], said
     log.close()
+
+
+async def test_a_group_whose_code_is_slow_to_import_forms_once(three: Stack) -> None:
+    """Rank 0's process imports the user's module before it reports its port, and the
+    group's key lives a few seconds (2 s here): the leader keeps it alive from the launch,
+    so a module that takes 4 s to import (`tests/support/slow_start.py`, as one importing a
+    large framework) trains in the group it formed, the first time."""
+    nc = await three.client()
+    spec = ddp("slow-import", total=20, steps_sleep=0.0)
+    slow = msgspec.structs.replace(spec, entry_point="tests.support.slow_start:train")
+    run_id = await submit(nc, slow)
+    record = await finished(nc, run_id, timeout=120)
+    assert record.state is RunState.COMPLETED, record.reason
+    assert record.attempts == 1 and record.retries == 0, record
+    formed = [e for e in await history(nc, run_id) if isinstance(e, GroupFormed)]
+    assert len(formed) == 1, formed
 
 
 async def test_a_rank_killed_reforms_on_the_spare_and_ends_bitwise_equal(three: Stack) -> None:
