@@ -28,10 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import DataLoaderConfiguration, set_seed  # type: ignore[import-untyped]
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
+from transformers import AutoModelForCausalLM, GPT2Config, get_cosine_schedule_with_warmup
 
 from baton import RunContext
+from baton.integrations.accelerate import AcceleratedRun, make_accelerator
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -57,13 +60,6 @@ class CharWindows(Dataset[dict[str, Tensor]]):
 
 
 def train(ctx: RunContext) -> None:
-    # Imported as the run starts, not with the module: a trainer loads the module before a
-    # run of several ranks sets up its group, and transformers takes seconds to import.
-    from accelerate.utils import DataLoaderConfiguration, set_seed  # type: ignore[import-untyped]
-    from transformers import AutoModelForCausalLM, GPT2Config, get_cosine_schedule_with_warmup
-
-    from baton.integrations.accelerate import AcceleratedRun, make_accelerator
-
     cfg: dict[str, Any] = ctx.config
     window, pause = int(cfg.get("window", 32)), float(cfg.get("steps_sleep", 0))
     accelerator = make_accelerator(  # Baton
