@@ -116,6 +116,10 @@ async def _dead(stack: Stack, name: str) -> bool:
 
 async def test_a_run_past_its_hard_deadline_fails_and_its_child_stops(lifecycle: Stack) -> None:
     nc = await lifecycle.client()
+    # The deadline counts from submission: the trainer is first seen idle (a short run
+    # done), so that the run starts well before its deadline however loaded the machine.
+    warm = await finished(nc, await submit(nc, spec("paced", total_steps=3)), timeout=60)
+    assert warm.state is RunState.COMPLETED
     # The deadline counts from submission: long enough that a loaded machine has started
     # the run before it passes.
     slow = spec("paced", total_steps=10_000, config={"pace": 0.05}, limits={"hard_timeout_s": 10})
@@ -242,9 +246,13 @@ async def test_retention_under_a_fast_cadence_keeps_the_last_k(tmp_path: Path) -
         reference = await finished(
             nc, await submit(nc, spec("paced", **quick, config={"pace": 0.02}))
         )
-        run_id = await submit(nc, spec("paced", **quick, config={"pace": 0.02}))
+        # Pinned before it runs (a run's id follows from its idempotency key): a pin made
+        # while it ran could come after a loaded machine's retention had passed step 10.
+        pinned = spec("paced", **quick, config={"pace": 0.02}, idempotency_key="pinned")
         async with open_store(s.store_url) as store:
-            await retention.pin(store, run_id, 10)  # pinned while it runs
+            await retention.pin(store, run_id_for("pinned"), 10)
+        run_id = await submit(nc, pinned)
+        assert run_id == run_id_for("pinned")
         record = await finished(nc, run_id)
         assert record.state is RunState.COMPLETED and record.digest == reference.digest
         async with open_store(s.store_url) as store:

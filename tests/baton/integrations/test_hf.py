@@ -168,6 +168,7 @@ async def cli(stack: Stack, *args: str) -> Any:
         sys.executable, "-m", "baton", *args, cwd=REPO, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    # A bound on a hang, not on speed: `pull` imports torch, slow on a loaded machine.
+    out, err = await asyncio.wait_for(proc.communicate(), 180)
     assert proc.returncode == 0, err.decode()
     return json.loads(out)
