@@ -22,7 +22,8 @@ fi
 # Two workers, a test module each at a time (`--dist loadfile`): a module's tests share its
 # stack, and most of the suite's time is waiting on real servers (leases lapsing, links cut,
 # elections), which two modules can do side by side. BATON_TEST_WORKERS=0 runs it serially.
-# Tests that must run for minutes (links flapping for minutes, soaks) are marked `soak` and
-# left out; `scripts/test.sh -m soak` runs them (.ci/run does, after the rest).
+# Tests that must run for minutes (links flapping for minutes, soaks) are marked `soak`,
+# the frameworks' end-to-end tests `frameworks`, and both are left out;
+# `scripts/test.sh -m "soak or frameworks"` runs them (.ci/run does, after the rest).
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 \
-  -n "${BATON_TEST_WORKERS:-2}" --dist loadfile -m "not soak" "$@"
+  -n "${BATON_TEST_WORKERS:-2}" --dist loadfile -m "not soak and not frameworks" "$@"
