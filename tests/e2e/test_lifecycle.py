@@ -257,16 +257,19 @@ async def test_retention_under_a_fast_cadence_keeps_the_last_k(tmp_path: Path) -
         assert record.state is RunState.COMPLETED and record.digest == reference.digest
         async with open_store(s.store_url) as store:
             chain = await retention.committed_chain(store, run_id)
-            assert [m.step for m in chain][:2] == [60, 58]
+            # The final checkpoint and the one before it; which step that is depends on the
+            # machine: a periodic checkpoint due while a write is in flight is postponed.
+            kept = [m.step for m in chain][:2]
+            assert kept[0] == 60 and len(kept) == 2 and kept[1] < 60, kept
 
             async def data_steps() -> set[int]:
                 return {int(k.split("/")[4]) for k in await store.list(f"runs/{run_id}/data/")}
 
             # Retention runs after each commit, so what is left is the last two, the pinned
-            # one, and whatever a commit queued behind the final one had not yet removed —
+            # one, and at most one a commit queued behind the final one had not yet removed —
             # once the retention after the last commits has run (the run may complete first).
             async def retained() -> bool:
-                return (await data_steps()) <= {10, 56, 58, 60}
+                return len((await data_steps()) - {10, *kept}) <= 1
 
             await eventually(retained, 30, "retention after the last commits")
             assert 10 in await data_steps()
