@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -15,6 +14,7 @@ import pytest
 from shared.bus import names
 from shared.contracts import RunState, run_id_for
 from tests.e2e.jobs import finished, job, submit
+from tests.support.cli import as_json, baton
 from tests.support.stack import REPO, Stack, eventually
 
 pytestmark = pytest.mark.asyncio
@@ -28,26 +28,6 @@ async def ops(tmp_path: Path) -> AsyncIterator[Stack]:
         yield s
     finally:
         await s.stop()
-
-
-async def baton(stack: Stack, *args: str) -> tuple[int, str, str]:
-    env = {
-        **os.environ, "NATS_URL": stack.nats.url, "BATON_STORE": stack.store_url,
-        "NATS_AUTH_FILE": str(stack.root / "auth" / "operator.env"),
-    }  # fmt: skip
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "baton", *args, cwd=REPO, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
-async def as_json(stack: Stack, *args: str) -> Any:
-    code, out, err = await baton(stack, *args, "--json")
-    assert code == 0, err
-    return json.loads(out)
 
 
 async def test_streams_runs_checkpoints_and_logs(ops: Stack) -> None:

@@ -9,14 +9,10 @@ One stack for the module: two trainers, restarted when they die (as `baton up` d
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import signal
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -34,6 +30,7 @@ from shared.contracts.events import (
     Started,
 )
 from tests.e2e.jobs import EventLog, finished, job, submit
+from tests.support.cli import as_json
 from tests.support.dashboard import get, served
 from tests.support.stack import Stack, all_dead, children_of
 
@@ -144,31 +141,16 @@ async def test_the_trainers_logged_loss_is_in_status_and_on_the_loss_chart(
     record = await finished(nc, run_id, timeout=180)
     assert record.state is RunState.COMPLETED, record.reason
 
-    status = await cli(two, "status", run_id, "--json")
+    status = await as_json(two, "status", run_id)
     assert {"loss", "learning_rate", "grad_norm"} <= set(status["metrics"]), status["metrics"]
     async with served(nc, two.store_url) as url:
         view = await get(f"{url}api/runs/{run_id}")
     (attempt,) = view["attempts"]
     losses = [loss for _, loss in attempt["loss"] if loss is not None]
     final = str(tmp_path / "final")
-    pulled = await cli(two, "pull", run_id, final, "--store", two.store_url, "--json")
+    pulled = await as_json(two, "pull", run_id, final, "--store", two.store_url)
     assert pulled["digest"] == record.digest and pulled["final"]
     model = GPT2LMHeadModel.from_pretrained(tmp_path / "final")
     assert weights_digest(model.state_dict()) == record.digest
     assert len(losses) == len(attempt["loss"]) >= 5, attempt["loss"]  # each with its loss
     assert all(0 < loss < 10 for loss in losses), attempt["loss"]
-
-
-async def cli(stack: Stack, *args: str) -> Any:
-    env = {
-        **os.environ, "NATS_URL": stack.nats.url, "BATON_STORE": stack.store_url,
-        "NATS_AUTH_FILE": str(stack.root / "auth" / "operator.env"),
-    }  # fmt: skip
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "baton", *args, cwd=REPO, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    # A bound on a hang, not on speed: `pull` imports torch, slow on a loaded machine.
-    out, err = await asyncio.wait_for(proc.communicate(), 180)
-    assert proc.returncode == 0, err.decode()
-    return json.loads(out)
