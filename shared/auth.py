@@ -5,15 +5,23 @@ not by Baton's code. Every list below is an *allow* list: what is not named is d
 hub:
 
     operator      everything (the CLI's admin commands, `baton up`'s own checks)
-    submitter     submit jobs and cancel runs as itself; read its own runs' records,
-                  events and logs (each submitter user owns the runs it submits)
-    dispatcher    take submissions and cancels; write run records; publish tasks
+    submitter     submit jobs, and cancel, pause, resume, roll back or checkpoint runs as
+                  itself; read its own runs' records, events and logs (each submitter
+                  user owns the runs it submits)
+    dispatcher    take submissions, cancels and steering requests; write run records;
+                  publish tasks
     checkpointer  take commit requests; publish commit outcomes
     reaper        read everything it sweeps; write run records; re-publish tasks; link sites
     trainer       take tasks (its consumer only); write the leases of the runs it was
-                  handed, run records and heartbeats; publish events, logs, commit requests
+                  handed, run records and heartbeats; publish events, logs, commit requests;
+                  read drain keys by key (whether it is drained)
     dashboard     `baton ui`: read what its pages show; replay a dead letter to its work
-                  queue (pinning a checkpoint writes to the store, not to NATS)
+                  queue, and submit a fork (pinning a checkpoint writes to the store, not
+                  to NATS); pause, resume, roll back or checkpoint a run (steering); drain
+                  and undrain trainers (the drains bucket)
+    notifier      take the events it tells of (its own durable consumer only); read run
+                  records and the sites bucket; write its own bucket (what it sent, sites'
+                  cut-offs); dead-letter a notification a receiver refused
 
 None but the operator may delete or purge a stream; a trainer can publish neither a task nor
 a submission. At a site, the leaf node has its own users (trainer, checkpointer, submitter,
@@ -49,6 +57,7 @@ HUB_API = f"$JS.{names.HUB_DOMAIN}.API"
 
 HUB_ROLES = (
     "operator", "submitter", "dispatcher", "checkpointer", "reaper", "trainer", "dashboard",
+    "notifier",
 )  # fmt: skip
 SITE_ROLES = ("operator", "submitter", "checkpointer", "trainer")
 
@@ -182,23 +191,53 @@ def hub_permissions(role: str) -> Permissions | None:
         )
     if role == "dashboard":
         return dashboard_permissions()
+    if role == "notifier":
+        return notifier_permissions()
     raise ValueError(f"no such role at the hub: {role!r}")
+
+
+def notifier_permissions() -> Permissions:
+    """The notifier (`services/notifier`) takes the events it tells of from its own durable
+    consumer of the events stream — created, bound, fetched and acked by its name, nothing
+    else of the stream — reads run records by key (a run's pool and name) and the sites
+    bucket, keeps its marks and sites' cut-offs in its own bucket, and dead-letters a
+    notification a receiver refused. It publishes no event, record, task or command."""
+    api, events, me = API, names.EVENTS_STREAM, names.NOTIFIER_CONSUMER
+    return Permissions(
+        publish=(
+            *_DECLARE, f"{api}.STREAM.UPDATE.*", *_FLOW,
+            f"{api}.CONSUMER.CREATE.{events}.{me}", f"{api}.CONSUMER.CREATE.{events}.{me}.>",
+            f"{api}.CONSUMER.DURABLE.CREATE.{events}.{me}", f"{api}.CONSUMER.INFO.{events}.{me}",
+            f"{api}.CONSUMER.MSG.NEXT.{events}.{me}", f"$JS.ACK.{events}.{me}.>",
+            *_get_by_key(api, names.RUNS_BUCKET), _GET_ARCHIVED,
+            *_read_kv(api, names.SITES_BUCKET),
+            *_get_by_key(api, names.ALERTS_BUCKET), *_write_kv("", names.ALERTS_BUCKET),
+            names.dlq_subject("notifier"),
+        ),
+        subscribe=(f"{inbox_prefix('notifier')}.>",),
+    )  # fmt: skip
 
 
 DASHBOARD_REPLAYS = tuple(
     f"{names.PREFIX}.{k}.>" for k in ("submit", "tasks", "calls", "ckpt", "cancel")
 )
 """The hub's work queues, whose consumers dead-letter what they cannot take: where the
-dashboard may replay a dead letter to, and all it may publish."""
+dashboard may replay a dead letter to (and submit a fork), and all it may publish but its
+steering requests (`baton.steer.>`)."""
 
 
 def dashboard_permissions() -> Permissions:
-    """The dashboard reads what its pages show and replays dead letters, nothing else: the
-    runs, workers and sites buckets, archived records by run id, a run's events and output
-    (consumers filtered in the API subject, `baton/cli/reader.py`), streams' info and
-    consumer lists, dead letters by sequence; a replay re-publishes a letter to its work
-    queue (`DASHBOARD_REPLAYS`) and deletes it. No record, lease, event or stream write.
-    A replay is a submission or a task sent again: keep these credentials as the operator's."""
+    """The dashboard reads what its pages show and does its page's actions, nothing else: it
+    reads the runs, workers and sites buckets, archived records by run id, a run's events
+    and output (consumers filtered in the API subject, `baton/cli/reader.py`), streams' info
+    and consumer lists, dead letters by sequence; a replay re-publishes a letter to its work
+    queue (`DASHBOARD_REPLAYS`) and deletes it, and a fork is a submission to the same
+    queues. It may steer a run — pause, resume, roll back, checkpoint now — by a request on
+    `baton.steer.<run>` that the dispatcher carries out, and drain and undrain a trainer
+    (read and write the drains bucket by key, `shared.state.drains`); it sends trainers no
+    command (`baton.control.>`: a drain is read at the trainer's next heartbeat). No
+    record, lease, event or stream write. A replay is a submission or a task sent again:
+    keep these credentials as the operator's."""
     api, p = API, names.PREFIX
     return Permissions(
         publish=(
@@ -214,6 +253,9 @@ def dashboard_permissions() -> Permissions:
             f"{api}.STREAM.MSG.GET.{names.DLQ_STREAM}",
             f"{api}.STREAM.MSG.DELETE.{names.DLQ_STREAM}",
             *DASHBOARD_REPLAYS,
+            names.STEER_ALL,
+            *_get_by_key(api, names.DRAINS_BUCKET),
+            *_write_kv("", names.DRAINS_BUCKET),
         ),
         subscribe=(f"{inbox_prefix('dashboard')}.>",),
     )
@@ -227,11 +269,14 @@ def submitter_permissions(user: str, site: str = "") -> Permissions:
     own_events = f"{p}.events.{user}.>"
     own_logs = f"{p}.logs.{user}.>"
     submit, cancel = f"{p}.submit.*.{user}", f"{p}.cancel.{user}.>"
+    steer: tuple[str, ...] = (f"{p}.steer.{user}.>",)
     if site:
-        submit, cancel = names.at_site(submit, site), names.at_site(cancel, site)
+        # Steering is carried out at the hub, where the runs' records are: a site's
+        # submitter reaches it through the operator there.
+        submit, cancel, steer = names.at_site(submit, site), names.at_site(cancel, site), ()
     return Permissions(
         publish=(
-            submit, cancel, f"{api}.INFO", *_FLOW,
+            submit, cancel, *steer, f"{api}.INFO", *_FLOW,
             f"{api}.STREAM.INFO.KV_{names.RUNS_BUCKET}",
             f"{api}.DIRECT.GET.KV_{names.RUNS_BUCKET}.$KV.{names.RUNS_BUCKET}.{user}.>",
             f"{api}.DIRECT.GET.{names.ARCHIVE_STREAM}.{names.archive_subject(user)}.>",
@@ -254,6 +299,8 @@ def _trainer_publish(api: str, kv_prefix: str, site: str) -> tuple[str, ...]:
         f"{api}.INFO", *_FLOW, *_consume(api, names.TASKS_STREAM),
         *_read_kv(api, names.RUNS_BUCKET, names.POOLS_BUCKET, names.GROUPS_BUCKET),
         *_get_by_key(api, names.LEASES_BUCKET),
+        # Whether it is drained (`services/trainer/drain.py`); only operators write it.
+        *_get_by_key(api, names.DRAINS_BUCKET),
         *_write_kv(
             kv_prefix, names.RUNS_BUCKET, names.LEASES_BUCKET, names.POOLS_BUCKET,
             names.GROUPS_BUCKET,

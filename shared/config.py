@@ -44,6 +44,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     is imported. Empty allows every module."""
     progress_interval_s: float = 0.5
     """`BATON_PROGRESS_INTERVAL`: least seconds between two progress events of one run."""
+    stall_factor: float = 20.0
+    """`BATON_STALL_FACTOR`: a run that has not stepped for this many times its median step
+    (and at least `BATON_STALL_FLOOR`) is stalled, when its job sets no `stall_timeout_s`
+    (`services/trainer/stall.py`): warned of, then, after half as long again, stopped."""
+    stall_floor_s: float = 300.0
+    """`BATON_STALL_FLOOR`: the least seconds without a step that count as a stall."""
+    stall_first_s: float = 1800.0
+    """`BATON_STALL_FIRST`: seconds an attempt may take to its first steps (imports, loading
+    the checkpoint, the first batches) before it counts as stalled."""
     max_deliver: int = 100
     """`BATON_MAX_DELIVER`: deliveries of one task before the reaper dead-letters it and
     fails its run (preemptions and kills count; failures of user code are `max_retries`)."""
@@ -86,6 +95,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`BATON_RETAIN_ENDED`: seconds an ended run's record stays in the runs bucket after
     the reaper archived it; afterwards it is read from the archive (`baton status`,
     `baton runs --all`), which no sweep reads."""
+    alerts_file: str = ""
+    """`BATON_ALERTS`: the notifier's TOML file of who is told what (docs/alerts.md);
+    `baton up --alerts FILE` sets it."""
 
     @property
     def hub_api(self) -> str | None:
@@ -125,6 +137,9 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
                 p.strip() for p in env.get("BATON_ENTRY_ALLOW", "").split(",") if p.strip()
             ),
             progress_interval_s=_float(env, "BATON_PROGRESS_INTERVAL", d.progress_interval_s),
+            stall_factor=_float(env, "BATON_STALL_FACTOR", d.stall_factor),
+            stall_floor_s=_float(env, "BATON_STALL_FLOOR", d.stall_floor_s),
+            stall_first_s=_float(env, "BATON_STALL_FIRST", d.stall_first_s),
             max_deliver=_int(env, "BATON_MAX_DELIVER", d.max_deliver, minimum=1),
             sweep_interval_s=_float(env, "BATON_SWEEP_INTERVAL", 0.0, allow_zero=True),
             gc_age_s=_float(env, "BATON_GC_AGE", d.gc_age_s),
@@ -141,6 +156,7 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             host_addr=env.get("BATON_HOST_ADDR", d.host_addr),
             form_wait_s=_float(env, "BATON_FORM_WAIT", d.form_wait_s),
             upload_bps=upload_bps(env),
+            alerts_file=env.get("BATON_ALERTS", ""),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

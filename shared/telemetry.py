@@ -59,6 +59,7 @@ START_STEP = "baton.start_step"
 OUTCOME = "baton.outcome"
 POOL = "baton.pool"
 CATEGORY = "baton.category"
+CAUSE = "baton.cause"
 
 # A ProxyTracer: it follows whatever provider `setup()` installs later, so modules may hold
 # it from import time on.
@@ -102,6 +103,26 @@ RECOVERY = _meter.create_histogram(
     description="For an attempt after the run's first: from the trainer beginning the"
     " attempt (lease held) to the training process finishing its first step after"
     " restoring. The wait before the attempt began is not included.",
+    explicit_bucket_boundaries_advisory=_SECONDS,
+)
+CHECKPOINT_AGE = _meter.create_gauge(
+    "baton.checkpoint.age",
+    unit="s",
+    description="Per run in training: seconds since the state its newest committed checkpoint"
+    " holds was reached (the attempt's start, for the checkpoint it resumed from): the"
+    " training a failure now would lose, its recovery point objective.",
+)
+STEPS_AT_RISK = _meter.create_gauge(
+    "baton.checkpoint.steps_at_risk",
+    unit="{step}",
+    description="Per run in training: steps done since its newest committed checkpoint.",
+)
+RUN_RECOVERY = _meter.create_histogram(
+    "baton.run.recovery",
+    unit="s",
+    description="Each interruption of a finished run, by cause (`baton.cause`: preemption,"
+    " process kill, host loss, partition, rank loss, failure, divergence, lost run): from its"
+    " last step to the next attempt's first step. Exported by the reaper as runs end.",
     explicit_bucket_boundaries_advisory=_SECONDS,
 )
 REDELIVERIES = _meter.create_counter(

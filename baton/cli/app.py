@@ -34,8 +34,7 @@ from baton.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from shared.contracts import RunRecord
-    from shared.contracts.events import Event
+    pass
 
 # Every command imports what it needs (NATS, msgspec, rich's tables, the shared modules)
 # in its body: `baton --help` and a mistyped option answer at once (tests/cli/test_imports.py).
@@ -117,6 +116,13 @@ def up(
             help="Copies of each stream and bucket. \\[default: the nodes, up to 3]",
         ),
     ] = None,
+    alerts: Annotated[
+        Path | None,
+        typer.Option(
+            help="At the hub: a TOML file of webhooks to notify when runs fail, stall, "
+            "near their budget or a site is cut off; runs the notifier (docs/alerts.md).",
+        ),
+    ] = None,
 ) -> None:
     """Run the whole stack on this machine: NATS with JetStream, a file:// store, and every
     service as its own process — or, with --site NAME --hub URL, a site: a leaf NATS server
@@ -135,6 +141,10 @@ def up(
             fail("--hub-nodes and --replicas are for the hub, not a site", code=2)
     elif hub or hub_auth:
         fail("--hub and --hub-auth are for a site: add --site NAME", code=2)
+    if alerts is not None:
+        if site is not None:
+            fail("--alerts is for the hub, not a site", code=2)
+        _check_alerts(alerts)
     if replicas is not None and replicas > hub_nodes:
         fail(f"--replicas {replicas} needs at least as many --hub-nodes, not {hub_nodes}", code=2)
     joining = tuple(s.strip() for s in sites.split(",") if s.strip())
@@ -158,8 +168,26 @@ def up(
         hub_auth=str(hub_auth or ""),
         hub_nodes=hub_nodes,
         replicas=replicas,
+        alerts=str(alerts.absolute()) if alerts is not None else "",
     )
     raise typer.Exit(asyncio.run(run_stack(opts)))
+
+
+def _check_alerts(path: Path) -> None:
+    """The notifier's own reading of the alerts file, before anything starts: a bad one
+    stops `baton up` naming the key. Asked of the notifier in a process of its own, since
+    the CLI imports no service's modules."""
+    import os
+    import subprocess
+
+    from baton.stack.embedded import _pythonpath
+
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
+    argv = [sys.executable, "-m", "services.notifier", "--check", str(path.absolute())]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        said = done.stderr.strip().removeprefix("error: ") or f"exit status {done.returncode}"
+        fail(f"--alerts: {said}", code=2)
 
 
 def _check_site(
@@ -192,15 +220,16 @@ def _check_site(
 
 @app.command(cls=OwnTelemetry)
 def service(
-    name: Annotated[str, typer.Argument(help="dispatcher, trainer, checkpointer or reaper")],
+    name: Annotated[
+        str, typer.Argument(help="dispatcher, trainer, checkpointer, reaper or notifier")
+    ],
 ) -> None:
     """Run one service in the foreground (as the compose file does)."""
     import runpy
 
-    if name not in SERVICES:
-        err.print(
-            f"[red]error:[/red] unknown service {name!r}; choose one of {', '.join(SERVICES)}"
-        )
+    known = (*SERVICES, "notifier")
+    if name not in known:
+        err.print(f"[red]error:[/red] unknown service {name!r}; choose one of {', '.join(known)}")
         raise typer.Exit(2)
     runpy.run_module(f"services.{name}", run_name="__main__", alter_sys=True)
 
@@ -239,88 +268,6 @@ def submit(
         if answer is None and wait > 0:
             where = f"site {site}'s outbox until the hub takes it" if site else "the queue"
             err.print(f"[yellow]no answer from a dispatcher yet; the job waits in {where}[/yellow]")
-
-
-@app.command()
-def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
-    """Show one run's record: state, committed step, attempts, worker, digest, and whether
-    a resume was found not exact."""
-    import msgspec
-    from rich.table import Table
-
-    from baton.cli import client
-    from baton.cli.goodput import describe
-    from baton.cli.watch import divergence
-    from shared.contracts.events import Diverged
-    from shared.history.goodput import goodput as spent_of
-
-    async def get(nc: Any) -> tuple[RunRecord, list[Event] | None]:
-        return await client.record(nc, run_id), await client.readable_history(nc, run_id)
-
-    # At a site its operator reads the record from the hub, not the run's events (None).
-    record, found = run(lambda: with_nats(server, get))
-    events = found or []
-    diverged = [e for e in events if isinstance(e, Diverged)]
-    spent = spent_of(events)
-    if as_json:
-        print_json({
-            **msgspec.to_builtins(record), "diverged": msgspec.to_builtins(diverged),
-            "goodput": spent.as_dict() if spent else None, "events": found is not None,
-        })  # fmt: skip
-        return
-    exact = "-"
-    if diverged:
-        exact = "[red]diverged[/red]: " + "; ".join(divergence(d) for d in diverged)
-    elif record.spec.deterministic:
-        exact = "no divergence seen"
-    t = Table(show_header=False, box=None)
-    for k, v in [
-        ("run", record.run_id),
-        ("name", record.spec.name),
-        ("state", record.state.value),
-        ("step", f"{record.step}/{record.spec.total_steps} (committed)"),
-        ("attempts", str(record.attempts)),
-        ("retries", str(record.retries)),
-        ("worker", record.worker or "-"),
-        ("token", str(record.token or "-")),
-        *_group_rows(record, events),
-        ("loss", fmt(record.metrics.get("loss"))),
-        ("digest", record.digest or "-"),
-        ("exact", exact),
-        ("goodput", describe(spent) if spent else "-"),
-        ("reason", record.reason or "-"),
-        *([("events", "not readable from this site (exact, goodput unknown)")] * (found is None)),
-    ]:
-        t.add_row(f"[bold]{k}[/bold]", v)
-    out.print(t)
-
-
-def _group_rows(record: RunRecord, events: list[Event] | None = None) -> list[tuple[str, str]]:
-    """A run of several ranks: its group (workers by rank, its epoch), or why it waits; an
-    elastic run's size now and its resizes."""
-    from shared.contracts.events import Resized
-
-    spec = record.spec
-    if spec.ranks == 1:
-        return []
-    size = str(spec.ranks)
-    if spec.elastic:
-        now = f"; {record.group_size} now" if record.group and record.group_size else ""
-        size = f"{spec.min_ranks} to {spec.max_ranks} (elastic{now})"
-    rows = [("ranks", size)]
-    resized = [e for e in events or [] if isinstance(e, Resized)]
-    if resized:
-        last = resized[-1]
-        rows.append((
-            "resized", f"{len(resized)} time(s); last {last.from_ranks} → {last.to_ranks} "
-            f"at step {last.step}: {last.reason}",
-        ))  # fmt: skip
-    if record.group:
-        held = ", ".join(f"{rank}: {worker}" for rank, worker in enumerate(record.group))
-        rows.append(("group", f"epoch {record.token}; {held}"))
-    if record.waiting and not record.state.terminal and not record.group:
-        rows.append(("waiting", record.waiting))
-    return rows
 
 
 @app.command()
@@ -388,21 +335,47 @@ def pull(
     run_id: str,
     dest: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into.")],
     store: Annotated[str | None, typer.Option(envvar="BATON_STORE", help="Store URL.")] = None,
+    step: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Another committed checkpoint still stored: on the chain, or abandoned by a "
+            "rollback \\[default: the newest that verifies].",
+        ),
+    ] = None,
+    token: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="With --step: the one written under this token (a step committed again "
+            "after a rollback) \\[default: the one on the chain, else the newest].",
+        ),
+    ] = None,
     as_json: Json = False,
 ) -> None:
-    """Download and verify the newest committed checkpoint (safetensors + metadata; a
-    framework's checkpoint as the files the framework loads)."""
+    """Download and verify the newest committed checkpoint, or the one at --step (safetensors
+    + metadata; a framework's checkpoint as the files the framework loads)."""
     from baton.cli import client
 
     url = run(lambda: call(client.store_url, store))
-    info = run(lambda: client.pull(url, run_id, dest))
+    if token is not None and step is None:
+        fail("--token needs --step", code=2)
+    info = run(lambda: client.pull(url, run_id, dest, step, token))
     if as_json:
         print_json(info)
         return
     out.print(
-        f"pulled step {info['step']} of {run_id} into {info['dir']}: {', '.join(info['files'])}"
+        f"pulled step {info['step']} of {run_id} ({_STATUS[info['status']]}) into "
+        f"{info['dir']}: {', '.join(info['files'])}"
     )
     out.print(f"weights digest {info['digest']}")
+
+
+_STATUS = {
+    "chain": "on the chain",
+    "abandoned": "abandoned by a rollback",
+    "off": "off the chain",
+}
 
 
 @app.command()
@@ -447,8 +420,9 @@ def cancel(
 
 @app.command()
 def workers(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> None:
-    """List live trainers from the worker registry: pool, device, current run and step, and
-    when the hub last heard each (its server's clock: a trainer's own clock may be off)."""
+    """List live trainers from the worker registry: pool, device, current run and step,
+    whether it is drained (`baton drain`), and when the hub last heard each (its server's
+    clock: a trainer's own clock may be off)."""
     from rich.table import Table
 
     from baton.cli import client
@@ -457,13 +431,13 @@ def workers(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> 
         print_json(run(lambda: with_nats(server, client.workers)))
         return
     found = run(lambda: with_nats(server, client.workers_seen))
-    t = Table("worker", "pool", "host", "device", "gpu", "run", "rank", "step", "seen")
+    t = Table("worker", "pool", "host", "device", "gpu", "run", "rank", "step", "drained", "seen")
     for w, seen_s in found:
         gpu = f"{w.gpu_name} ({w.gpu_memory_bytes / 2**30:.0f} GiB)" if w.gpu_name else "-"
         t.add_row(
             w.worker, w.pool, w.host, w.device, gpu, w.run_id or "-",
             "-" if w.rank is None else str(w.rank), "-" if w.step is None else str(w.step),
-            f"{seen_s:.0f}s ago",
+            "drained" if w.drained else "-", f"{seen_s:.0f}s ago",
         )  # fmt: skip
     out.print(t)
 
@@ -550,7 +524,10 @@ def connection(
 
 
 from baton.cli import goodput as _goodput  # noqa: E402, F401  (registers its command)
+from baton.cli import lineage as _lineage  # noqa: E402, F401  (rollback and fork)
+from baton.cli import operate as _operate  # noqa: E402, F401  (drain, undrain, checkpoint)
 from baton.cli import ops  # noqa: E402, F401  (registers the operator commands)
+from baton.cli import status as _status  # noqa: E402, F401  (one run's record and health)
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from shared.checkpoint import commit
 from shared.checkpoint import files as checkpoint_files
 from shared.checkpoint.store import open_store
 from shared.contracts import JobSpec, RunRecord, convert, decode, encode, run_id_for
-from shared.contracts.control import CancelRequest, WorkerInfo
+from shared.contracts.control import CancelRequest, Rollback, Steer, WorkerInfo
 from shared.contracts.events import Accepted, Diverged, Event, Rejected
 from shared.errors import ContractError, IntegrityError
 from shared.state import archive
@@ -148,20 +148,23 @@ async def submit(
         except (ServiceUnavailableError, TimeoutError, NatsTimeoutError):
             return run_id, None  # a site cut off from the hub: the outbox has the job
         try:
-            deadline = asyncio.get_running_loop().time() + wait_s
-            while (left := deadline - asyncio.get_running_loop().time()) > 0:
-                try:
-                    msg = await sub.next_msg(timeout=left)
-                except TimeoutError:
-                    break
-                event: Event = decode(msg.data, Event)
-                if isinstance(event, Accepted | Rejected):
-                    verdict = "accepted" if isinstance(event, Accepted) else "rejected"
-                    span.set_attribute(telemetry.OUTCOME, verdict)
-                    return run_id, event
-            return run_id, None
+            answer: Accepted | Rejected | None = await reader.first(sub, wait_s, answer_of)
         finally:
             await sub.unsubscribe()
+        if answer is not None:
+            verdict = "accepted" if isinstance(answer, Accepted) else "rejected"
+            span.set_attribute(telemetry.OUTCOME, verdict)
+        return run_id, answer
+
+
+def answer_of(msg: Any) -> Accepted | Rejected | None:
+    """The dispatcher's answer to a submission, if `msg` is it (an event this version cannot
+    read is not)."""
+    try:
+        event: Event = decode(msg.data, Event)
+    except ContractError:
+        return None
+    return event if isinstance(event, Accepted | Rejected) else None
 
 
 async def events(nc: Client, run_id: str) -> AsyncIterator[Event]:
@@ -290,6 +293,37 @@ async def cancel(nc: Client, run_id: str, reason: str, site: str = "") -> RunRec
     return found
 
 
+async def steer(nc: Client, req: Steer) -> RunRecord:
+    """Publish an operator's request about a run (`shared.contracts.control.Steer`) after
+    checking the run exists and is not over (a rollback may name a failed run); the
+    dispatcher carries it out, or dead-letters it with its reason. Returns the record as it
+    was before."""
+    found = await record(nc, req.run_id)
+    if found.state.terminal and not isinstance(req, Rollback):
+        raise CliError(f"run {req.run_id} is already {found.state.value}", 2)
+    await nc.jetstream().publish(
+        names.steer_subject(req.run_id),
+        encode(req),
+        headers={"Nats-Msg-Id": f"{req.action}.{req.run_id}.{uuid.uuid4().hex}"},
+    )
+    return found
+
+
+async def await_state(
+    nc: Client, run_id: str, wanted: set[str], wait_s: float
+) -> RunRecord:
+    """The run's record once its state is one of `wanted` (or terminal), or as it is after
+    `wait_s` seconds."""
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while True:
+        found = await record(nc, run_id)
+        if found.state.value in wanted or found.state.terminal:
+            return found
+        if asyncio.get_running_loop().time() >= deadline:
+            return found
+        await asyncio.sleep(0.2)
+
+
 async def workers(nc: Client) -> list[WorkerInfo]:
     with needs("workers bucket"):
         return await live_workers(nc.jetstream())
@@ -328,16 +362,29 @@ def _local_name(name: str) -> str:
     return foreign if foreign is not None and checkpoint_files.rank_of(name) == 0 else name
 
 
-async def pull(url: str, run_id: str, dest: Path) -> dict[str, Any]:
-    """Download the newest committed checkpoint that verifies, check every file again after
-    the download, and recompute the weights digest from the downloaded model file."""
+async def pull(
+    url: str, run_id: str, dest: Path, step: int | None = None, token: int | None = None
+) -> dict[str, Any]:
+    """Download the newest committed checkpoint that verifies (or the one at `step`, on the
+    chain or abandoned by a rollback — written under `token`, if given: a step may have been
+    committed again after a rollback — `shared.checkpoint.lineage`), check every file again
+    after the download, and recompute the weights digest from the downloaded model file."""
     from safetensors.torch import load_file  # torch only here: every other command starts fast
 
+    from shared.checkpoint import lineage
     from shared.checkpoint.digest import weights_digest
     from shared.checkpoint.store.base import sha256_file
 
     async with open_store(url) as store:
-        manifest, _damaged = await commit.restorable(store, run_id)
+        status = lineage.CHAIN
+        if step is None:
+            manifest, _damaged = await commit.restorable(store, run_id)
+        else:
+            try:
+                found = await lineage.find(store, run_id, step, anywhere=True, token=token)
+            except IntegrityError as exc:
+                raise CliError(str(exc), 3) from None
+            manifest, status = found.manifest, found.status
         if manifest is None:
             raise CliError(f"run {run_id} has no committed checkpoint", 3)
         dest.mkdir(parents=True, exist_ok=True)
@@ -362,6 +409,7 @@ async def pull(url: str, run_id: str, dest: Path) -> dict[str, Any]:
         "step": manifest.step,
         "token": manifest.token,
         "final": manifest.final,
+        "status": status,
         "digest": digest,
         "files": [r.name for r in manifest.files],
         "dir": str(dest),

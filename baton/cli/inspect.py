@@ -16,7 +16,7 @@ from nats.js.errors import NotFoundError
 from baton.cli import client, reader
 from baton.cli.errors import CliError, needs
 from shared.bus import names
-from shared.checkpoint import retention
+from shared.checkpoint import lineage, retention
 from shared.checkpoint.store import open_store
 from shared.contracts import decode
 from shared.contracts.letters import DeadLetter
@@ -87,27 +87,35 @@ class CheckpointRow(msgspec.Struct, frozen=True):
     worker: str
     created_at: float
     metrics: dict[str, float]
+    status: str = "chain"
+    """`chain`, `abandoned` (by a rollback) or `off` (`shared.checkpoint.lineage`)."""
+    digest: str = ""
+    latest: bool = False
 
 
 async def checkpoints(store_url: str, run_id: str) -> list[CheckpointRow]:
+    """Every checkpoint the run has stored, in the order `latest` moved through them."""
     async with open_store(store_url) as store:
-        chain = await retention.committed_chain(store, run_id)
+        stored = await lineage.stored(store, run_id)
         pinned = await retention.pins(store, run_id)
-    if not chain:
+    if not any(s.status == lineage.CHAIN for s in stored):
         raise CliError(f"run {run_id} has no committed checkpoint", 3)
     return [
         CheckpointRow(
-            step=m.step,
-            token=m.token,
-            final=m.final,
-            pinned=m.step in pinned,
-            bytes=sum(f.size for f in m.files),
-            files=[f.name for f in m.files],
-            worker=m.worker,
-            created_at=m.created_at,
-            metrics=m.metrics,
+            step=s.manifest.step,
+            token=s.manifest.token,
+            final=s.manifest.final,
+            pinned=s.manifest.step in pinned,
+            bytes=sum(f.size for f in s.manifest.files),
+            files=[f.name for f in s.manifest.files],
+            worker=s.manifest.worker,
+            created_at=s.manifest.created_at,
+            metrics=s.manifest.metrics,
+            status=s.status,
+            digest=s.manifest.digest,
+            latest=s.latest,
         )
-        for m in chain
+        for s in stored
     ]
 
 

@@ -125,7 +125,9 @@ def checkpoints(
     pin: Annotated[int | None, typer.Option(help="Pin this step: retention keeps it.")] = None,
     as_json: Json = False,
 ) -> None:
-    """A run's committed checkpoints, newest first (pinned and final ones marked)."""
+    """Every checkpoint a run has stored, newest first: on the chain (what resumes), abandoned
+    by a rollback (kept until garbage collection, never restored) or off it; pinned, final
+    and latest ones marked."""
     from rich.table import Table
 
     from baton.cli import client, inspect
@@ -137,13 +139,14 @@ def checkpoints(
     if as_json:
         print_json(rows)
         return
-    t = Table("step", "token", "worker", "size", "committed", "loss", "")
+    t = Table("step", "token", "status", "worker", "size", "committed", "loss", "digest", "")
     for r in rows:
-        marks = " ".join(m for m, on in (("final", r.final), ("pinned", r.pinned)) if on)
+        flags = (("latest", r.latest), ("final", r.final), ("pinned", r.pinned))
+        marks = " ".join(m for m, on in flags if on)
         loss = r.metrics.get("loss")
         t.add_row(
-            str(r.step), str(r.token), r.worker, _size(r.bytes), _when(r.created_at),
-            "-" if loss is None else f"{loss:.4g}", marks,
+            str(r.step), str(r.token), r.status, r.worker, _size(r.bytes), _when(r.created_at),
+            "-" if loss is None else f"{loss:.4g}", r.digest[:12] or "-", marks,
         )  # fmt: skip
     out.print(t)
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TypeVar
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+T = TypeVar("T")
 
 INACTIVE_S = 30.0
 HEARTBEAT_S = 2.0
@@ -116,6 +120,22 @@ async def read(nc: Client, stream: str, subject: str, domain: str | None = None)
         await sub.unsubscribe()
         raise
     return StreamReader(nc, sub, stream, config, domain)
+
+
+async def first(
+    sub: StreamReader, wait_s: float, want: Callable[[Msg], T | None]
+) -> T | None:
+    """The first thing `want` makes of a message `sub` delivers within `wait_s` seconds (it
+    returns None for a message that is not the one), or None."""
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while (left := deadline - asyncio.get_running_loop().time()) > 0:
+        try:
+            msg = await sub.next_msg(timeout=left)
+        except TimeoutError:
+            return None
+        if (found := want(msg)) is not None:
+            return found
+    return None
 
 
 async def drain(sub: StreamReader, idle_s: float = 1.0) -> list[Msg]:

@@ -22,12 +22,19 @@ from shared.contracts.events import (
     Event,
     Failed,
     Fenced,
+    Forked,
     GroupFormed,
+    Guarded,
     HandedOver,
+    Paused,
     Preempted,
     RankLost,
     Rejected,
     Resized,
+    Resumed,
+    RolledBack,
+    RunWarning,
+    StallRecovered,
     Started,
 )
 from shared.contracts.events import (
@@ -67,7 +74,7 @@ def _attempt_line(event: Event) -> str | None:
             return f"[red]attempt {event.attempt} failed[/red]: {event.reason}"
         case HandedOver():
             return f"[yellow]handed over[/yellow] from {event.worker}: {event.reason}"
-    return _group_line(event)
+    return _group_line(event) or _care_line(event)
 
 
 def _group_line(event: Event) -> str | None:
@@ -86,6 +93,31 @@ def _group_line(event: Event) -> str | None:
                 f"[cyan]resized[/cyan] from {event.from_ranks} to {event.to_ranks} ranks at "
                 f"step {event.step}, epoch {event.epoch}: {event.reason}"
             )
+    return None
+
+
+def _care_line(event: Event) -> str | None:
+    """What needs an operator's eye, and what operators did: a warning (a stall, a
+    timeout, a budget), the divergence guard, a pause and a resume, a rollback, a fork."""
+    match event:
+        case RunWarning():
+            return f"[yellow]warning ({event.kind})[/yellow]: {event.detail}"
+        case StallRecovered():
+            return f"stepped again at step {event.step} after {event.quiet_s:.0f}s without a step"
+        case Guarded():
+            back = f" from step {event.good_step}" if event.action == "rollback" else ""
+            return (
+                f"[red]divergence guard[/red] at step {event.step}: {event.metric} = "
+                f"{event.value} ({event.rule}); {event.action}{back}"
+            )
+        case Paused():
+            return f"[yellow]paused[/yellow] at step {event.step}: {event.reason}"
+        case Resumed():
+            return f"resumed: {event.reason}"
+        case RolledBack():
+            return f"[cyan]rolled back[/cyan] from step {event.from_step} to {event.to_step}"
+        case Forked():
+            return f"[cyan]forked[/cyan] from {event.parent} at step {event.step}"
     return None
 
 

@@ -46,17 +46,25 @@ import msgspec
 import torch
 from torch.utils.data import Dataset
 
-from baton.runtime import witness
+from baton.runtime import guard, witness
 from baton.runtime.data import Batches
 from baton.runtime.load import chosen, load, rng_state
 from baton.runtime.slots import Slot, slot_for
-from baton.runtime.snapshot import Snapshotter
+from baton.runtime.snapshot import Snapshot, Snapshotter
 from shared.checkpoint import commit
 from shared.checkpoint.digest import weights_digest
 from shared.checkpoint.files import rank_prefix
 from shared.checkpoint.store import open_store
 from shared.contracts import FileRef, Manifest, Task, spec_hash
-from shared.contracts.child import CheckpointReady, Divergence, FromChild, Loaded, StepDone
+from shared.contracts.child import (
+    CheckpointReady,
+    Divergence,
+    FromChild,
+    Loaded,
+    StepDone,
+    Tripped,
+)
+from shared.contracts.records import Skip
 from shared.errors import NotFound
 
 if TYPE_CHECKING:  # a single-rank run never imports torch.distributed's machinery
@@ -76,6 +84,7 @@ class RunContext:
         send: Callable[[FromChild], None],
         launched_at: float | None = None,
         group: Group | None = None,
+        skips: list[Skip] | None = None,
     ) -> None:
         self._launched_at = time.monotonic() if launched_at is None else launched_at
         """When the training process was handed the task (monotonic): the entry point's own
@@ -108,6 +117,10 @@ class RunContext:
         self._step_metrics: dict[str, float] = {}
         # Rank 0's metrics stand for the run's: only its steps are checked.
         self._witness = witness.Witness(enabled=task.spec.deterministic and self.rank == 0)
+        self._guard = guard.Watch(task.spec.guard, enabled=self.rank == 0)
+        self._refused: Tripped | None = None
+        """A checkpoint the guard refused on the writer thread (`_vet`)."""
+        self._skips = skips or []
         self._spool = spool
         self._snap = Snapshotter(store_url, spool, prefix=rank_prefix(self.rank))
         self._lock = threading.Lock()
@@ -148,6 +161,7 @@ class RunContext:
         manifest, damaged, rows = asyncio.run(self._find_checkpoint())
         if manifest is not None:
             self._load(manifest)
+        self._skip_rolled_back()
         took = time.monotonic() - began
         self._witness.resumed(self.step, rows)
         setup = max(0.0, began - self._launched_at)
@@ -290,6 +304,7 @@ class RunContext:
         self._snap.close()
         if self._write_error is not None:
             raise RuntimeError("writing a checkpoint failed") from self._write_error
+        self._guarded(None)  # the final checkpoint refused by the guard: no finish
 
     # -- internals -----------------------------------------------------------------------
 
@@ -376,7 +391,7 @@ class RunContext:
             self._write_error = exc
 
         self._snap.write_async(
-            snap, self.run_id, ready.token, partial(self._written, ready), failed
+            snap, self.run_id, ready.token, partial(self._written, ready), failed, self._vet
         )
         self._last_saved = self.step
         self._last_ckpt_time = time.monotonic()
@@ -423,9 +438,44 @@ class RunContext:
         self._send(msgspec.structs.replace(ready, files=files))
 
     def _check_step(self) -> None:
-        """The step just done, against the witness of the checkpoint it follows."""
+        """The step just done, against the divergence guard and the witness of the
+        checkpoint it follows."""
         metrics, self._step_metrics = self._step_metrics, {}
+        self._guarded(self._guard.stepped(self.step, metrics))
         self._witnessed(self.step, metrics)
+
+    def _guarded(self, tripped: Tripped | None) -> None:
+        """End the attempt here if the guard tripped (`baton.runtime.guard`): at this step,
+        or on a checkpoint the writer thread refused since (`_vet`)."""
+        if tripped is not None:
+            self._send(tripped)
+            raise guard.GuardTripped(tripped)
+        with self._lock:
+            refused = self._refused
+        if refused is not None:
+            raise guard.GuardTripped(refused)
+
+    def _vet(self, snap: Snapshot) -> bool:
+        """On the writer thread, before a checkpoint is written: its tensors are all finite
+        (the guard's check of the host copies, off the training loop). A refused one is never
+        written nor handed over for commit; the loop stops at its next step boundary."""
+        tripped = self._guard.checked(snap.step, snap.groups)
+        if tripped is None:
+            return True
+        self._send(tripped)
+        with self._lock:
+            self._refused = tripped
+        return False
+
+    def _skip_rolled_back(self) -> None:
+        """Resuming where the guard rolled the run back to: leave out the batches of the
+        steps that blew up (`shared.contracts.Skip`), from every data loader."""
+        batches = sum(s.batches for s in self._skips if s.after == self.step)
+        if batches:
+            print(f"baton: leaving out {batches} batch(es) after step {self.step}, as the "
+                  "divergence guard rolled the run back", file=sys.stderr)  # fmt: skip
+            for loader in self._loaders.values():
+                loader.skip(batches)
 
     def _witnessed(self, step: int, metrics: dict[str, float]) -> None:
         complete, diverged = self._witness.stepped(step, metrics)

@@ -152,6 +152,13 @@ class Batches:
                 self.epoch += 1
         raise ValueError("the data loader yields no batch: is the dataset empty?")
 
+    def skip(self, batches: int) -> None:
+        """Leave out the next `batches` batches (a rolled-back run's, `shared.contracts.Skip`):
+        they are drawn and dropped, so the position after them is exactly that of a run that
+        trained on them, whatever the workers and the epochs."""
+        for _ in range(batches):
+            next(self)
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, **loader_state(self.loader)}
 

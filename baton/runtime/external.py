@@ -192,6 +192,7 @@ class ExternalLoop:
         if self._row is not None:
             step, row, due = self._row
             self._row = None
+            self.ctx._guarded(self.ctx._guard.stepped(step, row))
             self.ctx._witnessed(step, row)
             self.ctx._progress(due)
 

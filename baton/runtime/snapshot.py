@@ -118,10 +118,16 @@ class Snapshotter:
         token: int,
         done: Callable[[list[FileRef]], None],
         failed: Callable[[BaseException], None],
+        vet: Callable[[Snapshot], bool] | None = None,
     ) -> None:
+        """Write `snap` on the writer thread, then `done(files)`; `failed(exc)` instead if it
+        raised. `vet`, when given, looks at the snapshot first, on the writer thread: a False
+        leaves it unwritten, and neither is called."""
+
         def job() -> None:
             try:
-                done(self._write(snap, run_id, token))
+                if vet is None or vet(snap):
+                    done(self._write(snap, run_id, token))
             except BaseException as exc:
                 failed(exc)
 

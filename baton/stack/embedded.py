@@ -120,6 +120,9 @@ class StackOptions(msgspec.Struct, kw_only=True):
     replicas: int | None = None
     """Copies of every stream and bucket (`BATON_REPLICAS`); None: as many as there are
     nodes, up to 3 — the most a single machine's loss asks for."""
+    alerts: str = ""
+    """At the hub: the alerts file (docs/alerts.md); with one, the notifier runs too, and
+    reads it from `BATON_ALERTS`."""
 
     gpus: list[Gpu] | None = None
     """The GPUs the trainers are spread over, one each (round-robin when there are more
@@ -149,11 +152,14 @@ SpecBuilder = Callable[[StackOptions, str], list[ServiceSpec]]
 
 
 def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
-    """Dispatcher, checkpointer, reaper and the trainers, in start order; at a site, its
-    checkpointer and trainers (named after the site: worker names are unique system-wide)."""
+    """Dispatcher, checkpointer, reaper (and the notifier, given an alerts file) and the
+    trainers, in start order; at a site, its checkpointer and trainers (named after the
+    site: worker names are unique system-wide)."""
     data = opts.data_dir.absolute()
     trainer = f"{opts.site}-trainer" if opts.site else "trainer"
     services = ["checkpointer"] if opts.site else ["dispatcher", "checkpointer", "reaper"]
+    if opts.alerts and not opts.site:
+        services.append("notifier")
     usable = devices(opts)
     trainers = [f"{trainer}-{i}" for i in range(1, trainer_count(opts, usable) + 1)]
     # Trainer N's training processes get GPU N (round-robin past the last one).
@@ -177,6 +183,8 @@ def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
             env["BATON_REPLICAS"] = str(opts.stream_replicas)
         if opts.site:
             env["BATON_SITE"] = opts.site
+        if name == "notifier":
+            env["BATON_ALERTS"] = str(Path(opts.alerts).absolute())
         env.update(pinned.get(name, {}))
         if (v := vault(opts)) is not None:
             # A path, not the password: the environment is copied to more places.

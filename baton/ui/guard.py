@@ -10,8 +10,10 @@ through a page the dashboard itself served, on a name it is served on.
   every address (`0.0.0.0`, `::`) answers to any IP literal with its port.
 * **Origin.** A state-changing request (any method but GET, HEAD, OPTIONS) must carry an
   `Origin` that is this dashboard (the request's own host, or one it answers to); one with
-  none or another is refused (403) before any route sees it. The page's action token
-  (`X-Baton-Token`) is checked as well, by the routes.
+  none or another is refused (403) before any route sees it.
+* **Token.** An action's route, made by `action`, runs only for a request that carries the
+  page's token (`X-Baton-Token`), which the dashboard makes at each start and only its own
+  page holds; without it, or with a stale one, the refusal says which.
 * **Headers.** Every response, refusals included, forbids framing (`frame-ancestors
   'none'`, `X-Frame-Options: DENY`) and content sniffing, and its policy lets the page load
   scripts, styles and connections from the dashboard alone.
@@ -20,12 +22,15 @@ through a page the dashboard itself served, on a name it is served on.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+import secrets
+from collections.abc import Awaitable, Callable, Iterable
 from urllib.parse import urlsplit
 
 import msgspec
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -191,3 +196,30 @@ class Guard:
 
 
 _OURS = frozenset(k.encode() for k, _ in SECURITY_HEADERS)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def action(path: str, handler: Handler, token: str) -> Route:
+    """An operator's action: a POST route (so `Guard` checks its Origin) whose `handler` runs
+    only for a request carrying `token`, the page's. Invariant: a request without it, or with
+    another — a page served by an earlier start of the dashboard — changes nothing, and is
+    answered 403 with the reason and `reload` set, for the page to show (`act` in
+    `static/app.js`). Every action's route is made here: adding one is a handler and a line."""
+    want = token.encode()
+
+    async def checked(request: Request) -> Response:
+        given = request.headers.get("x-baton-token", "")
+        if given and secrets.compare_digest(given.encode(errors="replace"), want):
+            return await handler(request)
+        reason = (
+            "this page's token is stale: the dashboard was restarted after the page was "
+            "loaded, so it no longer accepts the page's actions — reload the page"
+            if given
+            else "this action needs the page's token (X-Baton-Token), which the request did "
+            "not carry — reload the dashboard's page"
+        )
+        return JSONResponse({"error": reason, "reload": True}, status_code=403)
+
+    return Route(path, checked, methods=["POST"])

@@ -119,12 +119,15 @@ class RunIndex:
 
     def shown(self, s: RunSummary) -> dict[str, Any]:
         """A summary as a browser is sent it, with the hub's time now (`now`, the server's
-        clock, as `stamped_at` is): the page ages it by that clock, never its own."""
-        return {**as_json(s), "now": self.clock.now()}
+        clock, as `stamped_at` is): the page ages it by that clock, never its own; and the
+        runs in the index when it was sent (`total`: the list's count, which only grows)."""
+        return {**as_json(s), "now": self.clock.now(), "total": len(self.runs)}
 
     def page(self, where: Filter, after: tuple[float, str] | None, limit: int) -> Page:
-        """Up to `limit` runs admitted by `where`, newest first, older than the cursor
-        `after` (a previous page's `next`, parsed: `params.cursor`)."""
+        """Up to `limit` runs admitted by `where`, in the list's one order — newest first by
+        `created_at`, a tie by run id, ascending (the page keeps the same order as changes
+        come) — that come after the cursor `after` (a previous page's `next`, parsed:
+        `params.cursor`)."""
         limit = max(1, min(limit, MAX_PAGE))
         start = 0
         if after is not None:

@@ -7,12 +7,15 @@ one charting library (uPlot, `static/vendor/`) are served from the package, so i
 offline and behind any firewall.
 
 Reads come from the streams and buckets Baton already has (`index`, `views`, `live`); the
-only writes are an operator's two actions — replaying a dead letter and pinning a
-checkpoint — each a POST that must come from the dashboard's own page (`guard`: its Origin)
-and carry the page's token (`X-Baton-Token`), which another site's page cannot read. Every
+only writes are an operator's actions — replaying a dead letter and pinning a checkpoint
+here, steering a run, forking it and draining a trainer in `actions` — each a POST route
+made by `guard.action`: it must come from the dashboard's own page
+(`guard`: its Origin) and carry the page's token (`X-Baton-Token`), which another site's page
+cannot read; a refusal says why (no token, or a stale one: the page is older than this
+dashboard) for the page to show. Every
 request must name a host the dashboard is served on (`guard`: no DNS rebinding), and every
 value taken from a URL is checked before it reaches NATS or the store (`params`). It logs
-in to NATS as the `dashboard` role (`shared.auth`): reads, and replay.
+in to NATS as the `dashboard` role (`shared.auth`): reads, replay, steering and drains.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from starlette.staticfiles import StaticFiles
 from baton.cli import inspect
 from baton.cli.errors import CliError
 from baton.cli.inspect import as_json
-from baton.ui import params, views
-from baton.ui.guard import Guard, Hosts
+from baton.ui import fleet, params, views
+from baton.ui.actions import Actions
+from baton.ui.guard import Guard, Hosts, action
 from baton.ui.index import MAX_PAGE, Filter, RunIndex
 from baton.ui.live import Fanout, Heartbeats, sse, with_keepalive
 from shared.auth import DASHBOARD_REPLAYS
@@ -57,8 +61,8 @@ INDEX_TIMEOUT_S = 30.0
 
 
 class Dashboard:
-    """One dashboard: reads for its pages, the two actions, and the page's token (made at
-    each start, so a page served by an earlier dashboard cannot act on this one)."""
+    """One dashboard: reads for its pages, the actions, and the page's token (made at each
+    start, so a page served by an earlier dashboard cannot act on this one)."""
 
     def __init__(self, nc: Client, store_url: str | None) -> None:
         self.nc = nc
@@ -71,15 +75,19 @@ class Dashboard:
         self.clock = ServerClock(nc, f"KV_{names.RUNS_BUCKET}")
         self.index = RunIndex(nc.jetstream(), self.fanout, self.clock)
         self.beats = Heartbeats(nc.jetstream(), self.fanout, self.clock)
+        self.sites_seen = fleet.SiteRecords(nc, self.clock, self.reads)
+        self.actions = Actions(nc, store_url)
         self.guard: Guard | None = None
 
     async def start(self) -> None:
-        runs, beats = self.index.following, self.beats.following
+        runs, beats, sites = self.index.following, self.beats.following, self.sites_seen.following
         try:
             await self.clock.sync()
             await runs.start()
             await asyncio.wait_for(runs.ready.wait(), INDEX_TIMEOUT_S)
             await beats.start()
+            await sites.start()
+            await asyncio.wait_for(sites.ready.wait(), INDEX_TIMEOUT_S)
         except (NatsError, TimeoutError, RuntimeError) as exc:
             await self.stop()
             raise CliError(
@@ -90,6 +98,7 @@ class Dashboard:
             ) from None
 
     async def stop(self) -> None:
+        await self.sites_seen.following.stop()
         await self.beats.following.stop()
         await self.index.following.stop()
 
@@ -110,12 +119,16 @@ class Dashboard:
                 Route("/api/runs/{run_id}/live", self.run_live),
                 Route("/api/runs/{run_id}/logs", self.logs),
                 Route("/api/runs/{run_id}/checkpoints", self.checkpoints),
-                Route("/api/runs/{run_id}/checkpoints/{step}/pin", self.pin, methods=["POST"]),
+                action("/api/runs/{run_id}/checkpoints/{step}/pin", self.pin, self.token),
                 Route("/api/workers", self.workers),
                 Route("/api/sites", self.sites),
+                Route("/api/sites/live", self.sites_live),
                 Route("/api/streams", self.streams),
+                Route("/api/streams/live", self.streams_live),
                 Route("/api/dlq", self.letters),
-                Route("/api/dlq/{seq}/replay", self.replay, methods=["POST"]),
+                Route("/api/dlq/live", self.letters_live),
+                action("/api/dlq/{seq}/replay", self.replay, self.token),
+                *self.actions.routes(self.token),  # steering runs, draining trainers
                 Mount("/static", StaticFiles(directory=str(STATIC)), name="static"),
             ],
             exception_handlers={
@@ -221,7 +234,6 @@ class Dashboard:
         return JSONResponse(as_json(rows))
 
     async def pin(self, request: Request) -> Response:
-        self._check_token(request)
         run_id = params.run_id(request.path_params["run_id"])
         step = params.number(request.path_params["step"], "step", low=0)
         await inspect.pin(self._store(), run_id, step)
@@ -233,18 +245,42 @@ class Dashboard:
         return JSONResponse(await views.workers(self.nc, self.reads, await self.clock.read()))
 
     async def sites(self, request: Request) -> Response:
-        return JSONResponse(await views.sites(self.nc, self.reads))
+        return JSONResponse(await self.sites_seen.views())
+
+    async def sites_live(self, request: Request) -> Response:
+        async def read() -> dict[str, Any]:
+            return {"sites": await self.sites_seen.views()}
+
+        return _events(fleet.refreshing(read))
 
     async def streams(self, request: Request) -> Response:
         return JSONResponse(await views.streams(self.nc, self.reads))
 
+    async def streams_live(self, request: Request) -> Response:
+        async def read() -> dict[str, Any]:
+            return {"streams": await views.streams(self.nc, self.reads)}
+
+        return _events(fleet.refreshing(read))
+
     async def letters(self, request: Request) -> Response:
-        return JSONResponse(await views.letters(self.nc, self.reads, await self.clock.read()))
+        """A page of dead letters (`views.letters`): `after`, the cursor a page's `next`
+        gave, and `limit`, the page's size, both checked (`params`)."""
+        after, limit = params.letters_page(request.query_params)
+        now = await self.clock.read()
+        return JSONResponse(await views.letters(self.nc, self.reads, now, after, limit))
+
+    async def letters_live(self, request: Request) -> Response:
+        after, limit = params.letters_page(request.query_params)
+
+        async def read() -> dict[str, Any]:
+            now = await self.clock.read()
+            return await views.letters(self.nc, self.reads, now, after, limit)
+
+        return _events(fleet.refreshing(read))
 
     async def replay(self, request: Request) -> Response:
         """Publish a dead letter again to its work queue, and remove it. Only to the hub's
         work queues (`DASHBOARD_REPLAYS`, all the dashboard role may publish to)."""
-        self._check_token(request)
         seq = params.number(request.path_params["seq"], "seq")
         subject = (await inspect.dlq_show(self.nc, seq)).letter.subject
         if not replayable(subject):
@@ -271,10 +307,6 @@ class Dashboard:
         if self.store_url is None:
             raise CliError("no checkpoint store given: start `baton ui` with --store", 2)
         return self.store_url
-
-    def _check_token(self, request: Request) -> None:
-        if not secrets.compare_digest(request.headers.get("x-baton-token", ""), self.token):
-            raise CliError("this action needs the page's token (reload the dashboard)", 4)
 
 
 def replayable(subject: str) -> bool:

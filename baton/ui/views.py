@@ -24,8 +24,10 @@ from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from baton.cli import inspect, reader
+from baton.ui import params
 from baton.ui.live import heard
-from shared.bus import names, sourcing
+from baton.ui.vitals import vitals
+from shared.bus import names
 from shared.contracts import RunRecord, decode
 from shared.contracts import events as ev
 from shared.contracts.events import Event, kind_of
@@ -104,7 +106,8 @@ class RunEvents:
 def run_view(
     record: RunRecord, events: list[Event], stamps: list[float], seq: int, now: float
 ) -> dict[str, Any]:
-    """A run page: the record, its attempts on a timeline, the marks on it, loss curves.
+    """A run page: the record, its attempts on a timeline, the marks on it, loss curves,
+    and what an operator watches (`vitals`: hold, lineage, guard, stalls, risk, recoveries).
     `stamps` are the server's stamps of `events`, and `now` the hub's time: the timeline,
     goodput and ages are all on the hub's clock, whatever its publishers' clocks say."""
     events = on_hub_clock(events, stamps)
@@ -130,7 +133,32 @@ def run_view(
         "attempts": rows,
         "marks": [_mark(e) for e in events if _marked(e)],
         "accepted_at": accepted,
+        "ending": ending(record, events),
+        "vitals": vitals(record, events),
         "now": now,
+    }
+
+
+ENDINGS = (ev.Completed, ev.Failed, ev.Cancelled)
+
+
+def ending(record: RunRecord, events: list[Event]) -> dict[str, Any] | None:
+    """How the run ended, shown at the top of its page: None while its record is not
+    terminal. Invariant: it says what the record says (its state, and its reason for a
+    failed or cancelled run), with the time, step and detail of its terminal event when that
+    event is stored — `at` on the hub's clock, as `events` are here."""
+    if not record.state.terminal:
+        return None
+    kind = record.state.value.lower()
+    ends = (e for e in reversed(events) if isinstance(e, ENDINGS) and kind_of(e) == kind)
+    last = next(ends, None)
+    return {
+        "kind": kind,
+        "state": record.state.value,
+        "reason": record.reason or getattr(last, "reason", "") or "",
+        "detail": getattr(last, "detail", "") or "",
+        "step": record.step,
+        "at": last.at if last is not None else None,
     }
 
 
@@ -145,7 +173,8 @@ def _thin(steps: list[int], losses: list[float]) -> list[tuple[int, float | None
 MARKED = (
     ev.Accepted, ev.Started, ev.Restored, ev.Preempted, ev.AttemptFailed, ev.Fenced,
     ev.HandedOver, ev.Redispatched, ev.RunWarning, ev.CommitRefused, ev.Diverged,
-    ev.GroupFormed, ev.RankLost, ev.Resized,
+    ev.GroupFormed, ev.RankLost, ev.Resized, ev.StallRecovered, ev.Guarded, ev.Paused,
+    ev.Resumed, ev.RolledBack, ev.Forked,
     ev.Completed, ev.Failed, ev.Cancelled,
 )  # fmt: skip
 
@@ -205,42 +234,69 @@ async def workers(nc: Client, reads: Reads, now: float) -> list[Any]:
     return [heard(h.info, h.at, now) for h in found]
 
 
-async def sites(nc: Client, reads: Reads) -> list[Any]:
-    found = await sourcing.views(nc)
-    reads.count += len(found)
-    return [inspect.as_json(v) for v in found]
-
-
 async def streams(nc: Client, reads: Reads) -> list[Any]:
     found = await inspect.streams(nc, None)
     reads.count += len(found)
     return [inspect.as_json(s) for s in found]
 
 
-async def letters(nc: Client, reads: Reads, now: float) -> list[dict[str, Any]]:
-    """The dead letters, oldest first, each with the server's stamp of it (`stamped_at`:
-    when the hub stored it) and `now`; its `at` is its writer's clock, shown."""
+PREVIEW_CHARS = 1000
+"""A letter's payload shown on its page, at most (`baton dlq show` prints it whole)."""
+
+
+async def letters(
+    nc: Client, reads: Reads, now: float, after: int = 0, limit: int = params.LETTERS_PAGE
+) -> dict[str, Any]:
+    """A page of dead letters costs the page: one stream info and at most `limit` + 1
+    message gets, however many letters the stream holds or were replayed (deleted), since
+    each get asks for the first letter at or after a sequence (`next_by_subj`), skipping
+    every gap at once. Oldest first: by sequence in the dead-letter stream, the order they
+    were stored in.
+
+    `letters`: up to `limit` with a sequence above `after` (0: from the first), each with
+    the server's stamp of it (`stamped_at`: when the hub stored it; its `at` is its writer's
+    clock, shown); `next`: the cursor of the next page (its last letter's sequence), None
+    on the last page; `total`: the letters the stream holds now; `now`: the hub's time."""
     js = nc.jetstream()
+    page: dict[str, Any] = {"letters": [], "next": None, "total": 0, "now": now}
     try:
         info = await js.stream_info(names.DLQ_STREAM)
     except NotFoundError:
-        return []
-    out = []
-    # An empty stream reports first_seq 0, and there is no message 0 to ask for.
-    for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
+        return page
+    reads.count += 1
+    page["total"] = info.state.messages
+    out: list[dict[str, Any]] = page["letters"]
+    seq = after + 1
+    while seq <= info.state.last_seq:
         try:
-            msg = await js.get_msg(names.DLQ_STREAM, seq)
-        except NotFoundError:  # replayed (deleted) meanwhile
-            continue
+            msg = await js.get_msg(names.DLQ_STREAM, seq, subject=names.DLQ_ALL, next=True)
+        except NotFoundError:  # none left at or after `seq` (replayed meanwhile)
+            break
         reads.count += 1
-        letter = decode(msg.data or b"", DeadLetter)
-        out.append({
-            "seq": seq, "reason": letter.reason, "subject": letter.subject,
-            "source": letter.source, "at": letter.at, "delivered": letter.delivered,
-            "preview": inspect.payload_text(letter.payload)[:2000],
-            "stamped_at": stamp(msg.time), "now": now,
-        })  # fmt: skip
-    return out
+        if len(out) == limit:  # one more exists: this page is not the last
+            page["next"] = out[-1]["seq"]
+            break
+        assert msg.seq is not None, "a stored message has a sequence"
+        out.append(_letter(msg.seq, msg.data or b"", stamp(msg.time)))
+        seq = msg.seq + 1
+    return page
+
+
+def _letter(seq: int, data: bytes, stamped_at: float) -> dict[str, Any]:
+    """One letter as its page shows it; one this Baton cannot read is listed as such."""
+    try:
+        letter = decode(data, DeadLetter)
+    except ContractError as exc:
+        letter = DeadLetter(
+            source="?", subject="?", reason=f"unreadable dead letter: {exc}", payload=data,
+            headers={}, stream_seq=0, delivered=0, at=stamped_at,
+        )  # fmt: skip
+    return {
+        "seq": seq, "reason": letter.reason, "subject": letter.subject,
+        "source": letter.source, "at": letter.at, "delivered": letter.delivered,
+        "preview": inspect.payload_text(letter.payload)[:PREVIEW_CHARS],
+        "stamped_at": stamped_at,
+    }  # fmt: skip
 
 
 async def log_tail(nc: Client, run_id: str, reads: Reads) -> AsyncIterator[str]:

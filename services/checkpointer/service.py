@@ -4,6 +4,9 @@ Whatever a trainer claims about its files is checked here by reading them back; 
 protocol itself is `shared.checkpoint.commit`. A refused commit (a fenced worker's, or one
 whose files are damaged) is not retried: the trainer learns of it from the `commit_refused` event.
 
+A request naming a `base` is a rollback or a fork's graft (`shared.checkpoint.rebase`): its
+outcome is a `rolled_back` or `forked` event, its refusal a `commit_refused` as any commit's.
+
 Each commit is a `checkpoint.commit` span (verify, manifest, pointer CAS, outcome event),
 the child of the trainer's `commit` span whose context the request's headers carry.
 Retention runs after the span: it is housekeeping, not part of what a commit costs.
@@ -39,11 +42,11 @@ from shared.bus.streams import (
     ensure_consumer,
     ensure_site,
 )
-from shared.checkpoint import commit, retention
+from shared.checkpoint import commit, rebase, retention
 from shared.checkpoint.store import Store, open_store
 from shared.config import Settings
 from shared.contracts import CommitRequest, decode
-from shared.contracts.events import CheckpointCommitted, CommitRefused
+from shared.contracts.events import CheckpointCommitted, CommitRefused, kind_of
 from shared.errors import IntegrityError, StaleToken
 
 log = logging.getLogger("baton.checkpointer")
@@ -113,7 +116,10 @@ class Checkpointer:
         )
         try:
             async with _in_progress(msg):
-                pointer, size = await commit.commit(self.store, req)
+                if req.base is not None:
+                    rebased = await rebase.rebase(self.store, req)
+                else:
+                    pointer, size = await commit.commit(self.store, req)
         except (StaleToken, IntegrityError) as exc:
             log.warning("refused %s step %d token %d: %s", req.run_id, req.step, req.token, exc)
             refused = CommitRefused(
@@ -130,6 +136,14 @@ class Checkpointer:
                 span.set_status(trace.StatusCode.ERROR, str(exc))
                 return None  # expected behaviour of the protocol, not a poison message
             raise
+        if req.base is not None:
+            told = rebased.event()
+            msg_id = f"{kind_of(told)}.{req.run_id}.{req.token}"
+            await emit(self.js, told, msg_id=msg_id, site=self.site)
+            log.info("%s %s to step %d under token %d", kind_of(told), req.run_id, req.step,
+                     req.token)  # fmt: skip
+            span.set_attribute(telemetry.OUTCOME, kind_of(told))
+            return req
         await emit(
             self.js,
             CheckpointCommitted(

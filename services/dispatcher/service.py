@@ -25,10 +25,10 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from opentelemetry import trace
 
+from services.dispatcher.steering import Steering
 from shared import telemetry
 from shared.bus import names
 from shared.bus.answer import handle
-from shared.bus.connect import publish
 from shared.bus.emit import emit
 from shared.bus.service import pull_loop
 from shared.bus.streams import (
@@ -43,7 +43,6 @@ from shared.contracts import (
     JobSpec,
     RunRecord,
     RunState,
-    Task,
     decode,
     encode,
     run_id_for,
@@ -56,9 +55,9 @@ from shared.credentials import lease_secret
 from shared.errors import ContractError
 from shared.state import transitions
 from shared.state.endings import settle
-from shared.state.lease import lease_key
 from shared.state.pools import Pools, load_table
 from shared.state.runs import Runs
+from shared.state.tasks import publish_task
 
 log = logging.getLogger("baton.dispatcher")
 
@@ -87,6 +86,7 @@ class Dispatcher:
         await declared(declare, log)
         self.runs = await Runs.open(self.js)
         self.pools = Pools(self.js, load_table(self.settings.pools_file))
+        self.steering = Steering(self.nc, self.runs, self.lease_secret)
 
     async def serve(self, stop: asyncio.Event) -> None:
         await asyncio.gather(
@@ -108,7 +108,7 @@ class Dispatcher:
                 names.CANCEL_STREAM,
                 names.CANCEL_CONSUMER,
                 stop,
-                lambda msg: handle(self.js, msg, "dispatcher", self.on_cancel),
+                lambda msg: handle(self.js, msg, "dispatcher", self.on_request),
             ),
         )
 
@@ -152,6 +152,7 @@ class Dispatcher:
             estimated_cost=estimate,
             deadline_at=now + hard_s if hard_s else None,
             soft_deadline_at=now + soft_s if soft_s else None,
+            on_failure=spec.on_failure or self.pools.policy(spec.pool),
         )
         duplicate = not await self.runs.create(record)
         if duplicate:
@@ -166,18 +167,8 @@ class Dispatcher:
                 raise ContractError(reason, "$.idempotency_key")
         if record.state is RunState.QUEUED:
             # Also on a duplicate: the first submission may have died before this publish.
-            task = Task(
-                run_id=run_id, spec=spec, dispatch=record.dispatch,
-                lease_key=lease_key(run_id, self.lease_secret),
-            )  # fmt: skip
-            await publish(
-                self.js,
-                names.task_subject(spec.pool, run_id),
-                encode(task),
-                msg_id=f"task.{run_id}.{record.dispatch}",
-                # The current span is `dispatch` (none when called outside on_submission).
-                headers=telemetry.inject(),
-            )
+            # The current span is `dispatch` (none when called outside on_submission).
+            await publish_task(self.js, record, self.lease_secret, telemetry.inject())
         await emit(
             self.js,
             Accepted(
@@ -215,6 +206,13 @@ class Dispatcher:
             affordable = limit / rate * 3600
             hard = min(hard, affordable) if hard else affordable
         return estimate, hard
+
+    async def on_request(self, msg: Msg) -> None:
+        """A request about a run: a cancel, or an operator's steering."""
+        if msg.subject.startswith(names.STEER_ALL[:-1]):
+            await self.steering.on_request(msg)
+        else:
+            await self.on_cancel(msg)
 
     async def on_cancel(self, msg: Msg) -> None:
         """QUEUED runs are cancelled here and now; a RUNNING one is asked to stop, and its

@@ -1,6 +1,7 @@
 """Goodput, exported as runs end: each run the reaper saw running and now sees finished is
 read back from its events once (`shared.history.goodput`) and added to the
-`baton.run.seconds` counter (by category and pool) and the `baton.run.goodput` histogram.
+`baton.run.seconds` counter (by category and pool) and the `baton.run.goodput` histogram;
+each of its interruptions to `baton.run.recovery`, by cause (`shared.history.recovery`).
 
 Only runs that end while this reaper watches are counted, so a restarted reaper never counts
 a run twice; a run whose terminal event has not arrived yet (a site's, still in its outbox)
@@ -22,6 +23,7 @@ from shared import telemetry
 from shared.bus.history import run_events
 from shared.contracts import RunRecord
 from shared.history.goodput import goodput
+from shared.history.recovery import recoveries
 
 log = logging.getLogger("baton.reaper")
 
@@ -49,13 +51,17 @@ class Accounts:
         return done
 
     async def _export(self, run_id: str, pool: str) -> bool:
-        spent = goodput(await run_events(self.js, run_id))
+        events = await run_events(self.js, run_id)
+        spent = goodput(events)
         if spent is None or not spent.finished:
             return False  # its terminal event is still on its way
         for category, seconds in spent.seconds().items():
             attrs = {telemetry.POOL: pool, telemetry.CATEGORY: category}
             telemetry.RUN_SECONDS.add(max(0.0, seconds), attrs)
         telemetry.RUN_GOODPUT.record(spent.goodput, {telemetry.POOL: pool})
+        for r in recoveries(events):
+            telemetry.RUN_RECOVERY.record(
+                r.seconds, {telemetry.POOL: pool, telemetry.CAUSE: r.cause}
+            )
         log.info("%s: goodput %.1f%% of %.1fs", run_id, 100 * spent.goodput, spent.wall_s)
         return True
-

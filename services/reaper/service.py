@@ -9,11 +9,11 @@ when a run is given up.
 
     lost run     RUNNING, no lease, no task queued, for a whole lease TTL: dispatch again
                  (a stale worker's late ack can remove the task — docs/nats.md); if it was
-                 asked to cancel, cancel it instead
+                 asked to cancel (pause), cancel (pause) it instead
     hard timeout past its deadline: FAILED (`hard_timeout`), its trainer stops the child
     soft timeout past its soft deadline: a `warning` event, once
-    stall        lease alive but no step progress for `stall_timeout_s`: a warning; after
-                 another half of it, the attempt is stopped (counts as a failed attempt)
+    budget       spend past 25/50/75/100 % of `limits.max_cost`: a `warning` each, once
+                 (`budgets.py`)
     orphan       a heartbeat names a run its worker does not hold: a kill command to it
     deliveries   a task or submission that used up its deliveries: dead letter, FAILED
     cancel       a run asked to cancel whose trainer is gone: CANCELLED (see lost run)
@@ -41,6 +41,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from services.reaper import budgets
 from services.reaper.accounts import Accounts
 from services.reaper.clock import HubClock
 from services.reaper.deliveries import on_advisory
@@ -48,14 +49,13 @@ from services.reaper.lapses import Lapses
 from services.reaper.sites import SiteWatch
 from shared.bus import names
 from shared.bus.answer import handle
-from shared.bus.connect import publish
 from shared.bus.emit import emit
 from shared.bus.service import pull_loop
 from shared.bus.streams import declared, ensure, ensure_consumer, reaper_consumer
 from shared.checkpoint import retention
 from shared.checkpoint.store import open_store
 from shared.config import Settings
-from shared.contracts import RunRecord, RunState, Task, encode
+from shared.contracts import RunRecord, RunState, encode
 from shared.contracts.control import Command, WorkerInfo
 from shared.contracts.events import Redispatched, RunWarning
 from shared.credentials import lease_secret
@@ -64,6 +64,7 @@ from shared.state.endings import repair, settle
 from shared.state.lease import holder as lease_holder
 from shared.state.lease import lease_key
 from shared.state.runs import Runs, Stamped
+from shared.state.tasks import publish_task
 from shared.state.workers import live_workers
 
 log = logging.getLogger("baton.reaper")
@@ -77,7 +78,6 @@ class Reaper:
         self._unowned_since: dict[str, float] = {}
         self._pending_since: dict[str, float] = {}
         self._recordless_since: dict[str, float] = {}
-        self._progress: dict[str, tuple[int, float]] = {}
         self._orphan_seen: set[tuple[str, str]] = set()
         self._last_gc = float("-inf")
         self._seen = retention.Sightings()
@@ -145,17 +145,16 @@ class Reaper:
         for r in running:
             if await self._timeouts(r):
                 continue
-            if r.state is RunState.RUNNING:
-                if await self._lost(r):
-                    redispatched.append(r.run_id)
-                await self._stall(r, workers)
+            await self._budget(r)
+            if r.state is RunState.RUNNING and await self._lost(r):
+                redispatched.append(r.run_id)
         await self._orphans(workers)
         await self._announce([r for r in records if r.state.terminal and r.announce_pending])
         await self._garbage(records)
         await self.accounts.sweep(records)
         await self._retire(live)
         alive = {r.run_id for r in running}
-        for table in (self._unowned_since, self._progress):
+        for table in (self._unowned_since,):
             for run_id in [k for k in table if k not in alive]:
                 del table[run_id]
         self.clock.forget(alive)
@@ -193,28 +192,10 @@ class Reaper:
         if r.cancel_requested is not None:
             await self._end(r, RunState.CANCELLED, r.cancel_requested)
             return False
+        if r.pause_requested is not None:
+            await self.runs.update(r.run_id, transitions.pause_unowned)
+            return False
         return await self._redispatch(r)
-
-    async def _stall(self, r: RunRecord, workers: dict[str, WorkerInfo]) -> None:
-        timeout = r.spec.limits.stall_timeout_s
-        beat = next(
-            (w for w in workers.values() if w.run_id == r.run_id and w.token == r.token), None
-        )
-        if timeout is None or beat is None or beat.step is None:
-            return
-        now = time.monotonic()
-        step, since = self._progress.get(r.run_id, (beat.step, now))
-        if beat.step != step:
-            step, since = beat.step, now
-        self._progress[r.run_id] = (step, since)
-        quiet = now - since
-        if quiet >= timeout:
-            await self._warn_once(r, "stalled", f"no step progress for {quiet:.0f}s at step {step}")
-        if quiet >= timeout * 1.5 and r.stop_token != r.token:
-            reason = f"stalled: no step progress for {quiet:.0f}s at step {step}"
-            changed = await self.runs.update(r.run_id, transitions.stop(r.token, reason))
-            if changed is not None and changed.worker:
-                await self._command(changed.worker, Command(run_id=r.run_id, action="wake"))
 
     async def _orphans(self, workers: dict[str, WorkerInfo]) -> None:
         """A worker whose heartbeat names a run it does not hold, on two sweeps in a row
@@ -325,6 +306,23 @@ class Reaper:
                 await self.js.delete_msg(names.TASKS_STREAM, queued.seq)
         log.warning("%s: %s (%s)", r.run_id, state.value, reason)
 
+    async def _budget(self, r: RunRecord) -> None:
+        """A run with `limits.max_cost` is warned once at each quarter of it its spend
+        reaches: what its attempts booked plus the running one's seconds, on the hub
+        server's clock, at its pool's rate (`budgets.py`)."""
+        limit = r.spec.limits.max_cost
+        if limit is None or all(kind in r.warned for kind in budgets.KINDS):
+            return
+        rate = budgets.rate(self.settings.pools_file, r.spec.pool)
+        running_s = 0.0
+        if r.state is RunState.RUNNING and rate > 0:
+            started = await budgets.started_at(self.js, r)
+            running_s = await self.clock.now() - started if started is not None else 0.0
+        spent = budgets.spend(r.actual_cost, running_s, rate)
+        for kind in budgets.crossed(spent, limit):
+            detail = budgets.detail(spent, limit, r.actual_cost, running_s, rate)
+            await self._warn_once(r, kind, detail)
+
     async def _warn_once(self, r: RunRecord, kind: str, detail: str) -> None:
         if kind in r.warned:
             return
@@ -337,16 +335,7 @@ class Reaper:
         record = await self.runs.update(seen.run_id, transitions.redispatch(seen.dispatch))
         if record is None:
             return False  # someone else moved it on since we looked
-        task = Task(
-            run_id=record.run_id, spec=record.spec, dispatch=record.dispatch,
-            lease_key=lease_key(record.run_id, self.lease_secret),
-        )  # fmt: skip
-        await publish(
-            self.js,
-            names.task_subject(record.spec.pool, record.run_id),
-            encode(task),
-            msg_id=f"task.{record.run_id}.{record.dispatch}",
-        )
+        await publish_task(self.js, record, self.lease_secret)
         reason = "running, but no lease and no task left in the queue"
         again = Redispatched(run_id=record.run_id, dispatch=record.dispatch, reason=reason)
         await emit(self.js, again, msg_id=f"redispatched.{record.run_id}.{record.dispatch}")

@@ -5,10 +5,13 @@ once, by `_decide`, from the first of these to happen, strongest first:
 
     fenced (lease taken over, or the final commit refused)   -> FENCED
     the run ended elsewhere (hard timeout)                   -> STOPPED
-    the reaper stopped the attempt (stall)                   -> RETRY or FAILED
-    asked to stop (cancel, SIGTERM) and the grace ran out    -> CANCELLED or PREEMPTED
-    the child exited without finishing                       -> RETRY or FAILED
-    the child stopped early after its checkpoint             -> CANCELLED or PREEMPTED
+    the training process stalled (`stall.py`)                -> RETRY, FAILED or PAUSED
+    asked to stop (cancel, pause, SIGTERM), the grace ran out -> CANCELLED, PAUSED or
+                                                                PREEMPTED
+    the divergence guard stopped the child (`_guarded`)      -> by `guard.action`
+    the child exited without finishing                       -> RETRY, FAILED or PAUSED
+    the child stopped early after its checkpoint             -> CANCELLED, PAUSED or
+                                                                PREEMPTED
     the child finished with its final checkpoint committed   -> COMPLETED
 
 and carried out by `verdicts.apply` while the lease is still kept, so a record write that
@@ -31,20 +34,23 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from opentelemetry import trace
 
+from services.trainer import rewind
 from services.trainer.child_proc import FINISH_GRACE_S, Child
 from services.trainer.commits import Commits
 from services.trainer.group import Breakage, Leader
 from services.trainer.keeper import Keeper, Order
 from services.trainer.reports import Reports
+from services.trainer.stall import Bounds, StallWatch
 from services.trainer.verdicts import Outcome, Scope, Verdict, apply
 from shared import telemetry
 from shared.bus import names
 from shared.checkpoint import commit
 from shared.checkpoint.store import Store
 from shared.config import Settings
-from shared.contracts import RunRecord, Task
+from shared.contracts import RunRecord, Skip, Task
 from shared.contracts.child import (
     EXIT_BAD_LAUNCH,
+    EXIT_GUARDED,
     CheckpointReady,
     Control,
     Divergence,
@@ -54,6 +60,7 @@ from shared.contracts.child import (
     Loaded,
     Rendezvous,
     StepDone,
+    Tripped,
 )
 from shared.contracts.events import (
     AttemptFailed,
@@ -130,6 +137,20 @@ class Attempt:
         """The task delivery this attempt answers, written into the record for a hand-over."""
         self._watching: asyncio.Task[None] | None = None
         self._broken = group.broken if group is not None else asyncio.Event()
+        limits = task.spec.limits
+        self.stall = StallWatch(
+            Bounds(
+                settings.stall_factor, settings.stall_floor_s, settings.stall_first_s,
+                limits.stall_timeout_s,
+            )
+        )  # fmt: skip
+        self.launched = False
+        """The training process was sent its `Launch`: only then may it be sent a `Control`
+        (it reads the `Launch` first)."""
+        self.tripped: Tripped | None = None
+        """What the divergence guard stopped the training process for, if it did."""
+        self.skips: list[Skip] = []
+        """The run's rolled-back data, as its record said when the attempt started."""
         self._grow = group.grow if group is not None else asyncio.Event()
 
     @property
@@ -172,7 +193,10 @@ class Attempt:
             unchanged = transitions.unchanged
             return await apply(Verdict(Outcome.FENCED, change=unchanged, quiet=True), scope)
         latest = await commit.read_latest(self.store, self.run_id)
+        latest = await rewind.prepare(self, msg, record, latest)
         self.step = self.start_step = latest[0].step if latest else 0
+        # A rollback forgets the data left out after the checkpoints it abandons.
+        self.skips = [s for s in record.skips if s.after <= self.step]
         span.set_attributes({telemetry.ATTEMPT: record.attempts, telemetry.START_STEP: self.step})
         self.reports.recovering = record.attempts > 1
         started = Started(
@@ -196,16 +220,20 @@ class Attempt:
             )  # fmt: skip
         launch = Launch(
             task=self.task, token=token, worker=self.worker, store_url=self.store.url,
-            group=rendezvous,
+            group=rendezvous, skips=self.skips,
         )  # fmt: skip
         self.child.send(launch)
+        self.launched = True
         if self.group is not None:
             self._watching = asyncio.create_task(self.group.watch())
         keeping = self._keeping = asyncio.create_task(self.keeper.keep(msg.in_progress))
         copying = self._copying = asyncio.create_task(
             self.child.copy_output(self.log_path, self._publish_output)
         )
-        background = [keeping, copying]
+        stalling = asyncio.create_task(
+            self.stall.watch(self._stalled, self.reports.stall_recovered, self._stopped_stalling)
+        )
+        background = [keeping, copying, stalling]
         try:
             verdict = await self._follow()
             self.keeper.settling()
@@ -263,6 +291,14 @@ class Attempt:
         """Stopping only because a trainer is free to grow this elastic group onto."""
         return self._grow.is_set() and not self.stop.is_set() and self.orders.given is None
 
+    async def _stalled(self, quiet_s: float, step: int) -> None:
+        await self.reports.stalled(quiet_s, step, self.stall.bound())
+
+    def _stopped_stalling(self, quiet_s: float, step: int) -> None:
+        reason = f"stalled: no step for {quiet_s:.0f}s after step {step}"
+        log.warning("%s: %s; stopping the training process", self.run_id, reason)
+        self.orders.give(Order.STALL, reason)
+
     def orphaned(self, reason: str) -> None:
         """The reaper saw this worker run a run it does not hold: stop at once."""
         self.orders.fence(f"orphan: {reason}")
@@ -278,20 +314,24 @@ class Attempt:
             await _first(reader, self.orders.changed, self.stop, self._broken, self._grow)
             if self._broken.is_set() and self.orders.given is None:
                 return await self._group_broke(reader)
-            if not reader.done() and self.orders.given in (None, Order.CANCEL):
-                why = "cancelled" if self.orders.given else "preempted"
+            if not reader.done() and self.orders.given in (None, Order.PAUSE, Order.CANCEL):
+                given = self.orders.given
+                why = "preempted" if given is None else given.name.lower()
                 if self._growing:
                     assert self.group is not None
                     why = f"growing onto {self.group.grower}"
                 log.info("%s: %s at step %d; checkpointing", self.run_id, why, self.step)
                 self.child.send(Control(action="stop"))
+                self.stall.finish()  # the grace bounds it from here
                 self.orders.changed.clear()  # from here on, set only by a stronger order
                 await _first(
                     reader, self.orders.changed, self.hurry, self._broken,
                     timeout=self.settings.grace_s,
                 )  # fmt: skip
-                if self._broken.is_set() and self.orders.given in (None, Order.CANCEL):
+                if self._broken.is_set() and self.orders.given in (None, Order.PAUSE, Order.CANCEL):
                     return await self._group_broke(reader)
+            if self.orders.given is Order.ROLLBACK:  # no checkpoint: it would be abandoned
+                return rewind.handed_back(self)
             return await self._decide(reader)
         finally:
             reader.cancel()
@@ -317,6 +357,8 @@ class Attempt:
         if finished is None:
             code = await self.child.wait()
             await self._output_copied()
+            if code == EXIT_GUARDED and self.tripped is not None:
+                return await self._guarded(self.tripped)
             return self._child_failed(code)
         # `Finished` comes after the child's last write; it then leaves promptly (no
         # interpreter teardown), so its exit is waited for, briefly: nothing is killed.
@@ -331,16 +373,22 @@ class Attempt:
         async for msg in self.child.messages():
             if isinstance(msg, Loaded):
                 self.step = msg.step
+                self.stall.stepped(msg.step)
+                self.commits.resumed(msg.step)
                 await self.reports.restored(msg)
             elif isinstance(msg, StepDone):
                 self.step = msg.step
-                await self.reports.stepped(msg)
+                self.stall.stepped(msg.step, last=msg.step >= self.task.spec.total_steps)
+                self.commits.reached(msg.step)
+                await self.reports.stepped(msg, self.commits.newest)
             elif isinstance(msg, CheckpointReady):
                 self.reports.checkpointed(msg)
                 await self.commits.request(msg)
                 self.last_checkpoint = msg
             elif isinstance(msg, Divergence):
                 await self.reports.diverged(msg)
+            elif isinstance(msg, Tripped):
+                self.tripped = msg
             elif isinstance(msg, Listening) and self.group is not None:
                 await self.group.go(msg.port)
             elif isinstance(msg, Finished):
@@ -379,6 +427,9 @@ class Attempt:
             reason = self.orders.reason
             cancelled = transitions.cancel_attempt(self._spent(), reason, kept)
             return Verdict(Outcome.CANCELLED, change=cancelled)
+        if self.orders.given is Order.PAUSE:
+            paused = transitions.pause_attempt(self._spent(), self.orders.reason, kept)
+            return Verdict(Outcome.PAUSED, change=paused)
         step = last.step if last else 0
         why = ""
         if self._growing:
@@ -392,6 +443,34 @@ class Attempt:
 
         released = transitions.release(self._spent(), kept)
         return Verdict(Outcome.PREEMPTED, change=released, event=preempted)
+
+    async def _guarded(self, t: Tripped) -> Verdict:
+        """The divergence guard stopped the training process at step `t.step`, once the
+        checkpoints of the steps before it were written: those are good, and are committed
+        before the job's `guard.action` decides. A rollback needs a run of one rank (the
+        ranks of a group would each have to leave out their own batches) and is allowed
+        `guard.max_rollbacks` times; past either, the guard stops the run instead."""
+        guard = self.task.spec.guard
+        last = self.last_checkpoint
+        if last is not None:
+            await self.commits.wait(last.token, last.step, self.settings.grace_s)
+        latest = await commit.read_latest(self.store, self.run_id)
+        good = latest[0].step if latest else 0
+        action = guard.action
+        spent = len(self.skips) >= guard.max_rollbacks
+        if action == "rollback" and (self.group is not None or spent):
+            why = "a group's" if self.group is not None else f"{len(self.skips)} rollbacks"
+            log.warning("%s: no rollback (%s): the guard stops the run", self.run_id, why)
+            action = "stop"
+        await self.reports.guarded(t, action, good)
+        reason = f"divergence guard: {t.metric} = {t.value} at step {t.step} ({t.rule})"
+        if action == "pause":
+            return Verdict(Outcome.PAUSED, change=transitions.pause_attempt(self._spent(), reason))
+        if action == "rollback":
+            skip = Skip(after=good, batches=t.step - good)
+            rolled = transitions.roll_back(self._spent(), skip)
+            return Verdict(Outcome.ROLLED_BACK, change=rolled)
+        return self._child_failed(EXIT_GUARDED, reason)
 
     def _fenced(self, reason: str) -> Verdict:
         self.child.kill()
@@ -412,6 +491,8 @@ class Attempt:
         if code == EXIT_BAD_LAUNCH or not self.group.key.formed:
             # Rank 0's process ended before any other rank started: its own failure.
             return self._child_failed(code)
+        if code == EXIT_GUARDED and self.tripped is not None:
+            return await self._guarded(self.tripped)
         own_tail = tail_of(self.log_path)
         cause = await self.group.settle(code, own_tail)
         if cause.user:

@@ -15,6 +15,8 @@ failure ended it:
 * 0: done, or stopped as asked (after `Finished`);
 * `EXIT_USER_ERROR` (1): the user's code raised (traceback printed), or returned early;
 * `EXIT_BAD_LAUNCH` (2): the entry point cannot be loaded;
+* `EXIT_GUARDED` (4): the divergence guard stopped it (`baton.runtime.guard`), after
+  `Tripped`;
 * `EXIT_GROUP_BROKEN` (3): the group broke under it — a peer was gone or too slow, so a
   collective (the user's, or Baton's agreement at a step boundary) or the group's set-up
   failed (traceback printed). A rank whose peer's code raised exits 3: the peer's own exit
@@ -33,6 +35,7 @@ gives it `FINISH_GRACE_S` to be gone before stopping it, so a clean finish kills
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import os
 import sys
@@ -44,10 +47,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from baton.runtime.context import RunContext
+from baton.runtime.guard import GuardTripped
 from shared.contracts import decode, encode
 from shared.contracts.child import (
     EXIT_BAD_LAUNCH,
     EXIT_GROUP_BROKEN,
+    EXIT_GUARDED,
     EXIT_USER_ERROR,
     Control,
     Finished,
@@ -114,8 +119,9 @@ def run(ctl_in_fd: int, ctl_out_fd: int) -> int:
             _leave(EXIT_GROUP_BROKEN)
     spool = Path(os.environ.get("BATON_SPOOL", "./.baton/spool")) / launch.task.run_id
     ctx = RunContext(
-        launch.task, launch.token, launch.store_url, spool, send, launched_at, group=group
-    )
+        launch.task, launch.token, launch.store_url, spool, send, launched_at, group=group,
+        skips=launch.skips,
+    )  # fmt: skip
     threading.Thread(target=_listen, args=(ctl_in, ctx), daemon=True).start()
     return _attempt(entry, ctx, group, send)
 
@@ -129,6 +135,14 @@ def _attempt(
     try:
         entry(ctx)
         ctx.close()
+    except GuardTripped as exc:
+        # Checkpoints of the steps before it are good: they are written before leaving.
+        print(f"baton: the divergence guard stopped the run at {exc}", file=sys.stderr)
+        with contextlib.suppress(BaseException):
+            ctx.close()
+        if group is None:
+            return EXIT_GUARDED
+        _leave(EXIT_GUARDED, trace=False)
     except BaseException as exc:
         if group is None:
             traceback.print_exc()

@@ -66,9 +66,26 @@ class Commits:
         self.trace_context: Context | None = None
         """The attempt's span, parent of every `commit` span."""
         self._spans: dict[tuple[int, int], tuple[trace.Span, float]] = {}
+        self.newest: tuple[int, float] = (0, time.monotonic())
+        """The step of this run's newest committed checkpoint and when (monotonic) the
+        training process reached it: what a failure now would fall back to."""
+        self._last: tuple[int, float] = self.newest
+        """The newest step the training process reported, and when."""
+        self._reached: dict[tuple[int, int], float] = {}
+        """When each checkpoint awaiting its commit was reached."""
+
+    def resumed(self, step: int) -> None:
+        """The attempt resumed from the committed checkpoint at `step`, reached now."""
+        self.newest = (step, time.monotonic())
+
+    def reached(self, step: int) -> None:
+        """The training process reported `step` (every checkpoint's step is reported)."""
+        self._last = (step, time.monotonic())
 
     async def request(self, ready: CheckpointReady) -> None:
         self._future(ready.token, ready.step)
+        step, at = self._last
+        self._reached[(ready.token, ready.step)] = at if step == ready.step else time.monotonic()
         req = CommitRequest(
             run_id=self.run_id,
             token=ready.token,
@@ -119,6 +136,9 @@ class Commits:
         else:
             self._end_span(event.token, event.step, "refused", error=event.reason)
         if isinstance(event, CheckpointCommitted) and event.token == self._token():
+            at = self._reached.pop((event.token, event.step), None)
+            if at is not None and event.step > self.newest[0]:
+                self.newest = (event.step, at)
             await self.runs.update(self.run_id, transitions.advance_step(self._token(), event.step))
 
     async def wait(self, token: int, step: int, timeout: float) -> bool:

@@ -2,8 +2,8 @@
 
 Every third of the lease TTL (and at once after a reconnect or a `wake` command) the
 keeper touches the task message (`in_progress`), renews the lease, and reads the run
-record — the truth about the run — for orders: cancel it, stop this attempt (a stall), or
-the run is already over (a hard timeout). A renewal that loses its CAS means the lease
+record — the truth about the run — for orders: cancel it, pause it, roll it back, or the
+run is already over (a hard timeout). A renewal that loses its CAS means the lease
 lapsed or was taken: the keeper re-takes a lapsed lease only if nobody else moved the run
 on meanwhile; otherwise the attempt is fenced.
 
@@ -41,13 +41,20 @@ class Order(enum.IntEnum):
     """What the run record (or the lease) tells an attempt, weakest first: a stronger order
     replaces a weaker one, never the reverse."""
 
-    CANCEL = 1
+    ROLLBACK = 1
+    """The run is rolled back (`rollback_to`): stop at once without a checkpoint and give
+    the task back; the next attempt rewinds (`rewind.py`). The weakest, so a cancel or a
+    pause asked too is carried out (the rollback waits in the record)."""
+    PAUSE = 2
+    """The run is asked to pause: checkpoint, then stop; the run waits for a human."""
+    CANCEL = 3
     """The run is asked to cancel: checkpoint, then stop."""
-    STALL = 2
-    """The reaper stopped this attempt for making no progress: it counts as failed."""
-    OVER = 3
+    STALL = 4
+    """The training process made no progress for too long (`stall.py`): it counts as
+    failed."""
+    OVER = 5
     """The run ended elsewhere (a hard timeout): stop."""
-    FENCE = 4
+    FENCE = 6
     """Someone else holds the run: stop at once and touch nothing of it."""
 
 
@@ -141,10 +148,14 @@ class Keeper:
         r = found[0]
         if r.state.terminal:
             self.orders.give(Order.OVER, r.reason or f"the run is {r.state.value}")
-        elif r.stop_token is not None and r.stop_token == self.lease.token:
-            self.orders.give(Order.STALL, r.stop_reason or "stopped by the reaper")
         elif r.cancel_requested is not None:
             self.orders.give(Order.CANCEL, r.cancel_requested)
+        elif r.pause_requested is not None:
+            self.orders.give(Order.PAUSE, r.pause_requested)
+        elif r.rollback_to is not None:
+            why = f"rolled back to step {r.rollback_to}"
+            why += f": {r.rollback_reason}" if r.rollback_reason else ""
+            self.orders.give(Order.ROLLBACK, why)
 
     async def _retake(self) -> bool:
         """After a lapse: take the lease again unless someone committed or moved the

@@ -1,5 +1,6 @@
 """What an attempt tells the world as it goes: where it resumed, its progress, a resume that
-was not exact, and the metrics of its steps and checkpoints.
+was not exact, a stall and its end, a divergence the guard stopped, and the metrics of its
+steps and checkpoints.
 
 Progress is best effort and rate-limited (`BATON_PROGRESS_INTERVAL`): while a link is down
 the next one will do. The events that matter for a run's history (`restored`, `diverged`)
@@ -17,8 +18,16 @@ from nats.js import JetStreamContext
 from shared import telemetry
 from shared.bus.emit import emit
 from shared.contracts import Task
-from shared.contracts.child import CheckpointReady, Divergence, Loaded, StepDone
-from shared.contracts.events import Diverged, Event, Progress, Restored
+from shared.contracts.child import CheckpointReady, Divergence, Loaded, StepDone, Tripped
+from shared.contracts.events import (
+    Diverged,
+    Event,
+    Guarded,
+    Progress,
+    Restored,
+    RunWarning,
+    StallRecovered,
+)
 
 log = logging.getLogger("baton.trainer")
 
@@ -75,7 +84,34 @@ class Reports:
         )  # fmt: skip
         await self.emit(diverged)
 
-    async def stepped(self, msg: StepDone) -> None:
+    async def stalled(self, quiet_s: float, step: int, bound_s: float) -> None:
+        detail = (
+            f"no step for {quiet_s:.0f}s after step {step} (a stall is {bound_s:.0f}s for this "
+            "run); it is stopped if it does not step within half as long again"
+        )
+        log.warning("%s: stalled: %s", self.run_id, detail)
+        await self.emit(RunWarning(run_id=self.run_id, kind="stalled", detail=detail))
+
+    async def stall_recovered(self, quiet_s: float, step: int) -> None:
+        log.info("%s: stepped again after %.0fs without a step", self.run_id, quiet_s)
+        event = StallRecovered(run_id=self.run_id, worker=self.worker, step=step, quiet_s=quiet_s)
+        await self.emit(event)
+
+    async def guarded(self, t: Tripped, action: str, good_step: int) -> None:
+        log.warning(
+            "%s: divergence guard: step %d: %s = %s (%s%s); %s from step %d",
+            self.run_id, t.step, t.metric, t.value, t.rule, f": {t.detail}" if t.detail else "",
+            action, good_step,
+        )  # fmt: skip
+        event = Guarded(
+            run_id=self.run_id, worker=self.worker, step=t.step, metric=t.metric,
+            value=t.value, rule=t.rule, action=action, good_step=good_step,
+        )  # fmt: skip
+        await self.emit(event)
+
+    async def stepped(self, msg: StepDone, newest: tuple[int, float]) -> None:
+        """A step's report; `newest`: the newest committed checkpoint's step and when the
+        training process reached it (`Commits.newest`)."""
         now = time.monotonic()
         if self.recovering:
             self.recovering = False
@@ -90,9 +126,15 @@ class Reports:
         self._last = now
         if now > t0:  # the first sample has no interval yet; a 0 would read as a stall
             telemetry.STEPS_PER_SECOND.set(rate, {**self.attrs, telemetry.WORKER: self.worker})
+        committed, reached = newest
+        age, at_risk = now - reached, max(0, msg.step - committed)
+        run = {**self.attrs, telemetry.RUN_ID: self.run_id}
+        telemetry.CHECKPOINT_AGE.set(age, run)
+        telemetry.STEPS_AT_RISK.set(at_risk, run)
         event = Progress(
             run_id=self.run_id, step=msg.step, total_steps=self.task.spec.total_steps,
             metrics=msg.metrics, steps_per_s=rate, worker=self.worker, stall_s=self.stall_s,
+            checkpoint_age_s=age, steps_at_risk=at_risk,
         )  # fmt: skip
         with contextlib.suppress(Exception):
             await self.emit(event, attempts=1)

@@ -4,7 +4,9 @@ The loop holds one task message at a time and answers it only through the outcom
 attempt (see `attempt.py`). It never cancels a run because NATS went away: the child keeps
 training through a blip, and the lease — not the connection — decides who owns the run.
 Beside the loop: a heartbeat in the worker registry (what this trainer is and runs), and
-a subscription to `baton.control.<worker>` for commands (wake up, kill an orphan).
+a subscription to `baton.control.<worker>` for commands (wake up, kill an orphan, an
+operator's checkpoint). A drained trainer (`drain.py`) fetches nothing, hands what it runs
+over at its next checkpoint as on SIGTERM, and lives on until it is undrained.
 
 At a site (`BATON_SITE`) the trainer is connected to the site's leaf node. It takes tasks
 from the hub's work queue and reads and writes the hub's KV across the domain boundary
@@ -34,6 +36,7 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 from services.trainer.attempt import Attempt
 from services.trainer.child_proc import Zygote
 from services.trainer.claim import WorkDir
+from services.trainer.drain import Draining
 from services.trainer.group import GaveWay, Leader, Superseded
 from services.trainer.rank import Member
 from services.trainer.verdicts import Outcome, Scope, Verdict, apply
@@ -46,7 +49,8 @@ from shared.bus.service import StopSignals, pull_loop
 from shared.bus.streams import ensure_consumer, trainer_consumer
 from shared.checkpoint.store import Store, open_store
 from shared.config import Settings
-from shared.contracts import RunRecord, Task, decode, encode
+from shared.contracts import RunRecord, RunState, Task, decode, encode
+from shared.contracts.child import Control
 from shared.contracts.control import Command, WorkerInfo
 from shared.contracts.groups import RankCall
 from shared.contracts.tasks import Claim
@@ -78,6 +82,10 @@ class Trainer:
         self.runs: Runs
         self.pools = Pools(self.hub, load_table(settings.pools_file), settings.hub_api)
         self.beat_now = asyncio.Event()
+        self.beat = asyncio.Event()
+        """Set to publish the heartbeat now (being drained changed, or the loop went idle)."""
+        self.draining = Draining(self.hub, settings.worker_id, signals.stop)
+        """Set `leave` while stopping or drained: what the loop and every attempt stop on."""
         self.attempt: Attempt | Member | None = None
         self.groups = GroupStore(self.hub, settings.hub_api, key_ttl(settings.lease_ttl_s))
         self.device = _device()
@@ -99,6 +107,7 @@ class Trainer:
         async def declared() -> None:
             await ensure_consumer(self.hub, names.TASKS_STREAM, consumer)
             self.runs = await Runs.open(self.hub, self.settings.hub_api)
+            await self.draining.read()  # drained before this start: take nothing
 
         await _until_reachable(declared, "the hub's streams and buckets")
         if (claim := self.workdir.left_behind()) is not None:
@@ -134,26 +143,40 @@ class Trainer:
         return None  # serve() already stopped the zygote and closed the store
 
     async def serve(self, stop: asyncio.Event) -> None:
-        """`stop` is the first signal; attempts also see the second (`hurry`)."""
-        heartbeat = asyncio.create_task(self._heartbeat())
+        """`stop` is the first signal; attempts also see the second (`hurry`). While
+        drained, the loop fetches nothing and waits to be undrained (`drain.py`)."""
+        beside = [
+            asyncio.create_task(c)
+            for c in (self._heartbeat(), self._follow_drain(), self.draining.follow_stop())
+        ]
         try:
             # No task before an attempt could start at once: a task taken now would hold
             # its lease while torch imports, and could lapse before the first renewal.
             await self.zygote.warm()
-            await pull_loop(
-                self.hub,
-                names.TASKS_STREAM,
-                names.trainer_consumer(self.settings.pool),
-                stop,
-                self.on_task,
-            )
+            while not stop.is_set():
+                await self.draining.until_undrained()
+                if stop.is_set():
+                    break
+                await pull_loop(
+                    self.hub,
+                    names.TASKS_STREAM,
+                    names.trainer_consumer(self.settings.pool),
+                    self.draining.leave,
+                    self.on_task,
+                )
+                self.beat.set()  # drained and idle now (or stopping): say so at once
         finally:
-            heartbeat.cancel()
+            for t in beside:
+                t.cancel()
             await self.zygote.stop()
             await self.store.close()
             self.workdir.unlock()
 
     async def on_task(self, msg: Msg) -> None:
+        if self.draining.drained:
+            # Fetched as the drain came: another trainer of the pool takes it at once.
+            await msg.nak()
+            return
         if msg.subject.startswith(f"{names.PREFIX}.calls."):
             await self.on_call(msg)
             return
@@ -172,8 +195,10 @@ class Trainer:
             await msg.term()
             return
         record = found[0]
-        if record.state.terminal:
-            await msg.ack()  # a duplicate of a run that is already over
+        if record.state.terminal or record.state is RunState.PAUSED:
+            # A duplicate of a run that is already over, or that waits for a human (whose
+            # resume queues a task of its own).
+            await msg.ack()
             return
         await self.zygote.warm()  # restarted if it died: before the lease, not after
         lease = Lease(
@@ -186,12 +211,20 @@ class Trainer:
             await msg.nak(delay=self.settings.lease_ttl_s / 3)
             return
         scope = Scope(self.js, self.runs, lease, msg, self.settings.worker_id, self.site)
+        await self._start(task, lease, msg, scope, record)
+
+    async def _start(
+        self, task: Task, lease: Lease, msg: Msg, scope: Scope, record: RunRecord
+    ) -> None:
+        """With the run's lease held: refuse it, end it as it was asked, or train it."""
         if not self.settings.allows(task.spec.entry_point):
             await apply(self._refusal(task), scope)
         elif record.cancel_requested is not None:
             # Asked to cancel, and its trainer is gone: nothing trains it, so it is
             # cancelled here, before any work starts.
             await apply(Verdict(Outcome.CANCELLED, change=transitions.cancel_unowned), scope)
+        elif record.pause_requested is not None:  # likewise, asked to pause
+            await apply(Verdict(Outcome.PAUSED, change=transitions.pause_unowned), scope)
         elif task.spec.max_ranks > 1:
             await self._lead(task, lease, msg, scope, record)
         else:
@@ -217,7 +250,7 @@ class Trainer:
             self.settings.host_addr, self.site,
         )  # fmt: skip
         try:
-            formed = await leader.form(msg, self.signals.stop, self.settings.form_wait_s)
+            formed = await leader.form(msg, self.draining.leave, self.settings.form_wait_s)
         except Superseded:
             await leader.end()
             log.warning("%s: the run moved on while its group formed", task.run_id)
@@ -253,7 +286,7 @@ class Trainer:
         await self.zygote.warm()
         member = Member(
             self.groups, self.zygote, call, self.settings.worker_id, self.store.url,
-            Path(self.settings.work_dir), (self.signals.stop, self.signals.hurry),
+            Path(self.settings.work_dir), (self.draining.leave, self.signals.hurry),
             self._publish_output, self.settings.ack_wait_s,
         )  # fmt: skip
         self.attempt = member
@@ -275,7 +308,8 @@ class Trainer:
         self, task: Task, lease: Lease, msg: Msg, scope: Scope, group: Leader | None
     ) -> None:
         child = await self.zygote.fork()
-        signals = (self.signals.stop, self.signals.hurry)
+        # SIGTERM or a drain: either way the run hands over at its next checkpoint.
+        signals = (self.draining.leave, self.signals.hurry)
         attempt = Attempt(
             self.nc, self.settings, self.store, self.runs, self.pools, task, lease, child,
             signals, self.beat_now, group,
@@ -313,7 +347,32 @@ class Trainer:
         if cmd.action == "kill" and attempt is not None and attempt.run_id == cmd.run_id:
             log.warning("%s: kill command: %s", cmd.run_id, cmd.reason)
             attempt.orphaned(cmd.reason)
+        elif cmd.action == "checkpoint":
+            self._checkpoint(cmd, attempt)
         self.beat_now.set()
+        if cmd.action == "wake" and await self.draining.refresh():
+            self.beat.set()
+
+    def _checkpoint(self, cmd: Command, attempt: Attempt | Member | None) -> None:
+        """An operator's `baton checkpoint`: the run's training process writes one at its
+        next step boundary (in a group, rank 0's: the ranks agree on it every step). Only
+        once its `Launch` is sent — the process reads that first — and only for the run this
+        trainer leads; otherwise the request is not taken, and its asker sees none come."""
+        if not isinstance(attempt, Attempt) or attempt.run_id != cmd.run_id:
+            log.info("%s: checkpoint asked, but this trainer does not lead it", cmd.run_id)
+        elif not attempt.launched:
+            log.info("%s: checkpoint asked before its training process started", cmd.run_id)
+        else:
+            log.info("%s: checkpoint asked: %s", cmd.run_id, cmd.reason or "by an operator")
+            attempt.child.send(Control(action="checkpoint"))
+
+    async def _follow_drain(self) -> None:
+        """Read this trainer's drain key every heartbeat period (beside the heartbeat, so a
+        slow read never holds one back); a change is published at once."""
+        while True:
+            if await self.draining.refresh():
+                self.beat.set()
+            await asyncio.sleep(self.settings.heartbeat_s)
 
     async def _heartbeat(self) -> None:
         """Publish what this trainer is and runs, with a server-side TTL, so that a dead
@@ -328,14 +387,16 @@ class Trainer:
                 gpu_name=self.device[1], gpu_memory_bytes=self.device[2],
                 run_id=a.run_id if a else None, token=a.token if a else None,
                 step=a.step if a else None, site=self.site, rank=a.rank if a else None,
-                at=time.time(),
+                drained=self.draining.drained, at=time.time(),
             )  # fmt: skip
             with contextlib.suppress(Exception):  # the registry is advisory; try again
                 await publish(
                     self.js, subject, encode(info), msg_id=f"hb.{info.worker}.{info.at}",
                     headers={"Nats-TTL": f"{ttl}s"}, attempts=1,
                 )  # fmt: skip
-            await asyncio.sleep(self.settings.heartbeat_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.beat.wait(), self.settings.heartbeat_s)
+            self.beat.clear()
 
     def _child_env(self) -> dict[str, str]:
         # The training process talks to its trainer over a pipe, never to NATS: it gets no

@@ -10,16 +10,20 @@ one order: the record change (retried through outages; a terminal one announces 
     CANCELLED  CANCELLED                           cancelled.<run>   released  ack
     STOPPED    none (the run ended elsewhere)      none              released  ack
     PREEMPTED  worker cleared, time booked         preempted         released  nak(0)
+    ROLLED_BACK  as PREEMPTED, data to leave out   (guarded)         released  nak(0)
     RETRY      retries + 1                         attempt_failed    released  nak(back-off)
-    FAILED     FAILED (retries used up)            failed.<run>      released  ack
+    FAILED     FAILED (retries used up, or fail    failed.<run>      released  ack
+               fast)
+    PAUSED     PAUSED (asked, or the policy)       paused            released  ack
     FENCED     none                                fenced            kept      none
 
 The record decides the outcome the change leads to: a RETRY whose change finds the retries
-used up writes FAILED and is FAILED; a change the record refuses means the run is over
-(STOPPED) or no longer ours (FENCED). A fenced trainer answers nothing: the message is no
-longer its own, and a late ack could delete the new holder's copy (docs/nats.md). Every other
-outcome frees the lease before answering, so the next worker finds it free when the message
-reaches it.
+used up (or the job failing fast) writes FAILED and is FAILED, one whose job pauses on a
+failure writes PAUSED and is PAUSED (its own event, `attempt_failed`, then `paused`); a
+change the record refuses means the run is over (STOPPED) or no longer ours (FENCED). A
+fenced trainer answers nothing: the message is no longer its own, and a late ack could
+delete the new holder's copy (docs/nats.md). Every other outcome frees the lease before
+answering, so the next worker finds it free when the message reaches it.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from nats.js import JetStreamContext
 
 from shared.bus.emit import emit
 from shared.contracts import RunRecord, RunState
-from shared.contracts.events import Event, Fenced
+from shared.contracts.events import Event, Fenced, Paused
 from shared.state.endings import settle
 from shared.state.lease import Lease
 from shared.state.runs import Change, Runs
@@ -50,9 +54,11 @@ class Outcome(enum.Enum):
     CANCELLED = "cancelled"
     STOPPED = "stopped"
     PREEMPTED = "preempted"
+    ROLLED_BACK = "rolled_back"
     RETRY = "retry"
     FAILED = "failed"
     FENCED = "fenced"
+    PAUSED = "paused"
 
 
 _ENDED = {
@@ -106,6 +112,8 @@ async def apply(v: Verdict, s: Scope) -> Outcome:
         if record is None:
             found = await s.runs.get(s.lease.run_id)
             outcome = Outcome.STOPPED if found and found[0].state.terminal else Outcome.FENCED
+        elif record.state is RunState.PAUSED:
+            outcome = Outcome.PAUSED
         else:
             outcome = _ENDED.get(record.state, v.outcome)
     if outcome is Outcome.FENCED:
@@ -118,6 +126,10 @@ async def apply(v: Verdict, s: Scope) -> Outcome:
         return outcome
     if record is not None and v.event is not None and outcome not in _ENDED.values():
         await emit(s.js, v.event(record), site=s.site)
+    if record is not None and outcome is Outcome.PAUSED:
+        why = record.pause_requested or "paused"
+        paused = Paused(run_id=record.run_id, reason=why, step=record.step)
+        await emit(s.js, paused, site=s.site, msg_id=f"paused.{record.run_id}.{record.attempts}")
     if s.stop_keeping is not None:
         await s.stop_keeping()
     await s.lease.release()
@@ -132,7 +144,7 @@ def _delay(outcome: Outcome, v: Verdict, record: RunRecord | None) -> float:
 
 
 async def _answer(msg: Msg, outcome: Outcome, delay: float) -> None:
-    if outcome in (Outcome.PREEMPTED, Outcome.RETRY):
+    if outcome in (Outcome.PREEMPTED, Outcome.ROLLED_BACK, Outcome.RETRY):
         await msg.nak(delay=delay)
         return
     # The run record already says how it ended, so a lost ack only costs a redelivery

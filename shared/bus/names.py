@@ -40,12 +40,19 @@ LIVE_BUCKET = "baton_live"
 # Groups of ranks: one key per forming or training group, one per rank's trainer, each with a
 # short TTL its writer renews (`services/trainer/group.py`).
 GROUPS_BUCKET = "baton_groups"
+# Trainers taken out of their pool by an operator (`baton drain`): one key per worker id,
+# written by operators, read by the trainer it names (`shared.state.drains`).
+DRAINS_BUCKET = "baton_drains"
+# What the notifier has sent, one key per notification and receiver, and each site's
+# cut-off episodes (`services/notifier`).
+ALERTS_BUCKET = "baton_alerts"
 
 # Durable consumers.
 DISPATCHER_CONSUMER = "dispatcher"
 CHECKPOINTER_CONSUMER = "checkpointer"
 CANCEL_CONSUMER = "dispatcher-cancel"
 REAPER_CONSUMER = "reaper"
+NOTIFIER_CONSUMER = "notifier"
 
 # Subject roots, used as stream subjects and consumer filters.
 SUBMIT_ALL = f"{PREFIX}.submit.>"
@@ -55,6 +62,9 @@ EVENTS_ALL = f"{PREFIX}.events.>"
 CKPT_ALL = f"{PREFIX}.ckpt.>"
 DLQ_ALL = f"{PREFIX}.dlq.>"
 CANCEL_ALL = f"{PREFIX}.cancel.>"
+# Operators' requests that steer a run (roll back, pause, resume, checkpoint): kept in the
+# cancel stream beside cancels, taken by the same consumer (`services/dispatcher/steering.py`).
+STEER_ALL = f"{PREFIX}.steer.>"
 LOGS_ALL = f"{PREFIX}.logs.>"
 ARCHIVE_ALL = f"{PREFIX}.archive.>"
 # JetStream's own advisory when a message has used up its deliveries, for our work queues
@@ -139,6 +149,23 @@ def cancel_subject(run_id: str) -> str:
     return f"{PREFIX}.cancel.{run_id}"
 
 
+def steer_subject(run_id: str) -> str:
+    """Where a request that steers `run_id` is published (`shared.contracts.control.Steer`)."""
+    return f"{PREFIX}.steer.{run_id}"
+
+
+def notified_events() -> list[str]:
+    """The events the notifier tells people of, as its consumer's filters: a run's id is
+    one token, or two for a submitter's run (`owner.r…`), so each type is named twice."""
+    kinds = ("failed", "warning", "guarded", "paused")
+    return [f"{PREFIX}.events.{run}.{k}" for k in kinds for run in ("*", "*.*")]
+
+
+def site_alert_subject(site: str) -> str:
+    """What a dead letter of a site's alert names as its subject; no stream listens here."""
+    return f"{PREFIX}.alerts.site.{site}"
+
+
 def logs_subject(run_id: str) -> str:
     """The entry point's stdout and stderr, as the trainer captured them."""
     return f"{PREFIX}.logs.{run_id}"
@@ -157,6 +184,11 @@ def letter_id(stream: str, stream_seq: int, site: str = "") -> str:
 def archive_subject(run_id: str) -> str:
     """Where an ended run's record is kept once it left the runs bucket."""
     return f"{PREFIX}.archive.{run_id}"
+
+
+def drain_key(worker_id: str) -> str:
+    """A trainer's key in the drains bucket: there while it is drained."""
+    return worker_id
 
 
 def control_subject(worker_id: str) -> str:

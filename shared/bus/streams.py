@@ -101,7 +101,11 @@ def stream_configs() -> list[StreamConfig]:
             "Dispatched runs, and groups' calls for ranks, per pool and run",
         ),
         _work_queue(names.CKPT_STREAM, names.CKPT_ALL, "Checkpoint commit requests"),
-        _work_queue(names.CANCEL_STREAM, names.CANCEL_ALL, "Cancel requests, per run"),
+        _work_queue(
+            names.CANCEL_STREAM,
+            [names.CANCEL_ALL, names.STEER_ALL],
+            "Requests about a run: cancels, and operators' steering, per run",
+        ),
         _history(names.EVENTS_STREAM, names.EVENTS_ALL, "Run lifecycle events"),
         _history(names.DLQ_STREAM, names.DLQ_ALL, "Dead letters, each with its reason"),
         _history(names.LOGS_STREAM, names.LOGS_ALL, "Entry points' stdout and stderr, per run"),
@@ -163,6 +167,15 @@ def kv_configs() -> list[KeyValueConfig]:
         KeyValueConfig(
             bucket=names.GROUPS_BUCKET, history=1, description="Groups of ranks", direct=True
         ),
+        # Written by operators, read by key by the trainer each names (`shared.state.drains`).
+        KeyValueConfig(
+            bucket=names.DRAINS_BUCKET, history=1, description="Drained trainers", direct=True
+        ),
+        # The notifier's marks (each written once, with a per-key TTL that outlives the
+        # events stream's age) and sites' cut-off episodes; read by key (`services/notifier`).
+        KeyValueConfig(
+            bucket=names.ALERTS_BUCKET, history=1, description="Notifications sent", direct=True
+        ),
     ]
 
 
@@ -209,7 +222,7 @@ def trainer_consumer(pool: str, ack_wait_s: float, max_deliver: int) -> Consumer
 def cancel_consumer() -> ConsumerConfig:
     return ConsumerConfig(
         durable_name=names.CANCEL_CONSUMER,
-        filter_subject=names.CANCEL_ALL,
+        filter_subjects=[names.CANCEL_ALL, names.STEER_ALL],
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=30.0,
@@ -224,6 +237,24 @@ def reaper_consumer() -> ConsumerConfig:
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=30.0,
         max_deliver=-1,
+    )
+
+
+NOTIFIER_MAX_DELIVER = 10_000
+"""Tries at one event's notifications: with the notifier's back-off capped at 5 minutes,
+more than the events stream's 30 days, so an event is retried until it ages out."""
+
+
+def notifier_consumer() -> ConsumerConfig:
+    # New events only: a notifier started for the first time does not page anyone about the
+    # last 30 days. A receiver that is down keeps the event here (nak with a delay).
+    return ConsumerConfig(
+        durable_name=names.NOTIFIER_CONSUMER,
+        filter_subjects=names.notified_events(),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.NEW,
+        ack_wait=60.0,
+        max_deliver=NOTIFIER_MAX_DELIVER,
     )
 
 

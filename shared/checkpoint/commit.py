@@ -71,6 +71,21 @@ def latest_key(run_id: str) -> str:
     return f"runs/{run_id}/latest"
 
 
+def rewind_key(run_id: str, token: int, from_token: int, from_step: int) -> str:
+    """Where a rollback's note is written before it moves `latest` (`Rewound`)."""
+    return f"{rewinds_prefix(run_id)}{token:012d}-{from_token:012d}-{from_step:012d}.json"
+
+
+def rewinds_prefix(run_id: str, token: int | None = None) -> str:
+    """The run's rollback notes (those of the attempt of `token` alone, if given)."""
+    return f"runs/{run_id}/rewinds/" + ("" if token is None else f"{token:012d}-")
+
+
+def step_of(key: str) -> int:
+    """The step a manifest key names (`manifest_key`)."""
+    return int(key.rsplit("/", 1)[1][:12])
+
+
 async def read_latest(store: Store, run_id: str) -> tuple[Pointer, str] | None:
     found = await store.read_pointer(latest_key(run_id))
     if found is None:
@@ -228,12 +243,7 @@ async def restorable(store: Store, run_id: str) -> tuple[Manifest | None, list[i
                 manifest = decode(data, Manifest)
             except ContractError as exc:
                 raise IntegrityError(f"manifest {key}: {exc}") from None
-            if manifest.run_id != run_id:
-                raise IntegrityError(f"manifest {key} belongs to run {manifest.run_id!r}")
-            prefix = data_key(run_id, manifest.token, manifest.step, "")
-            checkpoint_files.check_refs(manifest.files, prefix)
-            checkpoint_files.check_shards({f.name for f in manifest.files}, manifest.ranks)
-            await verify(store, manifest.files)
+            await check(store, run_id, manifest, key)
             return manifest, damaged
         except IntegrityError as exc:
             link = _link(key, data)
@@ -241,6 +251,24 @@ async def restorable(store: Store, run_id: str) -> tuple[Manifest | None, list[i
             damaged.append(link.step)
             key = link.previous
     return None, damaged
+
+
+async def check(
+    store: Store, run_id: str, manifest: Manifest, key: str, *, read: bool = True
+) -> None:
+    """`IntegrityError` unless the manifest stored at `key` is one of `run_id`'s whose files
+    are all its own, name every rank's shard and (`read`) all verify: the one decision that
+    a committed checkpoint may be restored (`restorable`), rolled back to or forked from
+    (`shared.checkpoint.rebase`)."""
+    if manifest.run_id != run_id:
+        raise IntegrityError(f"manifest {key} belongs to run {manifest.run_id!r}")
+    if key_of(manifest) != key:
+        raise IntegrityError(f"manifest {key} names step {manifest.step} token {manifest.token}")
+    prefix = data_key(run_id, manifest.token, manifest.step, "")
+    checkpoint_files.check_refs(manifest.files, prefix)
+    checkpoint_files.check_shards({f.name for f in manifest.files}, manifest.ranks)
+    if read:
+        await verify(store, manifest.files)
 
 
 class _Link(msgspec.Struct, frozen=True):

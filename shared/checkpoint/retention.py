@@ -22,6 +22,11 @@ Retention deletes a checkpoint's manifest, so afterwards the chain ends where it
 older than such a cut is no longer reachable from `latest`; garbage collection therefore
 protects pinned steps and final manifests explicitly instead of relying on the chain.
 
+A rollback (`shared.checkpoint.rebase`) moves `latest` back to an older checkpoint of the
+chain: the checkpoints after it leave the chain, are named in the rollback's note
+(`abandoned`), and are garbage once old enough, like a zombie's — a final one too; only a pin
+keeps one. Every checkpoint on the new chain, its head first, is kept as before.
+
 Deleting an absent key is not an error on any backend, so every function here is
 idempotent and two copies may run at once: they can only agree on what to delete.
 """
@@ -35,9 +40,16 @@ import re
 import time
 from collections.abc import Callable, Iterable
 
-from shared.checkpoint.commit import load_manifest, manifest_key, read_latest, witness_key
+from shared.checkpoint.commit import (
+    load_manifest,
+    manifest_key,
+    read_latest,
+    rewinds_prefix,
+    witness_key,
+)
 from shared.checkpoint.store import Store
-from shared.contracts import Manifest, Pointer
+from shared.contracts import Manifest, Pointer, decode
+from shared.contracts.checkpoints import Rewound
 from shared.errors import AlreadyExists, ContractError, NotFound
 
 log = logging.getLogger("baton.retention")
@@ -75,6 +87,28 @@ async def pins(store: Store, run_id: str) -> set[int]:
         if _PIN.fullmatch(name):
             steps.add(int(name))
     return steps
+
+
+async def rewinds(store: Store, run_id: str, token: int | None = None) -> list[Rewound]:
+    """The run's rollback notes (`shared.checkpoint.rebase`; those written under `token`
+    alone, if given), oldest first. One that does not decode is skipped: a note only marks
+    checkpoints that left the chain, and losing one only keeps them longer."""
+    notes = []
+    for key in await store.list(rewinds_prefix(run_id, token)):
+        try:
+            notes.append(decode(await store.get(key), Rewound))
+        except NotFound:
+            continue
+        except ContractError:
+            log.warning("%s does not decode; ignored", key)
+    return notes
+
+
+async def abandoned(store: Store, run_id: str) -> set[str]:
+    """Manifest keys of the checkpoints a rollback took off the chain. Those still off it
+    are never restored, and garbage collection takes them, final ones too, once old enough;
+    one a later rollback put back on the chain is kept as any on it is."""
+    return {key for note in await rewinds(store, run_id) for key in note.abandoned}
 
 
 async def committed_chain(store: Store, run_id: str) -> list[Manifest]:
@@ -211,6 +245,7 @@ async def collect_garbage(
     # Read after the walk: a cut the walk ran into was made by a retention pass that had
     # already written its pins, so every checkpoint kept behind the cut is pinned here.
     pinned = await pins(store, run_id)
+    dropped = await abandoned(store, run_id)
 
     old: dict[Checkpoint | None, list[str]] = {}
     manifests: dict[Checkpoint, str] = {}
@@ -228,7 +263,7 @@ async def collect_garbage(
     deleted: list[str] = []
     for ident, keys in old.items():
         manifest = manifests.get(ident) if ident is not None else None
-        if ident is not None and await _protected(store, ident, manifest, pinned):
+        if ident is not None and await _protected(store, ident, manifest, pinned, dropped):
             continue
         # Manifest last: while it exists, a later pass still sees this checkpoint whole.
         await asyncio.gather(*(store.delete(k) for k in keys if k != manifest))
@@ -274,16 +309,19 @@ def _superseded(ident: Checkpoint, current: tuple[Pointer, str] | None) -> bool:
 
 
 async def _protected(
-    store: Store, ident: Checkpoint, manifest: str | None, pinned: set[int]
+    store: Store, ident: Checkpoint, manifest: str | None, pinned: set[int], dropped: set[str]
 ) -> bool:
     """Whether an unreachable checkpoint may be one retention chose to keep. Without a
     manifest it is not a checkpoint (never committed, or retention's leftovers). With one,
     a zombie's manifest and a kept checkpoint behind a cut look alike; pinned steps and
-    final manifests are kept either way, at the price of keeping such a zombie too."""
+    final manifests are kept either way, at the price of keeping such a zombie too. One a
+    rollback abandoned (`dropped`) is kept only for a pin: a final one it left is no end."""
     if manifest is None:
         return False
     if ident[1] in pinned:
         return True
+    if manifest in dropped:
+        return False
     try:
         return (await load_manifest(store, manifest)).final
     except NotFound:

@@ -3,7 +3,7 @@
 from shared.contracts.checkpoints import CommitRequest, FileRef, Manifest, Pointer
 from shared.contracts.codec import convert, decode, encode
 from shared.contracts.jobs import CheckpointPolicy, JobSpec, Limits, RankRange, job_schema
-from shared.contracts.records import RunRecord, RunState, run_id_for, spec_hash
+from shared.contracts.records import RunRecord, RunState, Skip, run_id_for, spec_hash
 from shared.contracts.tasks import Task
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "RankRange",
     "RunRecord",
     "RunState",
+    "Skip",
     "Task",
     "convert",
     "decode",

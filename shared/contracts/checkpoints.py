@@ -22,6 +22,20 @@ class FileRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     sha256: Sha256
 
 
+class Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A committed checkpoint that a `CommitRequest` makes the run's latest instead of new
+    files (`shared.checkpoint.rebase`): the run's own (a rollback: `latest` is rewound to
+    it, and the checkpoints after it are abandoned) or another run's (a fork's first
+    checkpoint: its files are copied into the run's own prefix first)."""
+
+    run_id: Annotated[str, Meta(pattern=RUN_ID)]
+    step: Annotated[int, Meta(ge=0)]
+    spec_hash: Annotated[str, Meta(pattern=r"^([0-9a-f]{16})?$")] = ""
+    """A fork's: the hash of its own job spec, written into the copied meta.json files (a
+    checkpoint is restored only by the run and spec its meta.json names)."""
+    reason: Annotated[str, Meta(max_length=512)] = ""
+
+
 class CommitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     run_id: Annotated[str, Meta(pattern=RUN_ID)]
     token: Annotated[int, Meta(ge=1)]
@@ -37,6 +51,9 @@ class CommitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     ranks: Annotated[int, Meta(ge=1, le=64)] = 1
     """Ranks whose shards the checkpoint must hold: one that lacks any rank's cannot be
     committed (`shared.checkpoint.commit`)."""
+    base: Base | None = None
+    """Set for a rollback or a fork's graft: `step` is `base.step`, `files` is empty, and
+    the checkpoint committed is `base`'s (`shared.checkpoint.rebase`)."""
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -56,6 +73,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     created_at: float
     ranks: int = 1
     """The group size the checkpoint was written at; every rank's files are listed."""
+    grafted_from: str | None = None
+    """A fork's first checkpoint: the parent's manifest its files were copied from."""
 
 
 class Pointer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -70,3 +89,22 @@ class Pointer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
     def supersedes(self, other: Pointer) -> bool:
         return (self.token, self.step) > (other.token, other.step)
+
+
+class Rewound(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What a rollback did, written once before it moved `latest`
+    (`runs/<run>/rewinds/<token>-<from_token>-<from_step>.json`): `latest` went from
+    (`from_token`, `from_step`) to the checkpoint at `to_step` (`manifest`) under `token`,
+    and the committed checkpoints in `abandoned` (manifest keys, newest first) left the
+    chain. A note whose rewind lost its race is harmless: a checkpoint counts as abandoned
+    only while it is off the chain (`shared.checkpoint.lineage`)."""
+
+    run_id: str
+    token: int
+    from_token: int
+    from_step: int
+    to_step: int
+    manifest: str
+    abandoned: list[str]
+    reason: str = ""
+    created_at: float

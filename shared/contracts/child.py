@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.contracts.checkpoints import FileRef
+from shared.contracts.records import Skip
 from shared.contracts.tasks import Task
 
 EXIT_BAD_LAUNCH = 2
@@ -18,6 +19,9 @@ EXIT_USER_ERROR = 1
 EXIT_GROUP_BROKEN = 3
 """The child's exit status when its group broke under it: a collective failed because a peer
 was gone or too slow (torch.distributed's error, not the user's). Not a user failure."""
+EXIT_GUARDED = 4
+"""The child's exit status when the divergence guard stopped it (after `Tripped`): nothing
+from that step on was written. The job's `guard.action` decides what follows."""
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
@@ -53,6 +57,8 @@ class Launch(_Msg, tag="launch", frozen=True):
     store_url: str
     group: Rendezvous | None = None
     """Set for a run of several ranks."""
+    skips: list[Skip] = []
+    """The run's rolled-back data (`RunRecord.skips`)."""
 
 
 class Control(_Msg, tag="control", frozen=True):
@@ -107,6 +113,17 @@ class Divergence(_Msg, tag="divergence", frozen=True):
     got: str
 
 
+class Tripped(_Msg, tag="tripped", frozen=True):
+    """The divergence guard stopped the attempt at `step` (`baton.runtime.guard`): `metric`
+    was `value` (a `repr()`), breaking `rule` (`non_finite` or `loss_spike`)."""
+
+    step: int
+    metric: str
+    value: str
+    rule: str
+    detail: str = ""
+
+
 class Listening(_Msg, tag="listening", frozen=True):
     """Rank 0's process serves its group's store on `port`; the other ranks may start."""
 
@@ -120,4 +137,4 @@ class Finished(_Msg, tag="finished", frozen=True):
 
 
 ToChild = Launch | Control
-FromChild = Loaded | StepDone | CheckpointReady | Divergence | Listening | Finished
+FromChild = Loaded | StepDone | CheckpointReady | Divergence | Tripped | Listening | Finished

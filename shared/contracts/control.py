@@ -1,4 +1,5 @@
-"""Requests that steer runs: cancel (a user's), and commands to a trainer (the reaper's)."""
+"""Requests that steer runs: cancel (a user's), steering (an operator's: roll back, pause,
+resume, checkpoint now), and commands to a trainer (the reaper's and the dispatcher's)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,58 @@ class CancelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     reason: Annotated[str, Meta(max_length=512)] = "cancelled by user"
 
 
+class _Steer(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="action"
+):
+    """Published on `baton.steer.<run_id>` (the subject must name the same run: it is what
+    the servers let a submitter publish on) and carried out by the dispatcher
+    (`services/dispatcher/steering.py`), which changes the run record — the order itself —
+    and wakes the run's trainer. A request that cannot apply to the run as it stands is
+    dead-lettered with its reason and changes nothing."""
+
+    run_id: Annotated[str, Meta(pattern=RUN_ID)]
+    reason: Annotated[str, Meta(max_length=512)] = ""
+
+    @property
+    def action(self) -> str:
+        tag = type(self).__struct_config__.tag
+        assert isinstance(tag, str)
+        return tag
+
+
+class Rollback(_Steer, tag="rollback", frozen=True):
+    """Continue the run from its committed checkpoint at `step`, under a new attempt; the
+    checkpoints after it are abandoned (kept until retention, never restored)."""
+
+    step: Annotated[int, Meta(ge=0)]
+
+
+class Pause(_Steer, tag="pause", frozen=True):
+    """Stop the run at its next checkpoint and hold it, PAUSED, until resumed."""
+
+
+class Resume(_Steer, tag="resume", frozen=True):
+    """Queue a PAUSED run again: it resumes from its newest committed checkpoint."""
+
+
+class TakeCheckpoint(_Steer, tag="checkpoint", frozen=True):
+    """Write a checkpoint now, beside the job's own cadence."""
+
+
+Steer = Rollback | Pause | Resume | TakeCheckpoint
+
+
 class Command(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Sent on core NATS to `baton.control.<worker>`. `wake`: look at the run record now
-    (it changed). `kill`: the worker runs `run_id` without holding its lease — an orphan —
-    so its training process must die. Losing a command costs only latency: the record and
-    the lease stay the truth, and the sweeps repeat."""
+    (it changed), and at the worker's drain key (`run_id` "" when only that changed).
+    `kill`: the worker runs `run_id` without holding its lease — an orphan — so its
+    training process must die. `checkpoint`: an operator asks for a checkpoint of `run_id`
+    now (`baton checkpoint`). Losing a wake or a kill costs only latency: the record, the
+    lease and the drain key stay the truth, and the sweeps repeat; a lost `checkpoint` is a
+    checkpoint not taken, which its asker sees as none committed."""
 
     run_id: str
-    action: Literal["wake", "kill"]
+    action: Literal["wake", "kill", "checkpoint"]
     reason: str = ""
 
 
@@ -45,4 +90,19 @@ class WorkerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """The site the trainer runs at; empty at the hub."""
     rank: int | None = None
     """The rank it holds of a run of several ranks (`token` is then the group's epoch)."""
+    drained: bool = False
+    """Taken out of its pool (`baton drain`): it takes no task or rank, and what it runs
+    hands over at its next checkpoint."""
     at: float
+
+
+class Drain(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A trainer taken out of its pool: its key in `baton_drains` (`names.drain_key`), there
+    from `baton drain` until `baton undrain`. The key is the order itself — the trainer reads
+    it at start, before every heartbeat and on a wake — so it outlives the trainer's
+    restarts and any lost message."""
+
+    worker: Annotated[str, Meta(max_length=256)]
+    reason: Annotated[str, Meta(max_length=512)] = ""
+    at: float
+    """The writer's wall clock: shown, never compared."""

@@ -57,6 +57,11 @@ class Progress(_Event, tag="progress", frozen=True):
     worker: str = ""
     stall_s: float = 0.0
     """Seconds this attempt's training loop has been blocked by checkpoints so far."""
+    checkpoint_age_s: float = 0.0
+    """Seconds since the state of the newest committed checkpoint (the training a failure
+    now would lose), on the trainer's monotonic clock."""
+    steps_at_risk: int = 0
+    """Steps done since the newest committed checkpoint."""
 
 
 class CheckpointCommitted(_Event, tag="checkpoint_committed", frozen=True):
@@ -174,7 +179,8 @@ class Redispatched(_Event, tag="redispatched", frozen=True):
 
 
 class RunWarning(_Event, tag="warning", frozen=True):
-    """Something needs attention but nothing was stopped (yet): `soft_timeout`, `stalled`."""
+    """Something needs attention but nothing was stopped (yet): `soft_timeout`, `stalled`,
+    `budget_<percent>`."""
 
     kind: str
     detail: str
@@ -182,6 +188,70 @@ class RunWarning(_Event, tag="warning", frozen=True):
 
 class Cancelled(_Event, tag="cancelled", frozen=True):
     reason: str
+
+
+class StallRecovered(_Event, tag="stall_recovered", frozen=True):
+    """A run warned of a stall (`warning`, kind `stalled`) stepped again before it was
+    stopped: `quiet_s` seconds without a step, then step `step`."""
+
+    worker: str
+    step: int
+    quiet_s: float
+
+
+class Guarded(_Event, tag="guarded", frozen=True):
+    """The divergence guard stopped the attempt at `step`: `metric` was `value` (its
+    `repr()`: exact, and NaN survives JSON), which breaks `rule` (`non_finite`, or
+    `loss_spike`). No checkpoint from that step on was committed; `action` is the job's
+    policy (`baton.runtime.guard`): `stop` (a failed attempt), `rollback` (resume from the
+    last good checkpoint skipping the batches since), or `pause` (held for a human)."""
+
+    worker: str
+    step: int
+    metric: str
+    value: str
+    rule: str
+    action: str
+    good_step: int = 0
+    """The last good checkpoint: where a rollback resumes."""
+
+
+class Paused(_Event, tag="paused", frozen=True):
+    """The run is PAUSED for a human (`baton resume` queues it again)."""
+
+    reason: str
+    step: int = 0
+
+
+class Resumed(_Event, tag="resumed", frozen=True):
+    """A PAUSED run was queued again."""
+
+    reason: str
+
+
+class RolledBack(_Event, tag="rolled_back", frozen=True):
+    """The run went back from its checkpoint at `from_step` to its committed one at `to_step`
+    (`baton rollback`): `latest` names that checkpoint under `token`, the attempt that goes
+    on from it. The committed checkpoints at `abandoned` left the chain: kept until garbage
+    collection, never restored."""
+
+    token: int
+    from_step: int
+    to_step: int
+    abandoned: list[int] = []
+    reason: str = ""
+
+
+class Forked(_Event, tag="forked", frozen=True):
+    """The run, a fork (`baton fork`), starts from `parent`'s committed checkpoint at `step`:
+    its files were copied into the run's own prefix and committed as its first checkpoint
+    (`manifest`, under `token`), with the parent's weights `digest`."""
+
+    token: int
+    parent: str
+    step: int
+    manifest: str
+    digest: str = ""
 
 
 Event = (
@@ -205,6 +275,12 @@ Event = (
     | Redispatched
     | RunWarning
     | Cancelled
+    | StallRecovered
+    | Guarded
+    | Paused
+    | Resumed
+    | RolledBack
+    | Forked
 )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -40,6 +40,41 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     hard_timeout_s: Seconds | None = None
     stall_timeout_s: Seconds | None = None
     max_cost: Annotated[float, Meta(ge=0, le=1e9)] | None = None
+
+
+OnFailure = Literal["retry", "fail_fast", "pause"]
+"""What a failed attempt of user code leads to (a stall and a divergence guard's stop are
+failures too): `retry` while `limits.max_retries` allows, then FAILED; `fail_fast`: FAILED
+at once; `pause`: PAUSED, held for a human (`baton resume`). Kills, cuts and preemptions
+are the infrastructure's and never count."""
+
+
+class Guard(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The divergence guard, checked in the training process at every step on the metrics
+    the step reports (`baton.runtime.guard`): a non-finite value of any of `metrics`, or —
+    when `loss_spike` is set — `loss` above `loss_spike` times its median over the last
+    `spike_window` steps, stops the attempt at that step, before any checkpoint of it is
+    committed, and `action` follows."""
+
+    non_finite: bool = True
+    metrics: tuple[Annotated[str, Meta(max_length=128)], ...] = ("loss", "grad_norm")
+    loss_spike: Annotated[float, Meta(gt=1, le=1e6)] | None = None
+    spike_window: Annotated[int, Meta(ge=2, le=100_000)] = 100
+    action: Literal["stop", "rollback", "pause"] = "stop"
+    """`stop`: a failed attempt (the run's `on_failure` decides what follows). `rollback`:
+    the run resumes from its last good checkpoint, skipping the data batches of the steps
+    since (at most `max_rollbacks` times). `pause`: PAUSED, held for a human."""
+    max_rollbacks: Annotated[int, Meta(ge=1, le=1000)] = 3
+
+
+class ForkOf(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A forked run's start: run `run_id`'s committed checkpoint at `step` (`baton fork`). The
+    fork's first attempt has the checkpointer copy that checkpoint into the fork's own prefix
+    (`shared.checkpoint.rebase`), so nothing the parent's retention does can reach it; a
+    submitter may fork only its own runs."""
+
+    run_id: Annotated[str, Meta(pattern=RUN_ID)]
+    step: Annotated[int, Meta(ge=0, le=10**9)]
 
 
 RankCount = Annotated[int, Meta(ge=1, le=64)]
@@ -81,10 +116,16 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     `DistributedDataParallel`. A range (`{min = 1, max = 4}`) makes the run elastic: its
     checkpoints hold one state that resumes at any size in the range, and
     `ctx.data_parallel()` makes its result the same bits whatever the size was."""
+    on_failure: OnFailure | None = None
+    """What a failure of its code leads to (`OnFailure`); unset, its pool's policy
+    (`BATON_POOLS_FILE`, `[pools.<name>] on_failure`), else `retry`."""
+    guard: Guard = Guard()
     collective_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 60.0
     """How long a collective operation (an all-reduce, the group's start) may wait for a peer
     before it fails. A lost rank is noticed by its trainer's silence within seconds whatever
     this says; this bounds a peer that hangs while its trainer lives."""
+    fork: ForkOf | None = None
+    """Set on a fork: the run and checkpoint it starts from (`baton fork`)."""
 
     @property
     def min_ranks(self) -> int:

@@ -8,12 +8,15 @@ import hashlib
 import msgspec
 
 from shared.contracts.codec import encode
-from shared.contracts.jobs import JobSpec
+from shared.contracts.jobs import Guard, JobSpec, OnFailure
 
 
 class RunState(enum.StrEnum):
     QUEUED = "QUEUED"
     RUNNING = "RUNNING"
+    PAUSED = "PAUSED"
+    """Held for a human: by an operator (`baton pause`) or by the job's policy on a failure
+    or a divergence. Nothing trains it and no task is queued until `baton resume`."""
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -21,6 +24,29 @@ class RunState(enum.StrEnum):
     @property
     def terminal(self) -> bool:
         return self in (RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED)
+
+
+class Skip(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Data a rolled-back run leaves out (`guard.action = "rollback"`): an attempt that
+    resumes from the checkpoint at step `after` has every `ctx.data_loader()` discard
+    `batches` batches first — those of the steps between that checkpoint and the one that
+    blew up — and then trains on."""
+
+    after: int
+    batches: int
+
+
+class Rewind(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One rollback in a run's lineage (`baton rollback`): under the attempt of `token` the
+    run went back from its checkpoint at `from_step` to the one at `to_step`; the committed
+    checkpoints at `abandoned` left its chain (kept until garbage collection, never
+    restored)."""
+
+    token: int
+    from_step: int
+    to_step: int
+    abandoned: list[int] = []
+    reason: str = ""
 
 
 class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -50,10 +76,21 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     """Why the run is FAILED or CANCELLED."""
     cancel_requested: str | None = None
     """Set while a RUNNING run is asked to cancel; its trainer checkpoints and stops."""
+    pause_requested: str | None = None
+    """Set while a RUNNING run is asked to pause; its trainer checkpoints and stops, and the
+    run is PAUSED (this says why while it is)."""
+    rollback_to: int | None = None
+    """Set while the run is ordered back to its committed checkpoint at this step (`baton
+    rollback`): the attempt running stops without a checkpoint, and the next one rewinds
+    `latest` to it before it starts (`services/trainer/rewind.py`), then clears this."""
+    rollback_reason: str | None = None
+    rewinds: list[Rewind] = []
+    """The rollbacks done, oldest first (the last `MAX_REWINDS`)."""
     stop_token: int | None = None
     stop_reason: str | None = None
-    """The reaper's order to stop the attempt holding `stop_token` (a stall); the attempt
-    counts as failed, so the run is retried while it has retries left."""
+    """No longer written: a stall is noticed and stopped by the attempt's own trainer
+    (`services/trainer/stall.py`). Kept, and cleared by a failure, so that records written
+    before still decode."""
     warned: list[str] = []
     """Warnings already emitted (`soft_timeout`, `stalled`), so each is emitted once."""
     deadline_at: float | None = None
@@ -76,9 +113,19 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     way to an older one); cleared when it starts."""
     group: list[str] = []
     """The workers holding the run's ranks, by rank, while a group of several trains."""
+    on_failure: OnFailure = "retry"
+    """The failure policy in force: the job's, else its pool's, decided once by the
+    dispatcher as it creates the record."""
+    skips: list[Skip] = []
+    """The data the divergence guard's rollbacks left out, one per rollback (the number of
+    rollbacks so far)."""
     group_size: int = 0
     """How many ranks the run trained with last (0 before its first attempt): an elastic
     run's group that forms at another size has been resized."""
+
+
+MAX_REWINDS = 20
+"""Rollbacks a run record remembers; each is also a `rolled_back` event."""
 
 
 def run_id_for(idempotency_key: str, owner: str = "") -> str:
@@ -98,7 +145,13 @@ def run_id_for(idempotency_key: str, owner: str = "") -> str:
     return f"{owner}.{run}" if owner else run
 
 
-_ADDED_LATER = {"ranks": 1, "collective_timeout_s": 60.0}
+_ADDED_LATER: dict[str, object] = {
+    "ranks": 1,
+    "collective_timeout_s": 60.0,
+    "on_failure": None,
+    "guard": msgspec.to_builtins(Guard()),
+    "fork": None,
+}
 """Spec fields added after checkpoints were first written, with their defaults: left out of
 the hash while at their default, so a run's checkpoints keep matching its spec across
 versions."""

@@ -1,11 +1,11 @@
 """A run's attempts, read from its events in stream order — never by comparing the clocks of
 different hosts to order them.
 
-An attempt begins with its `started` event and ends with its own `preempted`, `fenced` or
-`attempt_failed` event or the run's end; else with the next `started` (its trainer died
-without a word: outcome `died`). A fenced attempt may end after its successor started. Each
-other event belongs to the attempt of its worker (a commit: of its token), else to the
-newest attempt.
+An attempt begins with its `started` event and ends with its own `preempted`, `fenced`,
+`rank_lost`, `guarded` or `attempt_failed` event, the run's end or its pause; else with the
+next `started` (its trainer died without a word: outcome `died`). A fenced attempt may end
+after its successor started. Each other event belongs to the attempt of its worker (a
+commit: of its token), else to the newest attempt.
 """
 
 from __future__ import annotations
@@ -112,9 +112,9 @@ def _attribute(events: list[Event], starts: list[int], attempts: list[Attempt]) 
 
 
 def _ends(s: ev.Started, e: Event) -> bool:
-    run_over = isinstance(e, ev.Completed | ev.Failed | ev.Cancelled)
+    run_over = isinstance(e, ev.Completed | ev.Failed | ev.Cancelled | ev.Paused)
     mine = (
-        isinstance(e, ev.Preempted | ev.AttemptFailed | ev.Fenced | ev.RankLost)
+        isinstance(e, ev.Preempted | ev.AttemptFailed | ev.Fenced | ev.RankLost | ev.Guarded)
         and e.worker == s.worker
     )
     return run_over or (mine and getattr(e, "token", s.token) == s.token)  # fenced has one

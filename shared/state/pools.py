@@ -21,6 +21,7 @@ from nats.js.kv import KeyValue
 from shared.bus import names
 from shared.bus.kvwrite import KvWriter
 from shared.contracts import convert, decode, encode
+from shared.contracts.jobs import OnFailure
 from shared.errors import ConfigError
 
 EWMA_WEIGHT = 0.3
@@ -32,6 +33,9 @@ class Pool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     """What an hour of one trainer of this pool costs, in the budget's unit."""
     seconds_per_step: float | None = None
     """Configured first guess; replaced by measurements once runs complete."""
+    on_failure: OnFailure = "retry"
+    """What a failure of user code leads to for a job that does not say
+    (`shared.contracts.jobs.OnFailure`)."""
 
 
 class Measured(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,6 +66,10 @@ class Pools:
         self._writer = KvWriter(js, names.POOLS_BUCKET, api_prefix)
         self._kv: KeyValue | None = None
         self._speeds: dict[str, tuple[float | None, float]] = {}  # pool -> (s/step, read at)
+
+    def policy(self, pool: str) -> OnFailure:
+        """The pool's failure policy, for the jobs that set none."""
+        return self.table.pools.get(pool, Pool()).on_failure
 
     def rate(self, pool: str) -> float:
         return self.table.pools.get(pool, Pool()).rate_per_hour

@@ -7,16 +7,18 @@ here is one such change, or makes one from what its writer knows; none reads any
 its arguments and the record, so a retried CAS applies it again to the newer record.
 
 Two guards recur. *Not over*: a terminal record is never changed (apart from clearing its
-announcement mark), so exactly one writer ends a run (`shared.state.endings`). *Still ours*:
+announcement mark, and an operator's rollback reopening a FAILED run once its failure was
+announced), so exactly one writer ends a run (`shared.state.endings`). *Still ours*:
 an attempt's change applies only while the record names its token (to start or to wait: no
 newer one), so a fenced attempt writes nothing.
 
     who            transitions
-    dispatcher     cancel
+    dispatcher     cancel, pause, resume, order_rollback
     trainer        mark_running, advance_step, retoken, wait, note_waiting, complete,
-                   cancel_attempt, release, count_failure, fail (entry point refused),
-                   cancel_unowned, unchanged
-    reaper         end, fail (deliveries used up), stop, warn, redispatch
+                   cancel_attempt, pause_attempt, release, roll_back, count_failure, fail
+                   (entry point refused), pause_unowned,
+                   cancel_unowned, unchanged, rewound and drop_rollback (a rollback)
+    reaper         end, fail (deliveries used up), warn, redispatch, pause_unowned
     anyone         hand_over (a dead attempt's task), mark_ending and announced (endings)
 """
 
@@ -27,7 +29,8 @@ from typing import NamedTuple
 
 import msgspec
 
-from shared.contracts import RunRecord, RunState
+from shared.contracts import RunRecord, RunState, Skip
+from shared.contracts.records import MAX_REWINDS, Rewind
 from shared.state.runs import Change
 
 __all__ = [
@@ -41,16 +44,23 @@ __all__ = [
     "cancel_unowned",
     "complete",
     "count_failure",
+    "drop_rollback",
     "end",
     "fail",
     "hand_over",
     "mark_ending",
     "mark_running",
     "note_waiting",
+    "order_rollback",
+    "pause",
+    "pause_attempt",
+    "pause_unowned",
     "redispatch",
     "release",
+    "resume",
     "retoken",
-    "stop",
+    "rewound",
+    "roll_back",
     "unchanged",
     "wait",
     "warn",
@@ -68,7 +78,7 @@ def mark_running(worker: str, token: int, delivery: str | None, group: list[str]
     one rank), no longer waiting."""
 
     def change(r: RunRecord) -> RunRecord | None:
-        if r.state.terminal or (r.token or 0) > token:
+        if r.state.terminal or r.state is RunState.PAUSED or (r.token or 0) > token:
             return None
         return _replace(
             r, state=RunState.RUNNING, worker=worker, token=token, attempts=r.attempts + 1,
@@ -172,6 +182,26 @@ def cancel_attempt(spent: Spent, reason: str, step: int | None = None) -> Change
     return book_time(spent, state=RunState.CANCELLED, reason=reason, worker=None, **kept)
 
 
+def pause_attempt(spent: Spent, reason: str, step: int | None = None) -> Change:
+    """As `book_time`: PAUSED for `reason` (asked to pause, or the job's policy held it
+    for a human), nobody holds it; `step` as for `cancel_attempt`."""
+    kept = {} if step is None else {"step": step}
+    return book_time(
+        spent, state=RunState.PAUSED, pause_requested=reason, worker=None, **kept
+    )  # fmt: skip
+
+
+def roll_back(spent: Spent, skip: Skip) -> Change:
+    """As `book_time`: nobody holds the run, which stays RUNNING for the next attempt, and
+    that attempt leaves out the data `skip` says (the divergence guard's rollback)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        booked = book_time(spent, worker=None)(r)
+        return None if booked is None else _replace(booked, skips=[*booked.skips, skip])
+
+    return change
+
+
 def release(spent: Spent, step: int | None = None) -> Change:
     """As `book_time`: nobody holds the run (preempted, or its group lost a rank), which
     stays RUNNING for the next attempt; `step` as for `cancel_attempt`."""
@@ -192,10 +222,17 @@ def count_failure(holding: Callable[[], int], spent: Spent, reason: str, *, fata
         r = booked(r) or r
         retries = r.retries + 1
         give_up = fatal or retries > r.spec.limits.max_retries
+        hold = not fatal and r.on_failure == "pause"
+        if hold:
+            state, why = RunState.PAUSED, f"held for a human after: {reason}"
+        elif give_up or r.on_failure == "fail_fast":
+            state, why = RunState.FAILED, reason
+        else:
+            state, why = r.state, None
         return _replace(
             r, retries=retries, stop_token=None, stop_reason=None, worker=None, group=[],
-            state=RunState.FAILED if give_up else r.state,
-            reason=reason if give_up else r.reason,
+            state=state, reason=why if state is RunState.FAILED else r.reason,
+            pause_requested=why if hold else r.pause_requested,
         )  # fmt: skip
 
     return change
@@ -207,6 +244,14 @@ def cancel_unowned(r: RunRecord) -> RunRecord | None:
     if r.state is not RunState.RUNNING or r.cancel_requested is None:
         return None
     return _replace(r, state=RunState.CANCELLED, reason=r.cancel_requested)
+
+
+def pause_unowned(r: RunRecord) -> RunRecord | None:
+    """While the run is RUNNING and asked to pause (its trainer gone, a new one took the
+    task, or the reaper found it lost): PAUSED for the reason asked."""
+    if r.state is not RunState.RUNNING or r.pause_requested is None:
+        return None
+    return _replace(r, state=RunState.PAUSED, worker=None, group=[])
 
 
 def unchanged(r: RunRecord) -> RunRecord | None:
@@ -242,11 +287,11 @@ def end(state: RunState, reason: str) -> Change:
 
 
 def cancel(reason: str) -> Change:
-    """A QUEUED run: CANCELLED for `reason`. A RUNNING one not asked yet: asked to cancel
-    (`cancel_requested`; its trainer checkpoints and stops). Otherwise None."""
+    """A QUEUED or PAUSED run: CANCELLED for `reason`. A RUNNING one not asked yet: asked to
+    cancel (`cancel_requested`; its trainer checkpoints and stops). Otherwise None."""
 
     def change(r: RunRecord) -> RunRecord | None:
-        if r.state is RunState.QUEUED:
+        if r.state in (RunState.QUEUED, RunState.PAUSED):
             return _replace(r, state=RunState.CANCELLED, reason=reason)
         if r.state is RunState.RUNNING and r.cancel_requested is None:
             return _replace(r, cancel_requested=reason)
@@ -255,14 +300,32 @@ def cancel(reason: str) -> Change:
     return change
 
 
-def stop(token: int | None, reason: str) -> Change:
-    """While the run is RUNNING under `token`: the reaper orders that attempt to stop
-    (`stop_token`, `stop_reason`; a stall, counted as a failed attempt)."""
+def pause(reason: str) -> Change:
+    """A QUEUED run: PAUSED for `reason` (its queued task is then deleted). A RUNNING one
+    not asked yet: asked to pause (`pause_requested`; its trainer checkpoints and stops, and
+    the run is PAUSED). Otherwise None."""
 
     def change(r: RunRecord) -> RunRecord | None:
-        if r.state is RunState.RUNNING and r.token == token:
-            return _replace(r, stop_token=r.token, stop_reason=reason)
+        if r.state is RunState.QUEUED:
+            return _replace(r, state=RunState.PAUSED, pause_requested=reason)
+        if r.state is RunState.RUNNING and r.pause_requested is None:
+            return _replace(r, pause_requested=reason)
         return None
+
+    return change
+
+
+def resume() -> Change:
+    """A PAUSED run: QUEUED at the next dispatch (whose task its writer then publishes), no
+    longer asked to pause, its failures forgiven (a human looked). Otherwise None."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state is not RunState.PAUSED:
+            return None
+        return _replace(
+            r, state=RunState.QUEUED, dispatch=r.dispatch + 1, pause_requested=None, retries=0,
+            worker=None, group=[],
+        )  # fmt: skip
 
     return change
 
@@ -300,6 +363,64 @@ def hand_over(token: int) -> Change:
         if not r.delivery:
             return None
         return _replace(r, delivery=None)
+
+    return change
+
+
+# -- rolling a run back (`baton rollback`) ----------------------------------------------
+
+
+def order_rollback(step: int, reason: str) -> Change:
+    """A QUEUED, RUNNING or PAUSED run: ordered back to its committed checkpoint at `step`
+    (`rollback_to`: the attempt running stops without a checkpoint, and the next one rewinds
+    `latest` before it starts). A FAILED run whose failure was announced: reopened — QUEUED
+    at the next dispatch (whose task its writer then publishes), its failures forgiven — and
+    ordered the same way. A COMPLETED or CANCELLED run, or a FAILED one whose failure is
+    still being announced: None."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state is RunState.FAILED and not r.announce_pending:
+            return _replace(
+                r, state=RunState.QUEUED, dispatch=r.dispatch + 1, retries=0, reason=None,
+                worker=None, group=[], delivery=None, rollback_to=step, rollback_reason=reason,
+            )  # fmt: skip
+        if r.state.terminal:
+            return None
+        return _replace(r, rollback_to=step, rollback_reason=reason)
+
+    return change
+
+
+def rewound(token: int, done: Rewind) -> Change:
+    """While the run is not over and names `token` (the attempt that rewound it): its newest
+    committed checkpoint is at `done.to_step`, `done` joins its lineage, the divergence
+    guard's data left out after later checkpoints is forgotten (those checkpoints are
+    abandoned: the run trains through that data again), and the order is cleared — unless it
+    names another step by now (a second rollback, asked meanwhile, is the next attempt's)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or r.token != token:
+            return None
+        same = r.rollback_to == done.to_step
+        return _replace(
+            r, step=done.to_step, rewinds=[*r.rewinds, done][-MAX_REWINDS:],
+            skips=[s for s in r.skips if s.after <= done.to_step],
+            rollback_to=None if same else r.rollback_to,
+            rollback_reason=None if same else r.rollback_reason,
+        )  # fmt: skip
+
+    return change
+
+
+def drop_rollback(token: int, step: int) -> Change:
+    """While the run is not over, names `token` and is ordered back to `step`: the order
+    cleared, the run going on from where it was (its checkpoint at `step` was refused: gone
+    or damaged since the order was taken)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or r.token != token or r.rollback_to != step:
+            return None
+        return _replace(r, rollback_to=None, rollback_reason=None)
 
     return change
 

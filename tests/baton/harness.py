@@ -50,6 +50,7 @@ class Run:
         self.store_url = f"file://{root / 'store'}"
         self.store = FileStore(root / "store")
         self.token = 0
+        self.sent: list[FromChild] = []
 
     def attempt(
         self,
@@ -65,6 +66,7 @@ class Run:
         checkpoints are committed up to step `commit_upto` (all by default), in order."""
         self.token += 1
         sent: list[FromChild] = []
+        self.sent = sent  # what the last attempt sent, even if it raised
         ctx = RunContext(
             Task(run_id=RUN, spec=self.job), self.token, self.store_url, self.root / "spool",
             sent.append,

@@ -7,7 +7,7 @@ import time
 
 import msgspec
 
-from baton.cli.app import _group_rows
+from baton.cli.status import _group_rows
 from baton.cli.watch import describe
 from shared.contracts import JobSpec, RankRange, RunRecord, RunState
 from shared.contracts.events import AttemptFailed, GroupFormed, Preempted, RankLost, Resized

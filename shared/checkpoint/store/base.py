@@ -6,6 +6,10 @@ Only two kinds of write exist, because the commit protocol needs nothing else:
   the store itself (`AlreadyExists`) — O_EXCL/link on a filesystem, `If-None-Match: *` on S3;
 * the versioned pointer (`read_pointer`, `write_pointer`): a compare-and-swap on an opaque
   version — a link to the next sequence number on a filesystem, `If-Match: <etag>` on S3.
+
+`copy` is a write-once write of another object's bytes, made inside the store where it can be
+(a hard link; S3's `CopyObject` with `If-None-Match: *`): a fork's first checkpoint is its
+parent's files copied into its own prefix (`shared.checkpoint.rebase`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import abc
 import builtins
 import hashlib
+import tempfile
 from pathlib import Path
 from typing import Self
 
@@ -74,6 +79,15 @@ class Store(abc.ABC):
     async def write_pointer(self, key: str, data: bytes, expected: str | None) -> str:
         """Replace the pointer if its version is still `expected` (None: never written).
         Returns the new version; raises `PreconditionFailed` when another writer won."""
+
+    async def copy(self, src: str, dst: str) -> None:
+        """Copy the object `src` to `dst`, write-once: `AlreadyExists` if `dst` exists,
+        `NotFound` if `src` does not. Backends copy inside the store (a link, a server-side
+        copy); this fallback goes through a local file."""
+        with tempfile.TemporaryDirectory(prefix="baton-copy-") as tmp:
+            local = Path(tmp) / "object"
+            await self.download(src, local)
+            await self.put_file(dst, local)
 
     async def close(self) -> None:
         return None

@@ -64,6 +64,9 @@ class FileStore(Store):
     async def list_info(self, prefix: str) -> builtins.list[ObjectInfo]:
         return await asyncio.to_thread(self._list_info, prefix)
 
+    async def copy(self, src: str, dst: str) -> None:
+        await asyncio.to_thread(self._copy, self.path(src), self.path(dst))
+
     async def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             await asyncio.to_thread(os.unlink, self.path(key))
@@ -105,6 +108,27 @@ class FileStore(Store):
         self._publish(tmp, final)
         with contextlib.suppress(FileNotFoundError):
             src.unlink()
+
+    def _copy(self, src: Path, final: Path) -> None:
+        """A hard link: objects are immutable, so the copy shares the source's bytes and
+        outlives its deletion (its last-modified time is the source's, which nothing but a
+        listing shows). A filesystem without hard links gets a copy of the bytes."""
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{uuid.uuid4().hex}"
+        try:
+            os.link(src, tmp)
+        except FileNotFoundError:
+            raise NotFound(str(src.relative_to(self.root))) from None
+        except OSError:
+            try:
+                with src.open("rb") as s, tmp.open("xb") as d:
+                    shutil.copyfileobj(s, d, CHUNK)
+                    d.flush()
+                    os.fsync(d.fileno())
+            except FileNotFoundError:
+                tmp.unlink(missing_ok=True)
+                raise NotFound(str(src.relative_to(self.root))) from None
+        self._publish(tmp, final)
 
     def _publish(self, tmp: Path, final: Path) -> None:
         try:

@@ -137,7 +137,10 @@ async def test_the_trainers_logged_loss_is_in_status_and_on_the_loss_chart(
     """…and `baton pull` gives a directory the Trainer's model loads from, holding the
     weights the run ended on."""
     nc = await two.client()
-    run_id = await submit(nc, lm("metrics", pace=0.0))
+    # Paced so the run lasts seconds whatever the machine: the chart gets a point per
+    # progress report (at most every BATON_PROGRESS_INTERVAL), and an unpaced run on a
+    # fast or a briefly starved machine may report its 60 steps in only a few.
+    run_id = await submit(nc, lm("metrics", pace=0.05))
     record = await finished(nc, run_id, timeout=180)
     assert record.state is RunState.COMPLETED, record.reason
 

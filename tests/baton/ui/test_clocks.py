@@ -19,7 +19,7 @@ from baton.ui.views import run_view
 from shared.bus import names
 from shared.contracts import JobSpec, RunRecord, RunState, convert, encode, spec_hash
 from shared.contracts.control import WorkerInfo
-from shared.contracts.events import Accepted, Completed, Started
+from shared.contracts.events import Accepted, Completed, Event, Started
 from shared.contracts.letters import DeadLetter
 from shared.contracts.sites import SiteRecord
 from shared.state.clock import ServerClock, server_now
@@ -44,7 +44,7 @@ def record(run_id: str, state: RunState, at: float) -> RunRecord:
 
 def test_a_run_view_is_on_the_hub_clock_whatever_its_trainers_clock_says() -> None:
     """A trainer 5 minutes ahead: its raw times would make the run queue for 5 minutes."""
-    history = [
+    history: list[Event] = [
         Accepted(run_id="r1", at=HUB0 - 2.0, name="t", pool="default", total_steps=5),
         Started(run_id="r1", at=HUB0 + 1 + SKEW, worker="t1", token=1, attempt=1, start_step=0),
         Completed(run_id="r1", at=HUB0 + 11 + SKEW, step=5, digest="d"),
@@ -132,9 +132,9 @@ async def test_ages_on_the_dashboard_are_near_0_for_writers_5_minutes_off(
             assert 0 <= hub_age(r, page["now"]) < NEAR, r
 
         letters = await get(f"{url}api/dlq")
-        assert len(letters) == 2
-        for letter in letters:
-            assert 0 <= hub_age(letter) < NEAR, letter
+        assert len(letters["letters"]) == 2 and letters["total"] == 2, letters
+        for letter in letters["letters"]:
+            assert 0 <= hub_age(letter, letters["now"]) < NEAR, letter
 
         sites = await get(f"{url}api/sites")
         assert [s["site"] for s in sites] == ["s-ahead", "s-behind"]

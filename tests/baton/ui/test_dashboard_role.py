@@ -1,6 +1,7 @@
 """The `dashboard` NATS role on a real nats-server with auth on, as `baton up` runs it: the
-dashboard logged in as it answers every read its pages make and both its actions, with not
-one `Violation` in the server's log; and the role can write nothing else."""
+dashboard logged in as it answers every read its pages make and every action — replay, pin,
+steering a run, a fork, a drain — with not one `Violation` in the server's log; and the role
+can write nothing else."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from shared.contracts import (
     RunState,
     convert,
     encode,
+    run_id_for,
     spec_hash,
 )
 from shared.contracts.control import WorkerInfo
@@ -178,6 +180,13 @@ async def test_the_dashboard_role_does_all_the_page_offers_with_no_violation(hub
         assert [s["site"] for s in await get("/api/sites")] == ["lab1"]
         streams = {s["name"] for s in await get("/api/streams")}
         assert {names.SUBMIT_STREAM, names.DLQ_STREAM, names.EVENTS_STREAM} <= streams
+        # The fleet's pages, live: the sites bucket watched, streams and a page of letters.
+        live = await first_event(url, "/api/sites/live", "view")
+        assert [s["site"] for s in live["sites"]] == ["lab1"], live
+        live = await first_event(url, "/api/streams/live", "view")
+        assert names.DLQ_STREAM in {s["name"] for s in live["streams"]}, live
+        live = await first_event(url, "/api/dlq/live?limit=1", "view")
+        assert len(live["letters"]) == 1 and live["total"] == 2 and live["next"], live
 
         # Pin a checkpoint (a write to the store).
         rows = await get(f"/api/runs/{RUN}/checkpoints")
@@ -190,7 +199,7 @@ async def test_the_dashboard_role_does_all_the_page_offers_with_no_violation(hub
         assert [(r["step"], r["pinned"]) for r in rows] == [(5, True)]
 
         # Replay a dead letter to its work queue; one bound for a site is not replayed.
-        letters = {x["subject"]: x["seq"] for x in await get("/api/dlq")}
+        letters = {x["subject"]: x["seq"] for x in (await get("/api/dlq"))["letters"]}
         to_queue = letters[names.submit_subject("default")]
         to_site = letters["baton.site.lab1.ckpt.commit.r9"]
         replayed = await request(url, f"/api/dlq/{to_queue}/replay", method="POST", headers=act)
@@ -198,7 +207,7 @@ async def test_the_dashboard_role_does_all_the_page_offers_with_no_violation(hub
         assert replayed.json()["subject"] == names.submit_subject("default")
         refused = await request(url, f"/api/dlq/{to_site}/replay", method="POST", headers=act)
         assert refused.status == 400 and "not a hub work queue" in refused.json()["error"]
-        assert [x["seq"] for x in await get("/api/dlq")] == [to_site]
+        assert [x["seq"] for x in (await get("/api/dlq"))["letters"]] == [to_site]
 
     js = hub.clients[0].jetstream()
     resubmitted = await js.get_last_msg(names.SUBMIT_STREAM, names.submit_subject("default"))
@@ -236,3 +245,76 @@ async def test_the_dashboard_role_writes_nothing_but_replays(hub: Hub) -> None:
         return any("subscription" in e.lower() for e in hub.errors["dashboard"])
 
     await eventually(not_subscribed, 5, "the server to refuse the dashboard baton.>")
+
+
+async def test_the_dashboard_role_steers_forks_and_drains_with_no_violation(
+    hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page's actions on runs and trainers, as the role: each request lands where the
+    services take it (no dispatcher here: it stays queued), a refused one publishes nothing,
+    and the server refused the role nothing."""
+    from baton.ui import actions
+    from shared.contracts import decode
+    from shared.contracts.control import Drain, Pause, Rollback, Steer, TakeCheckpoint
+
+    monkeypatch.setattr(actions, "FORK_WAIT_S", 0.5)  # no dispatcher will answer
+    op = hub.clients[0].jetstream()
+    live = "r00002"
+    await (await Runs.open(op)).create(RunRecord(
+        run_id=live, spec=SPEC, spec_hash=spec_hash(SPEC), created_at=3.0, updated_at=3.0,
+        state=RunState.RUNNING, worker="trainer-1", token=1, step=2,
+    ))  # fmt: skip
+    await committed_checkpoint(hub.store_url, live, step=2)
+    nc = await hub.as_user("dashboard")
+    async with served(nc, hub.store_url) as url:
+        page = await request(url, "/")
+        found = re.search(r'name="baton-token" content="([^"]+)"', page.body.decode())
+        assert found
+        act = {"X-Baton-Token": found.group(1), "Origin": url.rstrip("/")}
+
+        async def post(path: str) -> Any:
+            return await request(url, path, method="POST", headers=act)
+
+        async def steered() -> int:
+            return (await op.stream_info(names.CANCEL_STREAM)).state.last_seq
+
+        for path, want in (("pause", Pause), ("checkpoint", TakeCheckpoint)):
+            done = await post(f"/api/runs/{live}/{path}")
+            assert done.status == 200, done
+            msg = await op.get_last_msg(names.CANCEL_STREAM, names.steer_subject(live))
+            assert isinstance(decode(msg.data or b"", Steer), want)
+        before = await steered()
+        refused = await post(f"/api/runs/{live}/resume")  # it is not paused
+        assert refused.status == 400 and "only a paused run resumes" in refused.json()["error"]
+        missing = await post(f"/api/runs/{live}/checkpoints/7/rollback")
+        assert missing.status == 404, missing
+        assert "no committed checkpoint at step 7" in missing.json()["error"]
+        assert await steered() == before, "a refused action published nothing"
+        back = await post(f"/api/runs/{live}/checkpoints/2/rollback")
+        assert back.status == 200, back
+        msg = await op.get_last_msg(names.CANCEL_STREAM, names.steer_subject(live))
+        assert decode(msg.data or b"", Steer) == Rollback(
+            run_id=live, step=2, reason="rolled back from the dashboard"
+        )
+
+        submitted = (await op.stream_info(names.SUBMIT_STREAM)).state.last_seq
+        over = await post(f"/api/runs/{RUN}/checkpoints/5/fork")  # its final step
+        assert over.status == 400 and "nothing is left to train" in over.json()["error"]
+        assert (await op.stream_info(names.SUBMIT_STREAM)).state.last_seq == submitted
+        fork = await post(f"/api/runs/{live}/checkpoints/2/fork")
+        assert fork.status == 200, fork
+        forked = fork.json()["run_id"]
+        sent = await op.get_last_msg(names.SUBMIT_STREAM, names.submit_subject("default"))
+        spec = decode(sent.data or b"", JobSpec)
+        assert spec.fork is not None and (spec.fork.run_id, spec.fork.step) == (live, 2)
+        assert run_id_for(spec.idempotency_key or "") == forked  # an operator's: no owner
+
+        assert (await post("/api/workers/trainer-1/drain")).status == 200
+        drains = await op.key_value(names.DRAINS_BUCKET)
+        assert decode((await drains.get("trainer-1")).value or b"", Drain).worker == "trainer-1"
+        assert (await post("/api/workers/trainer-1/undrain")).status == 200
+        again = await post("/api/workers/trainer-1/undrain")
+        assert again.status == 400 and "not drained" in again.json()["error"]
+        assert (await post("/api/workers/*/drain")).status == 400
+    assert hub.errors["dashboard"] == []
+    assert hub.violations() == [], "the dashboard role was refused what it asked for"

@@ -13,6 +13,7 @@ from baton.ui import params
 from baton.ui.guard import Hosts, same_origin, split_host
 from baton.ui.live import Fanout
 from shared.auth import DASHBOARD_REPLAYS, dashboard_permissions, hub_permissions
+from shared.bus import names
 
 
 def test_loopback_names_with_the_served_port_and_nothing_else_by_default() -> None:
@@ -136,13 +137,16 @@ async def test_the_live_stream_of_a_dropped_browser_ends() -> None:
     assert len(got) == 1
 
 
-def test_the_dashboard_role_may_publish_only_reads_and_replays() -> None:
+def test_the_dashboard_role_may_publish_only_reads_replays_steering_and_drains() -> None:
     perms = hub_permissions("dashboard")
     assert perms == dashboard_permissions()
     assert perms.subscribe == ("_INBOX_dashboard.>",)
     outside_the_api = [s for s in perms.publish if not s.startswith("$JS.")]
-    assert sorted(outside_the_api) == sorted(DASHBOARD_REPLAYS)
-    assert not [s for s in perms.publish if "$KV." in s], "no record or lease write"
+    drains = f"$KV.{names.DRAINS_BUCKET}.>"
+    assert sorted(outside_the_api) == sorted([*DASHBOARD_REPLAYS, names.STEER_ALL, drains])
+    assert not [s for s in outside_the_api if s.startswith(f"{names.PREFIX}.control.")]
+    kv = [s for s in perms.publish if s.startswith("$KV.")]
+    assert kv == [drains], "no record or lease write: the drains bucket alone"
     allowed_verbs = ("STREAM.INFO.", "STREAM.MSG.GET.", "DIRECT.GET.", "CONSUMER.")
     for s in perms.publish:
         if s.startswith("$JS.API."):

@@ -117,6 +117,22 @@ async def test_an_action_from_another_origin_or_none_is_refused(served: Served) 
     assert reply.status == 404 and "no committed checkpoint" in reply.json()["error"], reply
 
 
+async def test_an_action_with_a_stale_or_no_token_is_refused_saying_why(served: Served) -> None:
+    """Each reason is one the page shows as it is: a page from before a restart of the
+    dashboard (another token) is told its token is stale, one without a token that it has
+    none; both are told to reload, and nothing is done."""
+    own = f"http://{served.host}"
+    stale = {"X-Baton-Token": "a-token-of-an-earlier-start", "Origin": own}
+    for path in ("/api/dlq/1/replay", "/api/runs/r00001/checkpoints/5/pin"):
+        reply = await served.post(path, **stale)
+        assert reply.status == 403, (path, reply)
+        assert "stale" in reply.json()["error"] and "reload" in reply.json()["error"], reply
+        assert reply.json()["reload"] is True, reply
+        reply = await served.post(path, Origin=own)
+        assert reply.status == 403, (path, reply)
+        assert "did not carry" in reply.json()["error"] and reply.json()["reload"] is True
+
+
 async def test_every_response_forbids_framing_and_sniffing(served: Served) -> None:
     for path, status in (
         ("/", 200), ("/api/runs", 200), ("/static/app.js", 200), ("/api/runs/nope", 404),

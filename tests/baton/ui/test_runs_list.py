@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import msgspec
@@ -54,7 +54,7 @@ async def test_the_first_page_costs_the_same_with_10_or_1000_runs_of_history(
         await history(runs, 10, 990)
 
         async def indexed() -> bool:
-            return (await get(f"{url}api/meta"))["runs"] == 1000
+            return bool((await get(f"{url}api/meta"))["runs"] == 1000)
 
         await eventually(indexed, 30, "the dashboard to see 1,000 runs")
         cost_at_1000 = await cost(declared, url)
@@ -89,7 +89,7 @@ async def test_the_first_page_costs_the_same_with_10_or_1000_runs_of_history(
         assert shown["record"]["state"] == "FAILED", shown
 
 
-async def sse_lines(url: str, last_id: int | None) -> AsyncIterator[str]:
+async def sse_lines(url: str, last_id: int | None) -> AsyncGenerator[str, None]:
     host, _, _ = url.removeprefix("http://").partition("/")
     name, _, port = host.partition(":")
     reader, writer = await asyncio.open_connection(name, int(port))
@@ -116,7 +116,7 @@ async def test_a_reconnecting_browser_is_sent_what_changed_since_its_last_event(
         await history(runs, 3, 1)
 
         async def changed() -> bool:
-            return (await get(f"{url}api/meta"))["runs"] == 4
+            return bool((await get(f"{url}api/meta"))["runs"] == 4)
 
         await eventually(changed, 30, "the dashboard to see the new run")
         got: list[dict[str, object]] = []
@@ -134,3 +134,4 @@ async def test_a_reconnecting_browser_is_sent_what_changed_since_its_last_event(
             ("r00001", "FAILED"), ("r00003", "COMPLETED"),
         ]  # fmt: skip
         assert all(i > newest_seen for i in ids)
+        assert [r["total"] for r in got] == [4, 4], "each pushed change carries the count"

@@ -391,3 +391,40 @@ async def test_s3_store_survives_a_restart_of_the_server(monkeypatch: pytest.Mon
             assert await s.read_pointer("latest") == (b"before", v1)
             v2 = await s.write_pointer("latest", b"after", v1)
             assert await s.read_pointer("latest") == (b"after", v2)
+
+
+# -- copies (a fork's graft) ------------------------------------------------------------------
+
+
+async def test_copy_is_write_once_and_outlives_its_source(store: Store) -> None:
+    await store.put_once("runs/p/data/1/model.safetensors", b"parent bytes")
+    await store.put_once("runs/f/data/2/other", b"already there")
+    await store.copy("runs/p/data/1/model.safetensors", "runs/f/data/7/model.safetensors")
+    assert await store.get("runs/f/data/7/model.safetensors") == b"parent bytes"
+    with pytest.raises(AlreadyExists):
+        await store.copy("runs/p/data/1/model.safetensors", "runs/f/data/2/other")
+    assert await store.get("runs/f/data/2/other") == b"already there"
+    await store.delete("runs/p/data/1/model.safetensors")
+    assert await store.stat("runs/f/data/7/model.safetensors") == (12, sha(b"parent bytes"))
+    with pytest.raises(NotFound):
+        await store.copy("runs/p/data/1/model.safetensors", "runs/f/data/8/model.safetensors")
+    assert await store.list("runs/f/data/8/") == []
+
+
+async def test_s3_lost_reply_of_a_landed_copy_counts_as_success(s3: S3Store) -> None:
+    await s3.put_once("src", b"bytes")
+    client = await s3._client()
+    real = client.copy_object
+
+    async def copy_object(**kw: Any) -> Any:
+        client.copy_object = real
+        await real(**kw)
+        raise ReadTimeoutError(endpoint_url="lost reply")
+
+    client.copy_object = copy_object
+    await s3.copy("src", "dst")
+    assert await s3.get("dst") == b"bytes"
+    await s3.put_once("other", b"theirs")
+    client.copy_object = copy_object
+    with pytest.raises(AlreadyExists):
+        await s3.copy("src", "other")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shared.contracts import JobSpec, RunRecord, RunState, convert, spec_hash
+from shared.contracts import JobSpec, RunRecord, RunState, Skip, convert, spec_hash
 from shared.state import transitions as t
 from shared.state.runs import Change
 
@@ -219,13 +219,6 @@ def test_cancel() -> None:
     refused(t.cancel("again"), record(cancel_requested="asked"), *terminal())
 
 
-def test_stop() -> None:
-    r = record()
-    new = applied(t.stop(5, "stalled"), r)
-    assert changed(r, new) == {"stop_token": 5, "stop_reason": "stalled"}
-    refused(t.stop(5, "stalled"), record(token=6), record(state=RunState.QUEUED), *terminal())
-
-
 def test_warn() -> None:
     r = record(warned=["stalled"])
     new = applied(t.warn("soft_timeout"), r)
@@ -279,9 +272,85 @@ def test_announced() -> None:
         t.wait("x", 9), t.note_waiting("x", 9), t.book_time(SPENT),
         t.complete(SPENT, 1, "d", {}), t.cancel_attempt(SPENT, "x"), t.release(SPENT),
         t.count_failure(lambda: 5, SPENT, "x", fatal=True), t.cancel_unowned, t.unchanged,
-        t.fail("x"), t.end(RunState.FAILED, "x"), t.cancel("x"), t.stop(5, "x"), t.warn("x"),
-        t.redispatch(1), t.hand_over(5), t.mark_ending(t.fail("x"), "s"),
+        t.fail("x"), t.end(RunState.FAILED, "x"), t.cancel("x"), t.pause("x"), t.warn("x"),
+        t.redispatch(1), t.hand_over(5), t.mark_ending(t.fail("x"), "s"), t.resume(),
+        t.pause_attempt(SPENT, "x"), t.pause_unowned, t.roll_back(SPENT, Skip(after=1, batches=1)),
     ],
 )  # fmt: skip
 def test_no_transition_but_announced_changes_a_terminal_record(change: Change) -> None:
-    refused(change, *terminal(cancel_requested="x", stop_token=5))
+    refused(change, *terminal(cancel_requested="x", pause_requested="x", stop_token=5))
+
+
+# -- failure policies, pausing, the guard's rollback ------------------------------------
+
+
+def test_count_failure_fails_fast() -> None:
+    r = record(on_failure="fail_fast")
+    new = applied(t.count_failure(lambda: 5, SPENT, "boom", fatal=False), r)
+    assert new.state is RunState.FAILED and new.reason == "boom" and new.retries == 1, new
+
+
+def test_count_failure_pauses_for_a_human() -> None:
+    r = record(on_failure="pause", retries=2)  # even with the retries used up
+    new = applied(t.count_failure(lambda: 5, SPENT, "boom", fatal=False), r)
+    assert new.state is RunState.PAUSED and new.worker is None and new.reason is None, new
+    assert new.pause_requested == "held for a human after: boom", new
+    # An entry point that cannot be loaded fails, whatever the policy.
+    fatal = applied(t.count_failure(lambda: 5, SPENT, "no module", fatal=True), r)
+    assert fatal.state is RunState.FAILED, fatal
+
+
+def test_pause() -> None:
+    queued = record(state=RunState.QUEUED, worker=None)
+    new = applied(t.pause("look"), queued)
+    assert changed(queued, new) == {"state": RunState.PAUSED, "pause_requested": "look"}
+    running = record()
+    assert changed(running, applied(t.pause("look"), running)) == {"pause_requested": "look"}
+    refused(t.pause("again"), record(pause_requested="look"), record(state=RunState.PAUSED))
+    refused(t.pause("x"), *terminal())
+
+
+def test_pause_attempt() -> None:
+    r = record(pause_requested="look")
+    new = applied(t.pause_attempt(SPENT, "look", step=12), r)
+    assert changed(r, new) == {
+        "state": RunState.PAUSED, "worker": None, "group": [], "step": 12,
+        "busy_s": 5.0, "actual_cost": 0.75,
+    }, changed(r, new)  # fmt: skip
+    refused(t.pause_attempt(SPENT, "look"), record(token=6), *terminal())
+
+
+def test_pause_unowned() -> None:
+    r = record(pause_requested="look")
+    new = applied(t.pause_unowned, r)
+    assert changed(r, new) == {"state": RunState.PAUSED, "worker": None, "group": []}
+    refused(t.pause_unowned, record(), *terminal(pause_requested="look"))
+
+
+def test_resume() -> None:
+    r = record(state=RunState.PAUSED, pause_requested="look", worker=None, retries=3, dispatch=2)
+    new = applied(t.resume(), r)
+    assert changed(r, new) == {
+        "state": RunState.QUEUED, "dispatch": 3, "pause_requested": None, "retries": 0,
+        "group": [],
+    }, changed(r, new)  # fmt: skip
+    refused(t.resume(), record(), record(state=RunState.QUEUED), *terminal())
+
+
+def test_a_paused_run_is_not_marked_running_nor_redispatched() -> None:
+    paused = record(state=RunState.PAUSED, worker=None)
+    refused(t.mark_running("w9", 9, None, []), paused)
+    refused(t.redispatch(1), paused)
+    cancelled = applied(t.cancel("stop"), paused)
+    assert cancelled.state is RunState.CANCELLED, cancelled
+
+
+def test_roll_back() -> None:
+    first = Skip(after=10, batches=4)
+    r = record(skips=[first])
+    new = applied(t.roll_back(SPENT, Skip(after=20, batches=3)), r)
+    assert changed(r, new) == {
+        "worker": None, "group": [], "skips": [first, Skip(after=20, batches=3)],
+        "busy_s": 5.0, "actual_cost": 0.75,
+    }, changed(r, new)  # fmt: skip
+    refused(t.roll_back(SPENT, first), record(token=6), *terminal())

@@ -1,0 +1,80 @@
+"""An operator's rollback (`baton rollback`), as the dispatcher takes it: checked against the
+store, then written into the run record as an order.
+
+Invariant: the dispatcher writes no checkpoint state. It checks that the step is a committed
+checkpoint on the run's chain whose files all verify (`shared.checkpoint.lineage.find`) and
+records the order (`transitions.order_rollback`). The rewind itself is written later by the
+checkpointer for the run's next attempt, under that attempt's token — higher than any the
+run had — once the attempt that trained past the step was stopped (`services/trainer/
+rewind.py`, `shared.checkpoint.rebase`). A request that cannot apply raises `ContractError`:
+dead-lettered with its reason, nothing changed.
+
+    run is        then
+    QUEUED        ordered; its next attempt rewinds
+    RUNNING       ordered and its trainer woken: the attempt stops without a checkpoint and
+                  gives its task back (PREEMPTED); the next one rewinds
+    PAUSED        ordered; the attempt after `baton resume` rewinds
+    FAILED        reopened: QUEUED at the next dispatch, ordered, its task published
+    COMPLETED,    refused: a run that is over is forked instead (`baton fork`)
+    CANCELLED
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nats.js import JetStreamContext
+
+from shared import config
+from shared.checkpoint import lineage
+from shared.checkpoint.store import open_store
+from shared.contracts import RunRecord, RunState
+from shared.contracts.control import Rollback
+from shared.errors import ContractError, IntegrityError, TransientError
+from shared.state import transitions
+from shared.state.runs import Runs
+from shared.state.tasks import publish_task
+
+log = logging.getLogger("baton.dispatcher")
+
+RETRY_S = 1.0
+
+
+async def order(
+    js: JetStreamContext,
+    runs: Runs,
+    lease_secret: bytes | None,
+    req: Rollback,
+    record: RunRecord,
+    store_url: str | None = None,
+) -> RunRecord:
+    """Check `req` and write the order; the record as ordered. `store_url` defaults to the
+    service's (`BATON_STORE`)."""
+    if record.state in (RunState.COMPLETED, RunState.CANCELLED):
+        raise ContractError(
+            f"run {req.run_id} is {record.state.value}: a run that is over does not go back; "
+            f"fork it from step {req.step} instead (`baton fork`)",
+            "$.run_id",
+        )
+    async with open_store(store_url or config.load().store_url) as store:
+        try:
+            await lineage.find(store, req.run_id, req.step, resumable=True)
+        except IntegrityError as exc:
+            raise ContractError(str(exc), "$.step") from None
+    reason = req.reason or "rolled back by an operator"
+    ordered = await runs.update(req.run_id, transitions.order_rollback(req.step, reason))
+    if ordered is None:
+        found = await runs.get(req.run_id)
+        now = found[0] if found else None
+        if now is not None and now.state is RunState.FAILED and now.announce_pending:
+            raise TransientError(f"run {req.run_id}'s failure is still being announced", RETRY_S)
+        state = now.state.value if now else "gone"
+        raise ContractError(f"rollback does not apply to run {req.run_id} ({state})", "$.run_id")
+    if ordered.state is RunState.QUEUED:
+        # A reopened run's task (and again on a redelivery: one id per dispatch).
+        await publish_task(js, ordered, lease_secret)
+    log.info(
+        "%s: rollback to step %d ordered (%s, %s)",
+        req.run_id, req.step, ordered.state.value, reason,
+    )  # fmt: skip
+    return ordered

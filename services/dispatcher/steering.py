@@ -1,0 +1,122 @@
+"""Operators' requests that steer a run (`shared.contracts.control.Steer`): each one is a
+change of the run record — the order itself, which the run's trainer reads — and a `wake`
+to that trainer so it reads it now rather than at its next renewal.
+
+A request that cannot apply to the run as it stands (no such run, a run already over, a
+resume of a run that is not paused) raises `ContractError`: the request is dead-lettered
+with that reason and nothing changes. The subject names the run (it is what the servers let
+a submitter publish on); a body naming another run is refused the same way.
+
+    request      record change                                  then
+    pause        QUEUED: PAUSED; RUNNING: pause_requested        its trainer checkpoints
+                                                                 and stops: PAUSED
+    resume       PAUSED: QUEUED at the next dispatch             its task queued again
+    checkpoint   none                                           its trainer is told
+    rollback     see `services/dispatcher/rollback.py`
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from services.dispatcher import rollback
+from shared.bus import names
+from shared.bus.emit import emit
+from shared.contracts import RunRecord, RunState, decode, encode
+from shared.contracts.control import Command, Pause, Resume, Rollback, Steer, TakeCheckpoint
+from shared.contracts.events import Paused, Resumed
+from shared.errors import ContractError
+from shared.state import transitions
+from shared.state.runs import Change, Runs
+from shared.state.tasks import publish_task
+
+log = logging.getLogger("baton.dispatcher")
+
+
+class Steering:
+    def __init__(self, nc: Client, runs: Runs, lease_secret: bytes | None) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.runs = runs
+        self.lease_secret = lease_secret
+
+    async def on_request(self, msg: Msg) -> None:
+        req = decode(msg.data, Steer)
+        if msg.subject != names.steer_subject(req.run_id):
+            raise ContractError(f"run {req.run_id!r} differs from the subject's", "$.run_id")
+        found = await self.runs.get(req.run_id)
+        if found is None:
+            raise ContractError(f"no run {req.run_id!r}", "$.run_id")
+        record = found[0]
+        if record.state.terminal and not isinstance(req, Rollback):
+            raise ContractError(f"run {req.run_id} is {record.state.value}", "$.run_id")
+        if isinstance(req, Pause):
+            await self._pause(req)
+        elif isinstance(req, Resume):
+            await self._resume(req)
+        elif isinstance(req, TakeCheckpoint):
+            await self._checkpoint(req, record)
+        else:
+            await self._rollback(req, record)
+
+    async def _change(self, req: Steer, change: Change) -> RunRecord:
+        record = await self.runs.update(req.run_id, change)
+        if record is None:
+            found = await self.runs.get(req.run_id)
+            state = found[0].state.value if found else "gone"
+            raise ContractError(f"{req.action} does not apply to run {req.run_id} ({state})")
+        log.info("%s: %s (%s)", req.run_id, req.action, req.reason or "no reason given")
+        await self._wake(record, req.reason)
+        return record
+
+    async def _pause(self, req: Pause) -> None:
+        """A running run's trainer checkpoints and stops it (and says so); a queued one is
+        PAUSED here, its queued task deleted (a copy that escaped is acked on sight)."""
+        record = await self._change(req, transitions.pause(req.reason or "paused by an operator"))
+        if record.state is not RunState.PAUSED:
+            return
+        with contextlib.suppress(NotFoundError):
+            queued = await self.js.get_last_msg(
+                names.TASKS_STREAM, names.task_subject(record.spec.pool, req.run_id)
+            )
+            assert queued.seq is not None
+            await self.js.delete_msg(names.TASKS_STREAM, queued.seq)
+        paused = Paused(run_id=req.run_id, reason=record.pause_requested or "", step=record.step)
+        await emit(self.js, paused, msg_id=f"paused.{req.run_id}.{record.dispatch}.queued")
+
+    async def _resume(self, req: Resume) -> None:
+        record = await self._change(req, transitions.resume())
+        await publish_task(self.js, record, self.lease_secret)
+        resumed = Resumed(run_id=req.run_id, reason=req.reason or "resumed by an operator")
+        await emit(self.js, resumed, msg_id=f"resumed.{req.run_id}.{record.dispatch}")
+
+    async def _checkpoint(self, req: TakeCheckpoint, record: RunRecord) -> None:
+        """Nothing in the record changes: the trainer running the run (a group's leader) is
+        told to have its training process write a checkpoint at its next step boundary, and
+        the commit's `checkpoint_committed` event is the answer. Only a run in training has
+        a process to ask; a lost command is a checkpoint not taken (`baton checkpoint` says
+        none came)."""
+        if record.state != "RUNNING" or not record.worker:
+            state = "between attempts" if record.state == "RUNNING" else record.state.value
+            raise ContractError(
+                f"run {req.run_id} is {state}: only a run in training can checkpoint", "$.run_id"
+            )
+        reason = req.reason or "asked by an operator"
+        ask = Command(run_id=req.run_id, action="checkpoint", reason=reason)
+        await self.nc.publish(names.control_subject(record.worker), encode(ask))
+        log.info("%s: checkpoint asked of %s (%s)", req.run_id, record.worker, reason)
+
+    async def _rollback(self, req: Rollback, record: RunRecord) -> None:
+        ordered = await rollback.order(self.js, self.runs, self.lease_secret, req, record)
+        await self._wake(ordered, req.reason or "rolled back")
+
+    async def _wake(self, record: RunRecord, reason: str) -> None:
+        if record.worker:
+            wake = Command(run_id=record.run_id, action="wake", reason=reason)
+            await self.nc.publish(names.control_subject(record.worker), encode(wake))
