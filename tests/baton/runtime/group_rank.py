@@ -13,6 +13,7 @@ it is killed): a peer that lives but hangs.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from baton.runtime.group import is_broken, join
@@ -40,4 +41,9 @@ def main(rank: int, timeout_s: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), float(sys.argv[2])))
+    code = main(int(sys.argv[1]), float(sys.argv[2]))
+    # As the training child leaves a group that failed (`services/trainer/child.py`): a
+    # normal exit after a gloo timeout may abort in gloo's teardown ("terminate called
+    # without an active exception", SIGABRT), which would hide the status.
+    sys.stdout.flush()
+    os._exit(code)
