@@ -248,6 +248,11 @@ async def test_a_drained_rank_leaves_its_group_which_forms_again_without_it(
     leader, member = first.members
     await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 15, WITHIN, "step 15")
 
+    async def holds_its_rank() -> bool:  # what `baton drain` reads to say what it handed over
+        beat = await drains.heartbeat(nc, member)
+        return beat is not None and beat.run_id == run_id and beat.rank == 1
+
+    await eventually(holds_its_rank, WITHIN, "the member's heartbeat to name its rank")
     done = await as_json(pool, "drain", member)
 
     assert done["idle"] and done["run_id"] == run_id and done["rank"] == 1, done
