@@ -10,51 +10,29 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from playwright.async_api import Browser, expect
+from playwright.async_api import expect
 
 from shared.bus import names
 from shared.bus.answer import post_letter
 from shared.contracts import encode, run_id_for
 from shared.contracts.events import Accepted, CheckpointCommitted, Started
 from tests.e2e.jobs import EventLog, finished, history, job, submit
-from tests.support.dashboard import UiProcess, browser, listening_addresses
-from tests.support.stack import Stack
+from tests.support.dashboard import Rig, UiProcess, listening_addresses, rigged
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module")]
 WAIT_MS = 60_000
-
-
-@dataclass
-class Rig:
-    stack: Stack
-    ui: UiProcess
-    browser: Browser
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
     """One stack (two trainers, TTL 3), one `baton ui` (as the dashboard) and one browser
     for the module."""
-    root = tmp_path_factory.mktemp("dashboard")
-    s = Stack(root / "stack", trainers=2, lease_ttl=3)
-    ui = UiProcess(
-        "--auth-file", str(root / "stack" / "auth" / "dashboard.env"), "ui", "--port", "0",
-        "--server", "", "--store", s.store_url, cwd=root,
-    )  # fmt: skip
-    try:
-        await s.start()
-        ui.args = tuple(s.nats.url if a == "" else a for a in ui.args)
-        assert await ui.start(), f"baton ui did not start:\n{ui.output}"
-        async with browser() as b:
-            yield Rig(s, ui, b)
-    finally:
-        await ui.stop()
-        await s.stop()
+    async with rigged(tmp_path_factory.mktemp("dashboard"), trainers=2, lease_ttl=3) as rig:
+        yield rig
 
 
 async def test_a_run_appears_moves_and_shows_its_kill_and_resume_without_a_reload(

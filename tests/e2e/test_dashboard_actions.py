@@ -16,13 +16,12 @@ import asyncio
 import contextlib
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
-from playwright.async_api import Browser, Page, Route, expect
+from playwright.async_api import Page, Route, expect
 
 from shared.bus import names
 from shared.contracts import JobSpec, RunState
@@ -37,8 +36,7 @@ from shared.contracts.events import (
 )
 from shared.state.drains import Drains
 from tests.e2e.jobs import EventLog, finished, history, job, submit
-from tests.support.dashboard import UiProcess, browser
-from tests.support.stack import Stack
+from tests.support.dashboard import Rig, rigged
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow, pytest.mark.operations]
 WAIT_MS = 120_000
@@ -52,32 +50,17 @@ ACTIONS = re.compile(
 NO_TOKEN = "this action needs the page's token"
 
 
-@dataclass
-class Rig:
-    stack: Stack
-    ui: UiProcess
-    browser: Browser
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
     """One stack (two trainers, heartbeats every half second, so a drain shows at once),
     one `baton ui` as the dashboard role, one browser, for the module."""
-    root = tmp_path_factory.mktemp("dashboard-actions")
-    s = Stack(root / "stack", trainers=2, lease_ttl=3, env={"BATON_HEARTBEAT": "0.5"})
-    ui = UiProcess(
-        "--auth-file", str(root / "stack" / "auth" / "dashboard.env"), "ui", "--port", "0",
-        "--server", "", "--store", s.store_url, cwd=root,
-    )  # fmt: skip
-    try:
-        await s.start()
-        ui.args = tuple(s.nats.url if a == "" else a for a in ui.args)
-        assert await ui.start(), f"baton ui did not start:\n{ui.output}"
-        async with browser() as b:
-            yield Rig(s, ui, b)
-    finally:
-        await ui.stop()
-        await s.stop()  # its audit fails the module on any permission refused
+    async with rigged(
+        tmp_path_factory.mktemp("dashboard-actions"),
+        trainers=2,
+        lease_ttl=3,
+        env={"BATON_HEARTBEAT": "0.5"},
+    ) as rig:
+        yield rig
 
 
 def guarded(entry: str, **over: Any) -> JobSpec:

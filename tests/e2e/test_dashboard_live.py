@@ -15,19 +15,18 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
-from playwright.async_api import Browser, Page, expect
+from playwright.async_api import Page, expect
 
 from shared.bus import names
 from shared.bus.answer import post_letter
 from shared.contracts import JobSpec, encode
 from tests.e2e.jobs import finished, job, submit
-from tests.support.dashboard import UiProcess, browser, get, request
+from tests.support.dashboard import Rig, UiProcess, browser, get, request
 from tests.support.sites import Site
 from tests.support.stack import Stack, eventually
 
@@ -46,14 +45,6 @@ def dashboard(stack: Stack, port: int) -> UiProcess:
         "--auth-file", str(stack.root / "auth" / "dashboard.env"), "ui", "--port", str(port),
         "--server", stack.nats.url, "--store", stack.store_url, cwd=stack.root.parent,
     )  # fmt: skip
-
-
-@dataclass
-class Rig:
-    stack: Stack
-    ui: UiProcess
-    """The dashboard now: a test may restart it (`dashboard`, on the same port)."""
-    browser: Browser
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

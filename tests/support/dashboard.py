@@ -11,6 +11,7 @@ import shutil
 import sys
 import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,6 +19,8 @@ from urllib.parse import urlsplit
 import msgspec
 from nats.aio.client import Client
 from playwright.async_api import Browser, async_playwright
+
+from tests.support.stack import Stack
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -182,3 +185,34 @@ async def served(nc: Client, store_url: str) -> AsyncIterator[str]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+@dataclass
+class Rig:
+    """A dashboard test's world: a stack, its `baton ui` (as the dashboard role) and a
+    browser."""
+
+    stack: Stack
+    ui: UiProcess
+    browser: Browser
+
+
+@contextlib.asynccontextmanager
+async def rigged(root: Path, **stack_options: Any) -> AsyncIterator[Rig]:
+    """A stack under `root` (`Stack`'s options), `baton ui` logged in as the dashboard on a
+    free port, and a browser; all stopped however the test ends (the stack's audit then
+    fails it on any permission refused)."""
+    s = Stack(root / "stack", **stack_options)
+    ui = UiProcess(
+        "--auth-file", str(root / "stack" / "auth" / "dashboard.env"), "ui", "--port", "0",
+        "--server", "", "--store", s.store_url, cwd=root,
+    )  # fmt: skip
+    try:
+        await s.start()
+        ui.args = tuple(s.nats.url if a == "" else a for a in ui.args)
+        assert await ui.start(), f"baton ui did not start:\n{ui.output}"
+        async with browser() as b:
+            yield Rig(s, ui, b)
+    finally:
+        await ui.stop()
+        await s.stop()
