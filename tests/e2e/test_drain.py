@@ -104,6 +104,8 @@ async def test_a_drained_trainer_hands_over_and_takes_nothing_until_undrained(
     await log.wait_for(
         lambda e: isinstance(e, CheckpointCommitted) and e.step >= 20, WITHIN, "a's first commit"
     )
+    # What `baton drain` reads to say what it handed over: a's heartbeat naming the run.
+    await beat(nc, "a", lambda w: w.run_id == run_id, "a, holding the run")
     at = max(e.step for e in log.of(Progress))
 
     done = await as_json(pool, "drain", "a", "--reason", "swap a disk")
@@ -238,7 +240,7 @@ async def test_a_drained_rank_leaves_its_group_which_forms_again_without_it(
     await pool.ready(("trainer",))
     nc = await pool.client()
     spec = job(
-        name="ddp", entry_point="examples.ddp:train", total_steps=80, ranks=2, seed=11,
+        name="ddp", entry_point="examples.ddp:train", total_steps=240, ranks=2, seed=11,
         checkpoint={"every_steps": 10}, config={"steps_sleep": 0.025},
     )  # fmt: skip
     run_id = await submit(nc, spec)
@@ -248,11 +250,8 @@ async def test_a_drained_rank_leaves_its_group_which_forms_again_without_it(
     leader, member = first.members
     await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 15, WITHIN, "step 15")
 
-    async def holds_its_rank() -> bool:  # what `baton drain` reads to say what it handed over
-        beat = await drains.heartbeat(nc, member)
-        return beat is not None and beat.run_id == run_id and beat.rank == 1
-
-    await eventually(holds_its_rank, WITHIN, "the member's heartbeat to name its rank")
+    # What `baton drain` reads to say what it handed over: the member's heartbeat naming it.
+    await beat(nc, member, lambda w: w.run_id == run_id and w.rank == 1, "the member, its rank")
     done = await as_json(pool, "drain", member)
 
     assert done["idle"] and done["run_id"] == run_id and done["rank"] == 1, done
