@@ -35,7 +35,7 @@ from shared.contracts.events import (
 )
 from shared.state.runs import Runs
 from tests.e2e.jobs import EventLog, fenced_and_refused, finished, history, job, submit
-from tests.support.stack import Stack, alive, attempt_processes, eventually
+from tests.support.stack import Stack, alive, attempt_processes, eventually, named_trainers
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -58,15 +58,8 @@ def elastic(key: str, *, total: int = 300, ranks: Any = RANGE, **config: Any) ->
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("elastic") / "stack", trainers=0, lease_ttl=3)
-    try:
-        await s.start(("dispatcher", "checkpointer", "reaper"))
-        for name in ("e1", "e2"):
-            await s.add_trainer(name)
-        await s.ready(("trainer",))
+    async with named_trainers(tmp_path_factory.mktemp("elastic"), ("e1", "e2")) as s:
         yield s
-    finally:
-        await s.stop()
 
 
 _reference: dict[str, str] = {}

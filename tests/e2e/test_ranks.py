@@ -36,7 +36,7 @@ from shared.contracts.events import (
 )
 from shared.state.runs import Runs
 from tests.e2e.jobs import EventLog, fenced_and_refused, finished, history, job, submit
-from tests.support.stack import Stack, all_dead, attempt_processes, eventually
+from tests.support.stack import Stack, all_dead, attempt_processes, eventually, named_trainers
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -61,15 +61,8 @@ def ddp(
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def three(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("ranks") / "stack", trainers=0, lease_ttl=3)
-    try:
-        await s.start(("dispatcher", "checkpointer", "reaper"))
-        for name in TRAINERS:
-            await s.add_trainer(name, restart=True)
-        await s.ready(("trainer",))
+    async with named_trainers(tmp_path_factory.mktemp("ranks"), TRAINERS, restart=True) as s:
         yield s
-    finally:
-        await s.stop()
 
 
 _reference: dict[int, str] = {}
@@ -285,14 +278,8 @@ def _fields(spec: JobSpec) -> dict[str, Any]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     """One trainer to begin with; tests add more."""
-    s = Stack(tmp_path_factory.mktemp("pool") / "stack", trainers=0, lease_ttl=4)
-    try:
-        await s.start(("dispatcher", "checkpointer", "reaper"))
-        await s.add_trainer("p1")
-        await s.ready(("trainer",))
+    async with named_trainers(tmp_path_factory.mktemp("pool"), ("p1",), lease_ttl=4) as s:
         yield s
-    finally:
-        await s.stop()
 
 
 async def test_a_group_never_trains_partly_formed_and_says_why(pool: Stack) -> None:

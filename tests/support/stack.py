@@ -7,10 +7,11 @@ one finishes the run. Everything is stopped in `stop()`, which fixtures call in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -186,6 +187,24 @@ class Stack:
 
         await eventually(none_left, 10, "every training process to exit")
         self.audit.check()
+
+
+@contextlib.asynccontextmanager
+async def named_trainers(
+    root: Path, names: Iterable[str], *, restart: bool = False, lease_ttl: int = 3
+) -> AsyncIterator[Stack]:
+    """A stack under `root` with the hub's services and one trainer per name in `names`
+    (each its own process and work directory; `restart`: restarted when it dies, as under
+    `baton up`), stopped however the test ends."""
+    s = Stack(root / "stack", trainers=0, lease_ttl=lease_ttl)
+    try:
+        await s.start(("dispatcher", "checkpointer", "reaper"))
+        for name in names:
+            await s.add_trainer(name, restart=restart)
+        await s.ready(("trainer",))
+        yield s
+    finally:
+        await s.stop()
 
 
 async def eventually(

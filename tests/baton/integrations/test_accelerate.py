@@ -63,7 +63,7 @@ from shared.contracts.events import (
 )
 from tests.baton.harness import RUN, Run
 from tests.e2e.jobs import EventLog, finished, history, job, submit
-from tests.support.stack import Stack, all_dead, attempt_processes, children_of
+from tests.support.stack import Stack, all_dead, attempt_processes, children_of, named_trainers
 
 end_to_end = pytest.mark.asyncio(loop_scope="module")
 """The stack's tests share the module's event loop (its fixtures are the module's)."""
@@ -241,15 +241,8 @@ def lm(key: str, *, ranks: int = 1, pace: float = PACE, **config: Any) -> JobSpe
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("accelerate") / "stack", trainers=0, lease_ttl=3)
-    try:
-        await s.start(("dispatcher", "checkpointer", "reaper"))
-        for name in ("t1", "t2", "t3"):
-            await s.add_trainer(name)
-        await s.ready(("trainer",))
+    async with named_trainers(tmp_path_factory.mktemp("accelerate"), ("t1", "t2", "t3")) as s:
         yield s
-    finally:
-        await s.stop()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -32,7 +32,7 @@ from shared.contracts.events import (
 from tests.e2e.jobs import EventLog, finished, job, submit
 from tests.support.cli import as_json
 from tests.support.dashboard import get, served
-from tests.support.stack import Stack, all_dead, children_of
+from tests.support.stack import Stack, all_dead, children_of, named_trainers
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -56,15 +56,8 @@ def lm(key: str, *, pace: float = 0.04, every: int = 10) -> JobSpec:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def two(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("hf") / "stack", trainers=0, lease_ttl=3)
-    try:
-        await s.start(("dispatcher", "checkpointer", "reaper"))
-        for name in ("h1", "h2"):
-            await s.add_trainer(name, restart=True)
-        await s.ready(("trainer",))
+    async with named_trainers(tmp_path_factory.mktemp("hf"), ("h1", "h2"), restart=True) as s:
         yield s
-    finally:
-        await s.stop()
 
 
 _reference: dict[int, str] = {}

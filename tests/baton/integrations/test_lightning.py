@@ -36,7 +36,7 @@ from shared.contracts.events import (
     Started,
 )
 from tests.e2e.jobs import EventLog, finished, history, job, submit
-from tests.support.stack import Stack, all_dead, attempt_processes
+from tests.support.stack import Stack, all_dead, attempt_processes, named_trainers
 
 pytestmark = [
     pytest.mark.slow,
@@ -67,15 +67,8 @@ def lm(key: str, *, total: int = 60, ranks: int = 1, every: int = EVERY, **confi
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def three(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("lightning") / "stack", trainers=0, lease_ttl=3)
-    try:
-        await s.start(("dispatcher", "checkpointer", "reaper"))
-        for name in TRAINERS:
-            await s.add_trainer(name, restart=True)
-        await s.ready(("trainer",))
+    async with named_trainers(tmp_path_factory.mktemp("lightning"), TRAINERS, restart=True) as s:
         yield s
-    finally:
-        await s.stop()
 
 
 _reference: dict[int, RunRecord] = {}
