@@ -2,8 +2,11 @@
 store, then written into the run record as an order.
 
 Invariant: the dispatcher writes no checkpoint state. It checks that the step is a committed
-checkpoint on the run's chain whose files all verify (`shared.checkpoint.lineage.find`) and
-records the order (`transitions.order_rollback`). The rewind itself is written later by the
+checkpoint on the run's chain, by its manifest (`shared.checkpoint.lineage.find`), and
+records the order (`transitions.order_rollback`). It reads no checkpoint file: `baton
+rollback` verifies the files before it asks, and the checkpointer again as it rewinds (a
+checkpoint damaged since is refused there, `rollback_refused`), so the requests queued behind
+this one never wait on a checkpoint's download. The rewind itself is written later by the
 checkpointer for the run's next attempt, under that attempt's token — higher than any the
 run had — once the attempt that trained past the step was stopped (`services/trainer/
 rewind.py`, `shared.checkpoint.rebase`). A request that cannot apply raises `ContractError`:
@@ -58,7 +61,7 @@ async def order(
         )
     async with open_store(store_url or config.load().store_url) as store:
         try:
-            await lineage.find(store, req.run_id, req.step, resumable=True)
+            await lineage.find(store, req.run_id, req.step, resumable=True, read=False)
         except IntegrityError as exc:
             raise ContractError(str(exc), "$.step") from None
     reason = req.reason or "rolled back by an operator"

@@ -74,12 +74,14 @@ async def find(
     anywhere: bool = False,
     token: int | None = None,
     resumable: bool = False,
+    read: bool = True,
 ) -> Stored:
     """The run's committed checkpoint at `step`, checked (names, shards and every file's
     size and sha256: `commit.check`): the one on the chain, or — `anywhere` — else the
     newest abandoned one; the one written under `token`, if given (a step may have been
     committed again after a rollback); not a final one if `resumable` (the run to go on
-    from it would have nothing left to train). `IntegrityError` saying why there is none."""
+    from it would have nothing left to train). `read`: its files are read back and hashed
+    too (else only its manifest is checked). `IntegrityError` saying why there is none."""
     listed = await stored(store, run_id)
     usable = [s for s in listed if s.status == CHAIN or (anywhere and s.status == ABANDONED)]
     at = [s for s in usable if s.manifest.step == step]
@@ -95,7 +97,7 @@ async def find(
             "train from it (fork it with more total_steps instead)"
         )
     try:
-        await check(store, run_id, chosen.manifest, chosen.key)
+        await check(store, run_id, chosen.manifest, chosen.key, read=read)
     except IntegrityError as exc:
         raise IntegrityError(
             f"run {run_id}'s checkpoint at step {step} is damaged: {exc}"
