@@ -82,7 +82,7 @@ def overhead(seconds: float, store: Path) -> tuple[float, float, int]:
     def step() -> None:
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
 
     def rate(every_seconds: float | None) -> tuple[float, int]:
@@ -107,7 +107,7 @@ def overhead(seconds: float, store: Path) -> tuple[float, float, int]:
             if time.perf_counter() - t0 >= seconds:
                 break
         elapsed = time.perf_counter() - t0
-        ctx._snap.close()
+        ctx._checkpoints.close()
         return steps / elapsed, sum(type(m).__name__ == "CheckpointReady" for m in sent)
 
     for _ in range(5):

@@ -331,54 +331,6 @@ def watch(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json =
 
 
 @app.command()
-def pull(
-    run_id: str,
-    dest: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into.")],
-    store: Annotated[str | None, typer.Option(envvar="BATON_STORE", help="Store URL.")] = None,
-    step: Annotated[
-        int | None,
-        typer.Option(
-            min=0,
-            help="Another committed checkpoint still stored: on the chain, or abandoned by a "
-            "rollback \\[default: the newest that verifies].",
-        ),
-    ] = None,
-    token: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="With --step: the one written under this token (a step committed again "
-            "after a rollback) \\[default: the one on the chain, else the newest].",
-        ),
-    ] = None,
-    as_json: Json = False,
-) -> None:
-    """Download and verify the newest committed checkpoint, or the one at --step (safetensors
-    + metadata; a framework's checkpoint as the files the framework loads)."""
-    from baton.cli import client
-
-    url = run(lambda: call(client.store_url, store))
-    if token is not None and step is None:
-        fail("--token needs --step", code=2)
-    info = run(lambda: client.pull(url, run_id, dest, step, token))
-    if as_json:
-        print_json(info)
-        return
-    out.print(
-        f"pulled step {info['step']} of {run_id} ({_STATUS[info['status']]}) into "
-        f"{info['dir']}: {', '.join(info['files'])}"
-    )
-    out.print(f"weights digest {info['digest']}")
-
-
-_STATUS = {
-    "chain": "on the chain",
-    "abandoned": "abandoned by a rollback",
-    "off": "off the chain",
-}
-
-
-@app.command()
 def cancel(
     run_id: str,
     reason: Annotated[
@@ -527,6 +479,7 @@ from baton.cli import goodput as _goodput  # noqa: E402, F401  (registers its co
 from baton.cli import lineage as _lineage  # noqa: E402, F401  (rollback and fork)
 from baton.cli import operate as _operate  # noqa: E402, F401  (drain, undrain, checkpoint)
 from baton.cli import ops  # noqa: E402, F401  (registers the operator commands)
+from baton.cli import pull as _pull  # noqa: E402, F401  (registers its command)
 from baton.cli import status as _status  # noqa: E402, F401  (one run's record and health)
 
 

@@ -309,9 +309,7 @@ async def steer(nc: Client, req: Steer) -> RunRecord:
     return found
 
 
-async def await_state(
-    nc: Client, run_id: str, wanted: set[str], wait_s: float
-) -> RunRecord:
+async def await_state(nc: Client, run_id: str, wanted: set[str], wait_s: float) -> RunRecord:
     """The run's record once its state is one of `wanted` (or terminal), or as it is after
     `wait_s` seconds."""
     deadline = asyncio.get_running_loop().time() + wait_s
@@ -363,12 +361,19 @@ def _local_name(name: str) -> str:
 
 
 async def pull(
-    url: str, run_id: str, dest: Path, step: int | None = None, token: int | None = None
+    url: str,
+    run_id: str,
+    dest: Path,
+    step: int | None = None,
+    token: int | None = None,
+    whole: bool = False,
 ) -> dict[str, Any]:
     """Download the newest committed checkpoint that verifies (or the one at `step`, on the
     chain or abandoned by a rollback — written under `token`, if given: a step may have been
     committed again after a rollback — `shared.checkpoint.lineage`), check every file again
-    after the download, and recompute the weights digest from the downloaded model file."""
+    after the download, and recompute the weights digest from the downloaded model file. A
+    sharded checkpoint's shards are arranged as plain DCP checkpoints, and with `whole`
+    gathered into one file each (`baton.cli.pull`)."""
     from safetensors.torch import load_file  # torch only here: every other command starts fast
 
     from shared.checkpoint import lineage
@@ -394,10 +399,18 @@ async def pull(
             if sha256_file(path) != (ref.size, ref.sha256):
                 raise IntegrityError(f"{ref.name}: downloaded bytes do not match the manifest")
     (dest / "manifest.json").write_bytes(encode(manifest))
-    if any(checkpoint_files.foreign_name(r.name) for r in manifest.files):
+    extra: list[str] = []
+    if manifest.sharded:
+        from baton.cli.pull import arrange, gather
+
+        extra = arrange(dest, manifest)
+        if whole:
+            extra += [gather(dest, manifest, name) for name in manifest.sharded]
+    if any(checkpoint_files.foreign_name(r.name) for r in manifest.files) or manifest.sharded:
         # A framework's checkpoint (`baton.runtime.external`): its digest is of the live
         # model's tensors, which its own files may hold differently (tied weights saved
-        # once): every file's sha256 is checked, the digest is the manifest's.
+        # once), and a sharded one's is of its shard files (`baton.runtime.checkpoints`):
+        # every file's sha256 is checked, the digest is the manifest's.
         digest = manifest.digest
     else:
         model_file = next(r.name for r in manifest.files if r.name.endswith(".safetensors"))
@@ -411,7 +424,7 @@ async def pull(
         "final": manifest.final,
         "status": status,
         "digest": digest,
-        "files": [r.name for r in manifest.files],
+        "files": [r.name for r in manifest.files] + extra,
         "dir": str(dest),
         "metrics": manifest.metrics,
     }

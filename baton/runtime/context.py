@@ -18,11 +18,10 @@ steps' metrics with what an earlier attempt reported after the same checkpoint, 
 the trainer if they differ (`baton.runtime.witness`).
 
 A run of several ranks (`ctx.rank`, `ctx.world_size`; `baton.runtime.group`) runs the entry
-point in every rank's process, which may wrap its model in `DistributedDataParallel`. All
-ranks stop and checkpoint at the same step, agreed once per step (one all-reduce). A
-checkpoint is one commit: rank 0 writes what the ranks share (models, optimizers, JSON values)
-and its own shard, the others only theirs (`rank<k>.` files: data positions, generators, RNG
-states, cursor), and rank 0's writer sends one `CheckpointReady` listing them all.
+point in every rank's process, which may wrap its model in `DistributedDataParallel`, or
+shard it with FSDP2's `fully_shard`. All ranks stop and checkpoint at the same step, agreed
+once per step (one all-reduce), and a checkpoint is one commit of every rank's files. What
+each rank writes, and how a checkpoint is found and loaded, is `baton.runtime.checkpoints`.
 
 `data_parallel()` is data parallelism whose result does not depend on the group's size
 (`baton.runtime.exact`): a fixed global batch of virtual shards, each computed whole by one
@@ -38,34 +37,21 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import torch
 from torch.utils.data import Dataset
 
 from baton.runtime import guard, witness
+from baton.runtime.checkpoints import Checkpoints
 from baton.runtime.data import Batches
-from baton.runtime.load import chosen, load, rng_state
-from baton.runtime.slots import Slot, slot_for
-from baton.runtime.snapshot import Snapshot, Snapshotter
+from baton.runtime.slots import slots_for
+from baton.runtime.snapshot import Snapshot
 from shared.checkpoint import commit
-from shared.checkpoint.digest import weights_digest
-from shared.checkpoint.files import rank_prefix
-from shared.checkpoint.store import open_store
-from shared.contracts import FileRef, Manifest, Task, spec_hash
-from shared.contracts.child import (
-    CheckpointReady,
-    Divergence,
-    FromChild,
-    Loaded,
-    StepDone,
-    Tripped,
-)
+from shared.contracts import Task
+from shared.contracts.child import Divergence, FromChild, Loaded, StepDone, Tripped
 from shared.contracts.records import Skip
-from shared.errors import NotFound
 
 if TYPE_CHECKING:  # a single-rank run never imports torch.distributed's machinery
     from baton.runtime.exact import DataParallel, MapDataset
@@ -111,7 +97,6 @@ class RunContext:
         group's epoch, the same for every rank."""
         self._store_url = store_url
         self._send = send
-        self._slots: list[Slot] = []
         self._loaders: dict[str, Batches] = {}
         self._metrics: dict[str, float] = {}
         self._step_metrics: dict[str, float] = {}
@@ -122,17 +107,13 @@ class RunContext:
         """A checkpoint the guard refused on the writer thread (`_vet`)."""
         self._skips = skips or []
         self._spool = spool
-        self._snap = Snapshotter(store_url, spool, prefix=rank_prefix(self.rank))
+        self._checkpoints = Checkpoints(task, store_url, spool, send, group, self._vet)
         self._lock = threading.Lock()
         self._want_checkpoint = False
         self._want_stop = False
         self._agreed_stop = False
         """In a group: whether any rank was told to stop, as agreed at the last step boundary."""
-        self._last_saved = -1
-        self._last_ckpt_time = time.monotonic()
-        self._postponed = False
         self._last_report = 0.0
-        self._write_error: BaseException | None = None
         self.finished_early = False
 
     # -- the public API ------------------------------------------------------------------
@@ -149,23 +130,33 @@ class RunContext:
         registered = {**state, **{n: b for n, b in self._loaders.items() if n not in state}}
         if not registered:
             raise ValueError("restore() needs at least one object, e.g. restore(model=model)")
-        if self._slots:
+        if self._checkpoints.slots:
             raise RuntimeError("restore() registers state once per run; call it once")
         seen: dict[int, str] = {}
         for name, obj in registered.items():
             if id(obj) in seen and not isinstance(obj, bool | int | float | str):
                 raise ValueError(f"restore(): {name!r} is the same object as {seen[id(obj)]!r}")
             seen[id(obj)] = name
-        self._slots = [slot_for(name, obj) for name, obj in registered.items()]
+        self._checkpoints.slots = slots_for(registered)
         began = time.monotonic()
-        manifest, damaged, rows = asyncio.run(self._find_checkpoint())
+        manifest, damaged, rows = asyncio.run(self._checkpoints.find(self._witness.enabled))
+        resharded, read = 0, 0
         if manifest is not None:
-            self._load(manifest)
+            resumed = self._checkpoints.load(manifest)
+            self.step, read = resumed.step, resumed.read_bytes
+            self.cursor.clear()  # in place, like registered dicts: a reference taken earlier
+            self.cursor.update(resumed.cursor)  # is still the one saved
+            if manifest.sharded and manifest.ranks != self.world_size:
+                resharded, rows = manifest.ranks, None  # no witness across sizes: see shards
+                print(f"baton: resumed step {self.step} written by {manifest.ranks} rank(s) at"
+                      f" {self.world_size}; rank {self.rank} read {read} bytes of shards; not"
+                      " bitwise the run at the old size from here", file=sys.stderr)  # fmt: skip
         self._skip_rolled_back()
         took = time.monotonic() - began
         self._witness.resumed(self.step, rows)
         setup = max(0.0, began - self._launched_at)
-        self._send(Loaded(step=self.step, damaged=damaged, took_s=took, setup_s=setup))
+        self._send(Loaded(step=self.step, damaged=damaged, took_s=took, setup_s=setup,
+                          resharded_from=resharded, read_bytes=read))  # fmt: skip
         return self.step
 
     def data_loader(
@@ -194,7 +185,7 @@ class RunContext:
         Extra keyword arguments go to torchdata's `StatefulDataLoader` (`pin_memory`, …).
         In a run of several ranks each rank draws its own share of every epoch
         (`baton.runtime.data`)."""
-        if self._slots:
+        if self._checkpoints.slots:
             raise RuntimeError("call data_loader() before restore(), which loads its position")
         if self.spec.elastic:
             # Its position is each rank's own share of the epoch, which has no meaning at
@@ -258,7 +249,7 @@ class RunContext:
     def steps(self) -> Iterator[int]:
         """Yield step numbers from the resume point to `total_steps`, checkpointing as
         the policy says and stopping (after a checkpoint) when the trainer asks."""
-        if not self._slots:
+        if not self._checkpoints.slots:
             raise RuntimeError("call ctx.restore(model=..., ...) before ctx.steps()")
         while self.step < self.total_steps:
             if self.should_stop:
@@ -301,9 +292,7 @@ class RunContext:
                 self.token = token
 
     def close(self) -> None:
-        self._snap.close()
-        if self._write_error is not None:
-            raise RuntimeError("writing a checkpoint failed") from self._write_error
+        self._checkpoints.close()
         self._guarded(None)  # the final checkpoint refused by the guard: no finish
 
     # -- internals -----------------------------------------------------------------------
@@ -316,29 +305,12 @@ class RunContext:
     def _boundary(self, report: bool = True) -> bool:
         """What every rank agrees on once a step is done (a stop is kept in `should_stop`);
         whether a checkpoint is due now. With `report`, the step's progress is sent too."""
-        now = time.monotonic()
-        policy = self.spec.checkpoint
         with self._lock:
             asked, self._want_checkpoint = self._want_checkpoint, False
             stop = self._want_stop
-        periodic = (
-            self._postponed
-            or (policy.every_steps is not None and self.step % policy.every_steps == 0)
-            or (
-                policy.every_seconds is not None
-                and now - self._last_ckpt_time >= policy.every_seconds
-            )
-        )
-        busy = self._snap.busy
+        save, stop = self._checkpoints.due(self.step, asked, stop)
         if self._group is not None:
-            # Every rank acts on what any rank has: asked, due (`every_seconds` counts on each
-            # rank's own clock), still writing. One all-reduce per step, nothing more.
-            stop, asked, periodic, busy = self._group.agree([stop, asked, periodic, busy])
             self._agreed_stop = stop
-        # A periodic checkpoint never waits for the write before it (see baton.runtime.snapshot):
-        # it is postponed to the first step after that write is done. Asked-for ones wait.
-        save = self.step < self.total_steps and (asked or (periodic and not busy))
-        self._postponed = periodic and not save and self.step < self.total_steps
         if report:
             self._progress(save)
         return save
@@ -352,90 +324,17 @@ class RunContext:
             self._send(StepDone(step=self.step, metrics=dict(self._metrics)))
 
     def _save(self, final: bool) -> None:
-        if self._write_error is not None:
-            raise RuntimeError("writing a checkpoint failed") from self._write_error
-        if self.step == self._last_saved and not final:
+        ckpt = self._checkpoints
+        ckpt.raise_failed()
+        if self.step == ckpt.last_saved and not final:
             return
-        if self.spec.elastic and self.rank > 0:
-            # An elastic run's checkpoint is rank 0's alone: every rank holds the same
-            # state (`baton.runtime.exact`), and it must resume at any group size.
-            self._last_saved = self.step
-            self._last_ckpt_time = time.monotonic()
-            self._postponed = False
+        if ckpt.skip(self.step):
             return
-        groups, meta = self._state()
-        self._write(groups, meta, final)
-
-    def _write(
-        self,
-        groups: dict[str, dict[str, torch.Tensor]],
-        meta: dict[str, Any],
-        final: bool,
-        staged: Path | None = None,
-    ) -> None:
-        """Capture this step's checkpoint and hand it to the writer thread (with `staged`,
-        a framework's own files: `baton.runtime.external`)."""
-        try:
-            snap, stalled = self._snap.capture(self.step, groups, meta)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"ctx.cursor must hold only JSON values: {exc}") from None
-        snap.staged = staged
         if not final:
             self._witness.checkpointed(self.step)
-        ready = CheckpointReady(
-            step=snap.step, token=self.token, files=[], final=final,
-            digest=meta.get("digest", ""), metrics=dict(self._metrics), stall_s=stalled,
-        )  # fmt: skip
-
-        def failed(exc: BaseException) -> None:
-            self._write_error = exc
-
-        self._snap.write_async(
-            snap, self.run_id, ready.token, partial(self._written, ready), failed, self._vet
-        )
-        self._last_saved = self.step
-        self._last_ckpt_time = time.monotonic()
-        self._postponed = False
-
-    def _state(
-        self, weights: dict[str, torch.Tensor] | None = None
-    ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-        """This rank's part of a checkpoint now: tensors by file, and its meta.json. The
-        digest is of `weights`, or else of the first registered object's tensors."""
-        groups: dict[str, dict[str, torch.Tensor]] = {}
-        trees: dict[str, Any] = {}
-        for slot in self._slots:
-            if self.rank == 0 or slot.per_rank:  # what all ranks share, rank 0 saves
-                groups[slot.name] = {}
-                trees[slot.name] = slot.capture(groups[slot.name])
-        rng_tensors, rng_json = rng_state()
-        groups["rng"] = rng_tensors
-        meta: dict[str, Any] = {
-            "run_id": self.run_id,
-            "step": self.step,
-            "cursor": self.cursor,
-            "state": trees,
-            "rng": rng_json,
-            "spec_hash": spec_hash(self.spec),
-        }
-        if self.rank > 0:
-            meta["rank"] = self.rank
-            return groups, meta
-        meta["digest"] = weights_digest(next(iter(groups.values())) if weights is None else weights)
-        meta["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
-        if self.world_size > 1 and not self.spec.elastic:
-            meta["ranks"] = self.world_size
-        return groups, meta
-
-    def _written(self, ready: CheckpointReady, files: list[FileRef]) -> None:
-        """On the writer thread, once this rank's files are stored: another rank hands them
-        to rank 0, whose writer sends them with its own, as one checkpoint."""
-        if self._group is not None and self.rank > 0:
-            self._group.publish_files(ready.step, files)
-            return
-        if self._group is not None and not self.spec.elastic:
-            files = files + self._group.gather_files(ready.step)
-        self._send(msgspec.structs.replace(ready, files=files))
+        began = time.perf_counter()
+        taken = ckpt.state(self.step, self.cursor)
+        ckpt.write(self.step, self.token, taken, final=final, metrics=self._metrics, began=began)
 
     def _check_step(self) -> None:
         """The step just done, against the divergence guard and the witness of the
@@ -480,7 +379,8 @@ class RunContext:
     def _witnessed(self, step: int, metrics: dict[str, float]) -> None:
         complete, diverged = self._witness.stepped(step, metrics)
         for start, rows in complete:
-            self._snap.write_witness(commit.witness_key(self.run_id, start), witness.encode(rows))
+            key = commit.witness_key(self.run_id, start)
+            self._checkpoints.write_witness(key, witness.encode(rows))
         if diverged is not None:
             self._send(
                 Divergence(
@@ -491,42 +391,6 @@ class RunContext:
                     got=repr(diverged.got),
                 )
             )
-
-    async def _find_checkpoint(
-        self,
-    ) -> tuple[Manifest | None, list[int], list[witness.Row] | None]:
-        """The checkpoint to resume from: the newest that verifies, as rank 0 found it (a
-        commit landing while the ranks look must not split them), and its witness."""
-        async with open_store(self._store_url) as store:
-            damaged: list[int] = []
-            if self._group is not None and self.rank > 0:
-                key = await asyncio.to_thread(self._group.shared, "restore")
-                manifest = await chosen(store, key, self.run_id)
-            else:
-                manifest, damaged = await commit.restorable(store, self.run_id)
-            if self._group is not None and self.rank == 0:
-                self._group.share("restore", commit.key_of(manifest) if manifest else "")
-            if manifest is not None:
-                commit.check_ranks(manifest, self.world_size, self.spec.elastic)
-            if manifest is None or not self._witness.enabled:
-                return manifest, damaged, None
-            try:
-                data = await store.get(commit.witness_key(self.run_id, manifest.step))
-            except NotFound:
-                return manifest, damaged, None
-            return manifest, damaged, witness.decode(data, manifest.step)
-
-    def _load(self, manifest: Manifest) -> None:
-        """Load a checkpoint that `commit.restorable` verified (`baton.runtime.load`)."""
-        self.step, cursor = load(
-            self._store_url, manifest, self._slots,
-            run_id=self.run_id, spec_hash=spec_hash(self.spec),
-            rank=0 if self.spec.elastic else self.rank, verify=self.rank > 0,
-        )  # fmt: skip
-        self.cursor.clear()  # in place, like registered dicts: a reference taken earlier
-        self.cursor.update(cursor)  # is still the one saved
-        self._last_saved = self.step
-        self._last_ckpt_time = time.monotonic()
 
 
 def _device(local_rank: int) -> torch.device:

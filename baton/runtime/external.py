@@ -86,7 +86,7 @@ class Boundary:
 
 class ExternalLoop:
     def __init__(self, ctx: RunContext) -> None:
-        if ctx._slots:
+        if ctx._checkpoints.slots:
             raise RuntimeError("ctx.restore() was called: a run either owns its loop or not")
         if ctx.spec.elastic:
             raise ValueError(
@@ -111,11 +111,11 @@ class ExternalLoop:
             return self._resumed
         self._started = True
         began = time.monotonic()
-        manifest, damaged, rows = asyncio.run(ctx._find_checkpoint())
+        manifest, damaged, rows = asyncio.run(ctx._checkpoints.find(ctx._witness.enabled))
         if manifest is not None:
             self._resumed = self._download(manifest)
             ctx.step = manifest.step
-            ctx._last_saved = ctx.step
+            ctx._checkpoints.taken(ctx.step)
         ctx._witness.resumed(ctx.step, rows)
         setup = max(0.0, began - ctx._launched_at)
         ctx._send(
@@ -206,14 +206,18 @@ class ExternalLoop:
         ctx = self.ctx
         if step != ctx.step:
             raise ValueError(f"saved({step}) at step {ctx.step}: save the step just ended")
-        if ctx._write_error is not None:
-            raise RuntimeError("writing a checkpoint failed") from ctx._write_error
+        ctx._checkpoints.raise_failed()
         self._close_row()  # the step's own metrics come before the checkpoint's window
         staged = self._stage(Path(directory), step)
-        groups, meta = ctx._state(weights=dict(weights))
-        meta["external"] = sorted(p.name for p in staged.iterdir())
+        began = time.perf_counter()
+        taken = ctx._checkpoints.state(step, ctx.cursor, weights=dict(weights))
+        taken[1]["external"] = sorted(p.name for p in staged.iterdir())
         final = step >= ctx.total_steps
-        ctx._write(groups, meta, final, staged)
+        if not final:
+            ctx._witness.checkpointed(step)
+        ctx._checkpoints.write(
+            step, ctx.token, taken, final=final, metrics=ctx._metrics, staged=staged, began=began
+        )
         if ctx.should_stop and not final:
             ctx.finished_early = True
 
@@ -239,4 +243,3 @@ class ExternalLoop:
             except OSError:
                 shutil.copy2(path, staged / path.name)
         return staged
-

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -47,6 +48,13 @@ async def chosen(store: Store, key: str, run_id: str) -> Manifest | None:
     return manifest
 
 
+class Resumed(NamedTuple):
+    step: int
+    cursor: dict[str, Any]
+    read_bytes: int = 0
+    """Bytes read of sharded objects' files (`baton.runtime.shards`)."""
+
+
 def load(
     store_url: str,
     manifest: Manifest,
@@ -56,17 +64,24 @@ def load(
     spec_hash: str,
     rank: int = 0,
     verify: bool = False,
-) -> tuple[int, dict[str, Any]]:
+) -> Resumed:
     """Load rank `rank`'s shard of a checkpoint that was verified (`commit.restorable`: every
     file, by rank 0; other ranks `verify` the hashes of what they download — in an elastic
-    run, rank 0's shard). Returns its step and cursor."""
+    run, rank 0's shard), and this process's chunks of its sharded objects, at this group's
+    size (`baton.runtime.shards`)."""
     step, own = manifest.step, checkpoint_files.rank_prefix(rank)
 
     def file_of(slot: Slot) -> str:
         return f"{own if slot.per_rank else ''}{slot.name}{SUFFIX}"
 
     rng_file = f"{own}rng{SUFFIX}"
-    wanted = {META, own + META, rng_file, *map(file_of, slots)}
+    whole = [s for s in slots if not s.sharded]
+    if was := [s.name for s in whole if s.name in manifest.sharded]:
+        raise IntegrityError(
+            f"checkpoint {step}: {was[0]!r} was saved sharded (FSDP2) and is registered"
+            " whole: shard it as it was before restore()"
+        )
+    wanted = {META, own + META, rng_file, *map(file_of, whole)}
     refs = [f for f in manifest.files if f.name in wanted]
     if missing := sorted(wanted - {f.name for f in refs}):
         raise IntegrityError(f"checkpoint {step} lacks {', '.join(missing)}")
@@ -76,12 +91,8 @@ def load(
         mine = shared if not rank else _meta(local[own + META], step, run_id, spec_hash)
         if mine["step"] != shared["step"] or mine.get("rank", 0) != rank:
             raise IntegrityError(f"checkpoint {step}: {own}{META} is not rank {rank}'s of it")
-        trees: dict[str, Any] = {}
-        for slot in slots:
-            state = (mine if slot.per_rank else shared)["state"]
-            if slot.name not in state:
-                raise IntegrityError(f"checkpoint {step} has no state for {slot.name!r}")
-            trees[slot.name] = state[slot.name]
+        trees = {slot.name: _tree(slot, mine, shared, step) for slot in slots}
+        for slot in whole:
             checkpoint_files.check_tensors(
                 local[file_of(slot)],
                 file_of(slot),
@@ -98,21 +109,62 @@ def load(
         )
         # Objects, then data loaders, then generators (`baton.runtime.slots`); the global
         # RNGs last.
+        read = 0
         for slot in sorted(slots, key=lambda s: s.phase):
-            name = file_of(slot)
-            tensors = checkpoint_files.load_tensors(local[name], name)
-            try:
-                slot.load(trees[slot.name], tensors)
-            except RecursionError:
-                raise IntegrityError(f"checkpoint {step}: {name!r} nested too deeply") from None
-            except (KeyError, TypeError, ValueError) as exc:
-                raise IntegrityError(f"checkpoint {step}: cannot restore {name!r}: {exc}") from exc
+            if slot.sharded:
+                read += _load_sharded(store_url, manifest, slot, trees[slot.name])
+            else:
+                _load_whole(slot, trees[slot.name], local[file_of(slot)], file_of(slot), step)
         rng = checkpoint_files.load_tensors(local[rng_file], rng_file)
         try:
             set_rng_state(rng, mine["rng"])
         except (KeyError, TypeError, ValueError) as exc:
             raise IntegrityError(f"checkpoint {step}: malformed RNG state: {exc!r}") from None
-    return mine["step"], mine["cursor"]
+    return Resumed(mine["step"], mine["cursor"], read)
+
+
+def _load_whole(slot: Slot, tree: Any, path: Path, name: str, step: int) -> None:
+    tensors = checkpoint_files.load_tensors(path, name)
+    try:
+        slot.load(tree, tensors)
+    except RecursionError:
+        raise IntegrityError(f"checkpoint {step}: {name!r} nested too deeply") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise IntegrityError(f"checkpoint {step}: cannot restore {name!r}: {exc}") from exc
+
+
+def _tree(slot: Slot, mine: dict[str, Any], shared: dict[str, Any], step: int) -> Any:
+    """A slot's JSON tree: from this rank's meta.json if the slot is its own, else rank 0's
+    (a sharded object's included: its chunks are checked as they are loaded)."""
+    state = (mine if slot.per_rank else shared)["state"]
+    if slot.name not in state:
+        raise IntegrityError(f"checkpoint {step} has no state for {slot.name!r}")
+    return state[slot.name]
+
+
+def _load_sharded(store_url: str, manifest: Manifest, slot: Slot, tree: Any) -> int:
+    """Load this process's chunks of a sharded object; the bytes read."""
+    from baton.runtime.shards import load_sharded
+
+    if slot.name not in manifest.sharded:
+        raise IntegrityError(
+            f"checkpoint {manifest.step}: {slot.name!r} was not saved sharded and is sharded"
+            " now: load it whole, then shard it"
+        )
+    files = [f for f in manifest.files if checkpoint_files.group_of(f.name) == slot.name]
+    state, reader = load_sharded(store_url, files, slot.name, tree, slot.target())
+    by_key: dict[str, list[str]] = {}
+    for key, begin, end in reader.ranges:
+        by_key.setdefault(key, []).append(f"{begin}-{end}")
+    for key, ranges in by_key.items():  # the store's request log, as this rank made it
+        print(f"baton: {slot.name}: read {key} bytes {' '.join(ranges)}", file=sys.stderr)
+    try:
+        slot.put(state)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise IntegrityError(
+            f"checkpoint {manifest.step}: cannot restore {slot.name!r}: {exc}"
+        ) from exc
+    return reader.read_bytes
 
 
 def _meta(path: Path, step: int, run_id: str, spec_hash: str) -> dict[str, Any]:

@@ -11,9 +11,11 @@ A checkpoint holds, per registered name, one safetensors file of tensors and one
 * a dict or list of JSON values, put back in place (the caller keeps its reference).
 
 Anything else is refused by name and type when it is registered, not when the first
-checkpoint is due. The order of loading matters: objects first, then data loaders (creating
-their resumed iterators draws from generators), then generators, and the global RNGs last
-(`RunContext`), so every random state ends as it was saved, whatever drew from it on the way.
+checkpoint is due. A model sharded with FSDP2's `fully_shard` (DTensor parameters) and the
+optimizer that steps it are recognised as sharded (`baton.runtime.shards`). The order of
+loading matters: objects first, then data loaders (creating their resumed iterators draws
+from generators), then generators, and the global RNGs last (`RunContext`), so every random
+state ends as it was saved, whatever drew from it on the way.
 
 In a run of several ranks, what a slot holds is either the same on every rank or the rank's
 own (`per_rank`). Models, optimizers, schedulers and JSON values are replicated (the user's
@@ -28,7 +30,9 @@ checkpoint holds can change after the step it names.
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -54,6 +58,10 @@ class Slot(ABC):
     per_rank = False
     """Whether each rank of a group saves its own (data positions, generators), or rank 0
     saves the one all ranks share (the model, the optimizer)."""
+    sharded = False
+    """Whether each rank holds a part of it (an FSDP2 model and its optimizer): every rank
+    saves its own chunks, and a load reads the chunks the rank owns now
+    (`baton.runtime.shards`)."""
 
     def __init__(self, name: str, obj: Any) -> None:
         self.name = name
@@ -74,6 +82,10 @@ class Slot(ABC):
     def load(self, tree: Tree, tensors: dict[str, torch.Tensor]) -> None:
         self.put(unflatten(tree, tensors))
 
+    def target(self) -> Any:
+        """The state a sharded checkpoint is loaded into, in place (`baton.runtime.shards`)."""
+        return self.state()
+
     @abstractmethod
     def state(self) -> Any: ...
 
@@ -87,6 +99,58 @@ class ObjectSlot(Slot):
 
     def put(self, state: Any) -> None:
         self.obj.load_state_dict(state)
+
+
+class ShardedModelSlot(ObjectSlot):
+    """A module whose parameters are DTensors (`fully_shard`): its state dict as
+    torch.distributed.checkpoint.state_dict gives it, each rank's part of every tensor."""
+
+    sharded = True
+
+    def state(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.obj)
+
+    def put(self, state: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.obj, state)
+
+
+class ShardedOptimizerSlot(ObjectSlot):
+    """An optimizer of a sharded module's parameters, keyed by parameter name (not index),
+    as DCP keys it.
+
+    torch describes an optimizer that has not stepped yet by setting its state up first
+    (one step with zero gradients at learning rate zero: AdamW's count is then 1). That is
+    the target a checkpoint is loaded into (`target`), but a checkpoint of an optimizer that
+    has not stepped must not change it: `state` then undoes the set-up and saves no state,
+    so the next step is the optimizer's first, as in a run that took no checkpoint."""
+
+    sharded = True
+
+    def __init__(self, name: str, obj: Any, model: torch.nn.Module) -> None:
+        super().__init__(name, obj)
+        self.model = model
+
+    def state(self) -> Any:
+        fresh = not self.obj.state
+        state = self.target()
+        if fresh:
+            self.obj.state.clear()
+            state = {**state, "state": {}}
+        return state
+
+    def target(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.obj)
+
+    def put(self, state: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.obj, state)
 
 
 class BatchesSlot(ObjectSlot):
@@ -139,6 +203,31 @@ class JsonSlot(Slot):
             )
 
 
+def slots_for(registered: dict[str, Any]) -> list[Slot]:
+    """The slots of everything registered at once: an optimizer of sharded parameters is
+    checkpointed through the module it steps, which must be registered with it."""
+    slots = [slot_for(name, obj) for name, obj in registered.items()]
+    models = [s for s in slots if isinstance(s, ShardedModelSlot)]
+    for i, slot in enumerate(slots):
+        if not (isinstance(slot.obj, torch.optim.Optimizer) and _sharded_params(slot.obj)):
+            continue
+        params = {id(p) for g in slot.obj.param_groups for p in g["params"]}
+        owner = [m for m in models if params <= {id(p) for p in m.obj.parameters()}]
+        if not owner:
+            raise TypeError(
+                f"restore({slot.name}=…) steps sharded parameters (FSDP2) of no registered"
+                " module: register the sharded model in the same restore() call"
+            )
+        slots[i] = ShardedOptimizerSlot(slot.name, slot.obj, owner[0].obj)
+    return slots
+
+
+def _sharded_params(obj: Any) -> bool:
+    if isinstance(obj, torch.nn.Module):
+        return is_sharded(list(obj.parameters()))
+    return is_sharded([p for g in obj.param_groups for p in g["params"]])
+
+
 def slot_for(name: str, obj: Any) -> Slot:
     """The slot for a registered object, or a `TypeError` naming it and what is accepted."""
     if isinstance(obj, Batches):
@@ -147,6 +236,8 @@ def slot_for(name: str, obj: Any) -> Slot:
         return LoaderSlot(name, obj)
     if isinstance(obj, torch.Generator):
         return GeneratorSlot(name, obj)
+    if isinstance(obj, torch.nn.Module) and _sharded_params(obj):
+        return ShardedModelSlot(name, obj)
     if isinstance(obj, Stateful):
         return ObjectSlot(name, obj)
     if isinstance(obj, dict | list):
@@ -169,3 +260,11 @@ def slot_for(name: str, obj: Any) -> Slot:
         " GradScaler, StatefulDataLoader), torch.Generator objects, or dicts/lists of JSON"
         f" values.{hint}"
     )
+
+
+def is_sharded(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether any of `tensors` is a DTensor. torch's DTensor is looked for only if something
+    imported it (FSDP2 has, by the time a model is registered): a run that shards nothing
+    never pays for importing torch.distributed."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return isinstance(dtensor, type) and any(isinstance(t, dtensor) for t in tensors)

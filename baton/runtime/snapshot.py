@@ -62,10 +62,18 @@ class Snapshot:
     capture will not touch before this one is written, and meta.json already serialised.
     Nothing in it refers to an object the training loop goes on changing."""
 
-    def __init__(self, step: int, groups: dict[str, dict[str, torch.Tensor]], meta: bytes) -> None:
+    def __init__(
+        self,
+        step: int,
+        groups: dict[str, dict[str, torch.Tensor]],
+        meta: bytes,
+        headers: dict[str, dict[str, str]] | None = None,
+    ) -> None:
         self.step = step
         self.groups = groups
         self.meta = meta
+        self.headers = headers or {}
+        """A group's safetensors `__metadata__`: a sharded object's chunk offsets."""
         self.staged: Path | None = None
         """A directory of a framework's own files to store too, each as `file.<name>`
         (`baton.runtime.external`): the snapshot's own copies, removed once written."""
@@ -91,7 +99,11 @@ class Snapshotter:
         return self._pending is not None and not self._pending.done()
 
     def capture(
-        self, step: int, groups: dict[str, dict[str, torch.Tensor]], meta: dict[str, object]
+        self,
+        step: int,
+        groups: dict[str, dict[str, torch.Tensor]],
+        meta: dict[str, object],
+        headers: dict[str, dict[str, str]] | None = None,
     ) -> tuple[Snapshot, float]:
         """Copy tensors into the reusable host buffers and serialise `meta`, both before
         returning: whatever the caller does next cannot reach the snapshot. Returns it and
@@ -109,7 +121,7 @@ class Snapshotter:
         if on_gpu:
             torch.cuda.synchronize()
         encoded = json.dumps(meta, sort_keys=True).encode()
-        return Snapshot(step, copies, encoded), time.perf_counter() - started
+        return Snapshot(step, copies, encoded, headers), time.perf_counter() - started
 
     def write_async(
         self,
@@ -181,7 +193,7 @@ class Snapshotter:
         files: list[tuple[str, Path]] = []
         for group, tensors in snap.groups.items():
             name = f"{self._prefix}{group}.safetensors"
-            save_file(tensors, str(self._spool / name))
+            save_file(tensors, str(self._spool / name), metadata=snap.headers.get(group))
             files.append((name, self._spool / name))
         meta_name = f"{self._prefix}meta.json"
         (self._spool / meta_name).write_bytes(snap.meta)

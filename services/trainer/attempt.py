@@ -121,7 +121,7 @@ class Attempt:
         self.commits = Commits(
             self.js, store, runs, task.run_id, self.worker, lambda: lease.token,
             task.spec.checkpoint.keep_last, task.spec.pool, self.site,
-            ranks=1 if task.spec.elastic else task.spec.max_ranks,  # elastic: rank 0's alone
+            ranks=task.spec.max_ranks, elastic=task.spec.elastic,
         )  # fmt: skip
         self.step = 0
         self.start_step = 0

@@ -49,6 +49,7 @@ class Commits:
         pool: str = "",
         site: str = "",
         ranks: int = 1,
+        elastic: bool = False,
     ) -> None:
         self.js = js
         self.store = store
@@ -60,6 +61,7 @@ class Commits:
         self._outcomes: dict[tuple[int, int], asyncio.Future[bool]] = {}
         self._pool = pool
         self._ranks = ranks
+        self._elastic = elastic
         self._site = site
         """At a site, requests go to the site's checkpointer, whose events come back on
         the site's subjects."""
@@ -96,7 +98,10 @@ class Commits:
             metrics=ready.metrics,
             digest=ready.digest,
             keep_last=self._keep_last,
-            ranks=self._ranks,
+            # An elastic group's size changes from one attempt to the next: the checkpoint
+            # is of the ranks that wrote it (rank 0's alone unless objects are sharded).
+            ranks=ready.ranks if self._elastic else self._ranks,
+            sharded=ready.sharded,
         )
         span = telemetry.tracer.start_span(
             "commit",

@@ -64,7 +64,8 @@ class Reports:
     async def restored(self, msg: Loaded) -> None:
         restored = Restored(
             run_id=self.run_id, worker=self.worker, step=msg.step, damaged=msg.damaged,
-            restore_s=msg.took_s, setup_s=msg.setup_s,
+            restore_s=msg.took_s, setup_s=msg.setup_s, resharded_from=msg.resharded_from,
+            read_bytes=msg.read_bytes,
         )  # fmt: skip
         await self.emit(restored)
 

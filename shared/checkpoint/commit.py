@@ -14,7 +14,10 @@ file's safetensors header. `restorable` is the one place that decides a checkpoi
 A run of several ranks commits one checkpoint for all of them: the request lists every
 rank's shard (`CommitRequest.ranks`), and one that lacks any is refused before anything is
 written — a checkpoint some rank cannot resume from is no checkpoint. The manifest records
-the group's size, and a checkpoint resumes only at that size (`check_ranks`).
+the group's size, and a checkpoint resumes only at that size (`check_ranks`), but for an
+elastic run's. Objects sharded across the ranks (`CommitRequest.sharded`: FSDP2) are every
+rank's chunks, and a commit is refused unless they tile each tensor exactly
+(`shared.checkpoint.shards`).
 
 A checkpoint exists once `latest` names its manifest. Step 3 is decided by the store: the
 pointer write is conditional on the version just read, and the order check is made on that
@@ -29,11 +32,13 @@ import asyncio
 import logging
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import msgspec
 
 from shared.checkpoint import files as checkpoint_files
+from shared.checkpoint import shards
 from shared.checkpoint.store import Store
 from shared.checkpoint.store.base import sha256_file
 from shared.contracts import CommitRequest, FileRef, Manifest, Pointer, decode, encode
@@ -98,10 +103,12 @@ async def load_manifest(store: Store, key: str) -> Manifest:
     return decode(await store.get(key), Manifest)
 
 
-async def verify(store: Store, files: list[FileRef]) -> int:
-    """Read every file back and check its size and sha256, and that each tensor file has a
-    well-formed safetensors header. Returns the total bytes."""
+async def verify(store: Store, files: list[FileRef], sharded: Collection[str] = ()) -> int:
+    """Read every file back and check its size and sha256, that each tensor file has a
+    well-formed safetensors header, and that the ranks' chunks of each `sharded` group tile
+    its tensors exactly (`shared.checkpoint.shards`). Returns the total bytes."""
     total = 0
+    chunks: dict[str, list[shards.Chunk]] = {g: [] for g in sharded}
     with tempfile.TemporaryDirectory(prefix="baton-verify-") as tmp:
         # Tensor files are read back into a local copy: the store only reads whole objects,
         # and the header checked is then that of the very bytes that were hashed. The copy
@@ -122,8 +129,12 @@ async def verify(store: Store, files: list[FileRef]) -> int:
             if digest != ref.sha256:
                 raise IntegrityError(f"{ref.name}: sha256 {digest[:12]}… differs from declared")
             if tensors:
-                await asyncio.to_thread(checkpoint_files.read_header, local, ref.name)
+                header = await asyncio.to_thread(checkpoint_files.header_of, local, ref.name)
+                if (group := checkpoint_files.group_of(ref.name)) in chunks:
+                    chunks[group] += shards.chunks_of(header, ref.name)
             total += size
+    for group, found in chunks.items():
+        shards.tile(found, group)
     return total
 
 
@@ -144,8 +155,8 @@ async def commit(store: Store, req: CommitRequest) -> tuple[Pointer, int]:
         checkpoint_files.check_refs(req.files, data_key(req.run_id, req.token, req.step, ""))
     except IntegrityError as exc:
         raise ContractError(str(exc)) from None  # a bad request, not bad stored bytes
-    checkpoint_files.check_shards({f.name for f in req.files}, req.ranks)
-    size = await verify(store, req.files)
+    checkpoint_files.check_shards({f.name for f in req.files}, req.ranks, req.sharded)
+    size = await verify(store, req.files, req.sharded)
     wanted = Pointer(
         run_id=req.run_id,
         token=req.token,
@@ -170,6 +181,7 @@ async def commit(store: Store, req: CommitRequest) -> tuple[Pointer, int]:
         previous=current[0].manifest if current else None,
         created_at=time.time(),
         ranks=req.ranks,
+        sharded=req.sharded,
     )
     try:
         await store.put_once(wanted.manifest, encode(manifest))
@@ -197,8 +209,9 @@ def check_ranks(manifest: Manifest, ranks: int, elastic: bool = False) -> None:
     """Refuse to resume a group of `ranks` from a checkpoint written by a group of another
     size: its shards hold one data position and RNG state per rank it was written by, and
     there is no sound way to split or merge them. An elastic run's checkpoints hold one
-    state (rank 0's; every rank's is the same) and resume at any size."""
-    if elastic and manifest.ranks == 1:
+    state (rank 0's; every rank's is the same) and resume at any size, its sharded objects
+    included: each rank reads the chunks it owns at the new size (`baton.runtime.shards`)."""
+    if elastic and (manifest.ranks == 1 or manifest.sharded):
         return
     if manifest.ranks != ranks:
         raise IntegrityError(
@@ -266,9 +279,11 @@ async def check(
         raise IntegrityError(f"manifest {key} names step {manifest.step} token {manifest.token}")
     prefix = data_key(run_id, manifest.token, manifest.step, "")
     checkpoint_files.check_refs(manifest.files, prefix)
-    checkpoint_files.check_shards({f.name for f in manifest.files}, manifest.ranks)
+    checkpoint_files.check_shards(
+        {f.name for f in manifest.files}, manifest.ranks, manifest.sharded
+    )
     if read:
-        await verify(store, manifest.files)
+        await verify(store, manifest.files, manifest.sharded)
 
 
 class _Link(msgspec.Struct, frozen=True):

@@ -130,18 +130,30 @@ def rank_of(name: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def check_shards(names: Collection[str], ranks: int) -> None:
+def check_shards(names: Collection[str], ranks: int, sharded: Collection[str] = ()) -> None:
     """Every rank of a group of `ranks` has its shard among `names` (its meta.json and RNG
-    state at least), and no file belongs to a rank outside the group."""
+    state at least, and its part of every `sharded` group: `shared.checkpoint.shards`), and
+    no file belongs to a rank outside the group."""
     strays = sorted(n for n in names if rank_of(n) >= ranks)
     if strays:
         raise IntegrityError(f"{strays[0]} belongs to no rank of a group of {ranks}")
-    if ranks == 1:
-        return  # a single process wrote all of it at once; nothing can be missing
+    for group in sharded:
+        if not _GROUP.fullmatch(group):
+            raise IntegrityError(f"sharded group {group!r} is not a group name")
+    bases = [f"{g}{SUFFIX}" for g in sharded]
+    if ranks > 1:  # a single process wrote all of its own at once; nothing else can be missing
+        bases += [META, f"rng{SUFFIX}"]
     for rank in range(ranks):
-        for base in (META, f"rng{SUFFIX}"):
+        for base in bases:
             if (name := rank_prefix(rank) + base) not in names:
                 raise IntegrityError(f"rank {rank}'s shard is incomplete: no {name}")
+
+
+def group_of(name: str) -> str | None:
+    """The registered name a (checked) file of Baton's tensors holds, any rank's."""
+    m = None if _plain(name) else _RANKED.fullmatch(name)
+    base = m.group(2) if m else name
+    return base[: -len(SUFFIX)] if is_tensor_file(base) else None
 
 
 def is_tensor_file(name: str) -> bool:
@@ -167,29 +179,52 @@ def check_refs(files: Sequence[FileRef], prefix: str) -> None:
         seen.add(ref.name)
 
 
+class Header(NamedTuple):
+    """A checked safetensors header."""
+
+    tensors: dict[str, TensorSpec]
+    spans: dict[str, tuple[int, int]]
+    """Where each tensor's bytes are in the file: [begin, end) from the file's first byte."""
+    metadata: dict[str, str]
+    """Its `__metadata__` (a sharded file's chunk offsets: `shared.checkpoint.shards`)."""
+
+
 def read_header(path: Path, label: str | None = None) -> dict[str, TensorSpec]:
     """The tensors a safetensors file holds, after checking that its header is one that
     safetensors will load without surprise: at most as lenient as safetensors itself."""
+    return header_of(path, label).tensors
+
+
+def header_of(path: Path, label: str | None = None) -> Header:
+    """A local safetensors file's header, checked as `read_header` does."""
     label = label or path.name
     with path.open("rb") as f:
         size = f.seek(0, 2)
         f.seek(0)
-        if size < 8:
-            raise IntegrityError(f"{label}: {size} bytes, too short for a safetensors header")
-        length = int.from_bytes(f.read(8), "little")
-        if length > MAX_HEADER_BYTES:
-            raise IntegrityError(
-                f"{label}: header length {length} is over the limit of {MAX_HEADER_BYTES}"
-            )
-        if 8 + length > size:
-            raise IntegrityError(
-                f"{label}: header length {length} runs past the end of the {size}-byte file"
-            )
+        length = header_length(f.read(8), size, label)
         raw = f.read(length)
-    return _parse_header(raw, size - 8 - length, label)
+    return parse_header(raw, size, label)
 
 
-def _parse_header(raw: bytes, data_size: int, label: str) -> dict[str, TensorSpec]:
+def header_length(first: bytes, size: int, label: str) -> int:
+    """The header's length, from a safetensors file's first 8 bytes and its size."""
+    if size < 8 or len(first) < 8:
+        raise IntegrityError(f"{label}: {size} bytes, too short for a safetensors header")
+    length = int.from_bytes(first[:8], "little")
+    if length > MAX_HEADER_BYTES:
+        raise IntegrityError(
+            f"{label}: header length {length} is over the limit of {MAX_HEADER_BYTES}"
+        )
+    if 8 + length > size:
+        raise IntegrityError(
+            f"{label}: header length {length} runs past the end of the {size}-byte file"
+        )
+    return length
+
+
+def parse_header(raw: bytes, size: int, label: str) -> Header:
+    """The header `raw` (the bytes after the length) of a safetensors file of `size` bytes."""
+    data_size = size - 8 - len(raw)
     try:
         if not raw.startswith(b"{"):
             raise ValueError("it does not start with '{'")
@@ -221,7 +256,8 @@ def _parse_header(raw: bytes, data_size: int, label: str) -> dict[str, TensorSpe
         at = end
     if at != data_size:
         raise IntegrityError(f"{label}: tensors cover {at} bytes of data, the file has {data_size}")
-    return specs
+    start = 8 + len(raw)
+    return Header(specs, {n: (start + b, start + e) for b, e, n in spans}, metadata)
 
 
 def _entry(name: str, entry: Any, label: str) -> tuple[TensorSpec, int, int]:

@@ -180,11 +180,11 @@ async def graft(store: Store, run_id: str, token: int, worker: str, base: Base) 
     parent = source.manifest
     files = [await _copy(store, ref, run_id, token, base) for ref in parent.files]
     # Every copy against the parent's manifest: the fork's tensors are the parent's bytes.
-    await verify(store, files)
+    await verify(store, files, parent.sharded)
     manifest = Manifest(
         run_id=run_id, token=token, step=base.step, worker=worker, files=files, final=False,
         metrics=parent.metrics, digest=parent.digest, previous=None, created_at=time.time(),
-        ranks=parent.ranks, grafted_from=source.key,
+        ranks=parent.ranks, sharded=parent.sharded, grafted_from=source.key,
     )  # fmt: skip
     await check(store, run_id, manifest, key, read=False)
     try:

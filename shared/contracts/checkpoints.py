@@ -9,6 +9,9 @@ from msgspec import Meta
 
 from shared.contracts.jobs import RUN_ID
 
+GROUP = r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$"
+"""A registered name, as a checkpoint's files are named after it (`shared.checkpoint.files`)."""
+
 Sha256 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
 FileName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")]
 
@@ -51,6 +54,10 @@ class CommitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     ranks: Annotated[int, Meta(ge=1, le=64)] = 1
     """Ranks whose shards the checkpoint must hold: one that lacks any rank's cannot be
     committed (`shared.checkpoint.commit`)."""
+    sharded: list[Annotated[str, Meta(pattern=GROUP)]] = []
+    """Registered names whose tensors every rank holds a part of (an FSDP2 model, its
+    optimizer): each rank's file of each must be there, and their chunks must tile every
+    tensor (`shared.checkpoint.shards`)."""
     base: Base | None = None
     """Set for a rollback or a fork's graft: `step` is `base.step`, `files` is empty, and
     the checkpoint committed is `base`'s (`shared.checkpoint.rebase`)."""
@@ -73,6 +80,9 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     created_at: float
     ranks: int = 1
     """The group size the checkpoint was written at; every rank's files are listed."""
+    sharded: list[str] = []
+    """Registered names saved as every rank's chunks (`CommitRequest.sharded`): a checkpoint
+    with any resumes at another group size, each rank reading the chunks it now owns."""
     grafted_from: str | None = None
     """A fork's first checkpoint: the parent's manifest its files were copied from."""
 

@@ -83,6 +83,12 @@ class Loaded(_Msg, tag="loaded", frozen=True):
     setup_s: float = 0.0
     """Seconds the entry point took before it called `restore()`: importing its module and
     its own set-up (building the model, opening data)."""
+    resharded_from: int = 0
+    """The group size a sharded checkpoint was written at, when it was loaded at another
+    (`baton.runtime.shards`); 0 when it was not resharded. What follows is exact at the new
+    size but not the bits the old size would have made (docs/sharded.md)."""
+    read_bytes: int = 0
+    """Bytes this rank read of other ranks' shard files: the chunks it owns now."""
 
 
 class StepDone(_Msg, tag="step", frozen=True):
@@ -99,6 +105,10 @@ class CheckpointReady(_Msg, tag="checkpoint", frozen=True):
     metrics: dict[str, float] = {}
     stall_s: float = 0.0
     """How long the training loop was blocked for this checkpoint."""
+    ranks: int = 1
+    """How many ranks wrote it: their files are all in `files`."""
+    sharded: list[str] = []
+    """Registered names saved as every rank's chunks (`shared.checkpoint.shards`)."""
 
 
 class Divergence(_Msg, tag="divergence", frozen=True):

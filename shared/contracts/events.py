@@ -47,6 +47,12 @@ class Restored(_Event, tag="restored", frozen=True):
     setup_s: float = 0.0
     """Seconds the entry point's own code took before `restore()` (its imports, building
     the model): the user's part of starting an attempt."""
+    resharded_from: int = 0
+    """A sharded checkpoint written by this many ranks, loaded at the attempt's size (0:
+    not resharded). Resuming is exact; the steps after it are not the bits the old size
+    would have made (docs/sharded.md), so the run's self-check is not made across it."""
+    read_bytes: int = 0
+    """Bytes of shard files the attempt's first rank read to load it."""
 
 
 class Progress(_Event, tag="progress", frozen=True):

@@ -195,3 +195,95 @@ def wide(ctx: RunContext) -> None:
         opt.step()
         ctx.report(loss=loss.item())
         time.sleep(float(cfg.get("pace", 0.0)))
+
+
+def fsdp_probe(ctx: RunContext) -> None:
+    """`examples/fsdp_lm.py`'s model and loop (FSDP2), which also writes the whole of what it
+    restored, and of what it holds when it stops early, gathered from every rank, to
+    `<dump>/<token>-<restored|stopped>.safetensors` (every parameter, every AdamW value, the
+    schedule's step): a test compares them bit for bit across group sizes."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from examples.fsdp_lm import setup, train_step
+
+    cfg = ctx.config
+    run = setup(ctx)
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        full = getattr(t, "full_tensor", None)  # a DTensor's whole, gathered from every rank
+        return (full() if full is not None else t).detach().clone()
+
+    def dump(what: str) -> None:
+        state = {f"model.{k}": whole(v) for k, v in get_model_state_dict(run.model).items()}
+        for p, values in get_optimizer_state_dict(run.model, run.opt)["state"].items():
+            state.update({f"opt.{p}.{k}": whole(v) for k, v in values.items()})
+        state["sched.last_epoch"] = torch.tensor(run.sched.last_epoch)
+        if ctx.rank == 0:
+            save_file(state, f"{cfg['dump']}/{ctx.token}-{what}.safetensors")
+
+    ctx.restore(model=run.model, optimizer=run.opt, scheduler=run.sched)
+    dump("restored")
+    for step in ctx.steps():
+        ctx.report(loss=train_step(run, ctx, step))
+        time.sleep(float(cfg.get("pace", 0.0)))
+    if ctx.finished_early:
+        dump("stopped")
+
+
+def fsdp_memory(ctx: RunContext) -> None:
+    """`examples/fsdp_lm.py` (FSDP2), measuring this process's peak resident memory over
+    `restore()` and over one checkpoint taken at step `config.save_at` and written through,
+    each above what it held just before, against the bytes of its own shard of the model and
+    AdamW's state and of the whole of them. Writes `<dump>/memory-<token>-rank<k>.json`."""
+    import json
+    import re
+
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from examples.fsdp_lm import setup, train_step
+
+    def kib(field: str) -> int:
+        with open("/proc/self/status") as f:
+            found = re.search(rf"{field}:\s+(\d+) kB", f.read())
+        assert found is not None
+        return int(found.group(1)) * 1024
+
+    def measured(what: object) -> tuple[int, int]:
+        """Peak resident bytes while `what` (a callable) runs, above those resident before
+        it and above those resident after it."""
+        before = kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak (VmHWM) starts again from what is resident now
+        what()  # type: ignore[operator]
+        peak = kib("VmHWM")
+        return peak - before, peak - kib("VmRSS")
+
+    run = setup(ctx)
+    out: dict[str, int] = {}
+    out["load"], out["load_transient"] = measured(
+        lambda: ctx.restore(model=run.model, optimizer=run.opt, scheduler=run.sched)
+    )
+    for step in ctx.steps():
+        if step == int(ctx.config["save_at"]):  # `step` steps done: a checkpoint of them
+
+            def save() -> None:
+                ctx.checkpoint()
+                ctx._checkpoints.wait()  # the write, through, inside the measure
+
+            out["save"], out["save_transient"] = measured(save)
+        ctx.report(loss=train_step(run, ctx, step))
+    state = list(get_model_state_dict(run.model).values())
+    for values in get_optimizer_state_dict(run.model, run.opt)["state"].values():
+        state += list(values.values())
+    local = [getattr(t, "to_local", lambda t=t: t)() for t in state]
+    out["shard"] = sum(t.numel() * t.element_size() for t in local)
+    out["whole"] = sum(t.numel() * t.element_size() for t in state)
+    with open(f"{ctx.config['dump']}/memory-{ctx.token}-rank{ctx.rank}.json", "w") as f:
+        json.dump(out, f)

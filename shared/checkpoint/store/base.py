@@ -52,6 +52,13 @@ class Store(abc.ABC):
         """Read a whole object (`NotFound`). For small objects: manifests, pointers."""
 
     @abc.abstractmethod
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes `start` to `end` (exclusive) of an object (`NotFound`; `IntegrityError` if
+        the object is shorter): what a rank reads of another's shard file
+        (`baton.runtime.shards`). Each call is logged at DEBUG on `baton.store` with its key
+        and range, the store's request log as the client sees it."""
+
+    @abc.abstractmethod
     async def download(self, key: str, dest: Path) -> None:
         """Stream an object into a local file."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import logging
 import os
 import shutil
 import uuid
@@ -20,7 +21,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from shared.checkpoint.store.base import CHUNK, ObjectInfo, Store, check_key, sha256_file
-from shared.errors import AlreadyExists, NotFound, PreconditionFailed
+from shared.errors import (
+    AlreadyExists,
+    ContractError,
+    IntegrityError,
+    NotFound,
+    PreconditionFailed,
+)
+
+log = logging.getLogger("baton.store")
 
 _WIDTH = 12
 
@@ -45,6 +54,18 @@ class FileStore(Store):
             return await asyncio.to_thread(self.path(key).read_bytes)
         except FileNotFoundError:
             raise NotFound(key) from None
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        if not 0 <= start < end:
+            raise ContractError(f"byte range {start}-{end} of {key} is empty or negative")
+        log.debug("get %s bytes %d-%d", key, start, end)
+        try:
+            data = await asyncio.to_thread(_read_range, self.path(key), start, end)
+        except FileNotFoundError:
+            raise NotFound(key) from None
+        if len(data) != end - start:
+            raise IntegrityError(f"{key}: bytes {start}-{end} asked, {len(data)} returned")
+        return data
 
     async def download(self, key: str, dest: Path) -> None:
         try:
@@ -193,3 +214,9 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _read_range(path: Path, start: int, end: int) -> bytes:
+    with path.open("rb") as f:
+        f.seek(start)
+        return f.read(end - start)

@@ -205,6 +205,25 @@ class S3Store(Store):
         data, _etag = await self._get(key)
         return data
 
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        full = self._key(key)
+        if not 0 <= start < end:
+            raise ContractError(f"byte range {start}-{end} of {key} is empty or negative")
+        log.debug("get %s bytes %d-%d", key, start, end)
+
+        async def op(s3: Any) -> bytes:
+            resp = await s3.get_object(
+                Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}"
+            )
+            body = resp["Body"]
+            async with body:
+                return bytes(await body.read())
+
+        data = await self._retry(f"get {key} bytes {start}-{end}", key, op)
+        if len(data) != end - start:  # a server answers a range past the end with less
+            raise IntegrityError(f"{key}: bytes {start}-{end} asked, {len(data)} returned")
+        return data
+
     async def download(self, key: str, dest: Path) -> None:
         full = self._key(key)
 

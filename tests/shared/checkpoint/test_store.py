@@ -22,6 +22,7 @@ from shared.errors import (
     AlreadyExists,
     ConfigError,
     ContractError,
+    IntegrityError,
     NotFound,
     PreconditionFailed,
     StoreUnavailable,
@@ -95,6 +96,20 @@ async def test_get_download_and_stat_of_a_multi_chunk_object(store: Store, tmp_p
     await store.put_once("empty", b"")
     assert await store.stat("empty") == (0, sha(b""))
     assert await store.get("empty") == b""
+
+
+async def test_get_range_reads_exactly_the_bytes_asked(store: Store) -> None:
+    data = os.urandom(2 * 1024 * 1024 + 5)
+    await store.put_once("ranged/blob", data)
+    assert await store.get_range("ranged/blob", 0, 8) == data[:8]
+    assert await store.get_range("ranged/blob", 1_000_003, 2_000_001) == data[1_000_003:2_000_001]
+    assert await store.get_range("ranged/blob", len(data) - 1, len(data)) == data[-1:]
+    with pytest.raises(IntegrityError):  # past the end: less than asked is never returned
+        await store.get_range("ranged/blob", len(data) - 4, len(data) + 4)
+    with pytest.raises(ContractError):
+        await store.get_range("ranged/blob", 5, 5)
+    with pytest.raises(NotFound):
+        await store.get_range("no/such/key", 0, 1)
 
 
 async def test_missing_keys(store: Store, tmp_path: Path) -> None:

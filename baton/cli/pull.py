@@ -1,0 +1,138 @@
+"""`baton pull`: a committed checkpoint out of the store, as a user loads it.
+
+The download and its checks are `baton.cli.client.pull`. A sharded checkpoint (FSDP2:
+`shared.checkpoint.shards`) leaves every rank's shard file of an object under its checkpoint
+name, and `arrange` puts them together in one directory per object,
+`<dest>/<name>/rank<k>.safetensors`: that directory is a plain DCP checkpoint, which torch
+loads at any group size with
+
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, load
+    state = {"model": get_model_state_dict(model)}     # keys as Baton names them
+    load(state, storage_reader=HuggingFaceStorageReader("<dest>/model"))
+    set_model_state_dict(model, state["model"])
+
+With `--gather`, each sharded object is also assembled into one ordinary safetensors file,
+`<dest>/<name>.whole.safetensors` (tensor names as in the shards), for tools that know
+nothing of shards (`gather`). That holds the whole object in memory once, on the machine
+that asked.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from baton.cli.common import Json, app, call, fail, out, print_json, run
+
+if TYPE_CHECKING:  # `baton --help` imports neither msgspec nor torch
+    from shared.contracts import Manifest
+
+
+@app.command()
+def pull(
+    run_id: str,
+    dest: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into.")],
+    store: Annotated[str | None, typer.Option(envvar="BATON_STORE", help="Store URL.")] = None,
+    step: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Another committed checkpoint still stored: on the chain, or abandoned by a "
+            "rollback \\[default: the newest that verifies].",
+        ),
+    ] = None,
+    token: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="With --step: the one written under this token (a step committed again "
+            "after a rollback) \\[default: the one on the chain, else the newest].",
+        ),
+    ] = None,
+    gather: Annotated[
+        bool,
+        typer.Option(
+            "--gather",
+            help="A sharded (FSDP2) checkpoint: also assemble each sharded object into one "
+            "safetensors file, <name>.whole.safetensors.",
+        ),
+    ] = False,
+    as_json: Json = False,
+) -> None:
+    """Download and verify the newest committed checkpoint, or the one at --step (safetensors
+    + metadata; a framework's checkpoint as the files the framework loads; a sharded one's
+    shards as a directory per object that plain DCP loads at any size)."""
+    from baton.cli import client
+
+    url = run(lambda: call(client.store_url, store))
+    if token is not None and step is None:
+        fail("--token needs --step", code=2)
+    info = run(lambda: client.pull(url, run_id, dest, step, token, whole=gather))
+    if as_json:
+        print_json(info)
+        return
+    out.print(
+        f"pulled step {info['step']} of {run_id} ({_STATUS[info['status']]}) into "
+        f"{info['dir']}: {', '.join(info['files'])}"
+    )
+    out.print(f"weights digest {info['digest']}")
+
+
+_STATUS = {
+    "chain": "on the chain",
+    "abandoned": "abandoned by a rollback",
+    "off": "off the chain",
+}
+
+
+def arrange(dest: Path, manifest: Manifest) -> list[str]:
+    """Link every rank's shard file of each sharded object into `<dest>/<name>/`; the
+    directories made."""
+    from shared.checkpoint import files as checkpoint_files
+
+    made = []
+    for name in manifest.sharded:
+        folder = dest / name
+        folder.mkdir(exist_ok=True)
+        for ref in manifest.files:
+            if checkpoint_files.group_of(ref.name) != name:
+                continue
+            link = folder / f"rank{checkpoint_files.rank_of(ref.name)}.safetensors"
+            link.unlink(missing_ok=True)
+            os.link(dest / ref.name, link)
+        made.append(f"{name}/")
+    return made
+
+
+def gather(dest: Path, manifest: Manifest, name: str) -> str:
+    """Assemble the sharded object `name` of a pulled checkpoint into one safetensors file,
+    after checking that its chunks tile every tensor; the file's name."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from shared.checkpoint import files as checkpoint_files
+    from shared.checkpoint import shards
+    from shared.checkpoint.tensors import DTYPES
+
+    paths = [
+        dest / ref.name for ref in manifest.files if checkpoint_files.group_of(ref.name) == name
+    ]
+    found = {p: shards.chunks_of(checkpoint_files.header_of(p), p.name) for p in paths}
+    whole = {
+        k: torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+        for k, spec in shards.tile([c for cs in found.values() for c in cs], name).items()
+    }
+    for path, chunks in found.items():
+        with safe_open(str(path), framework="pt") as f:
+            for c in chunks:
+                region = whole[c.name]
+                for dim, (at, n) in enumerate(zip(c.offsets, c.spec.shape, strict=True)):
+                    region = region.narrow(dim, at, n)
+                region.copy_(f.get_tensor(c.name))
+    out = f"{name}.whole.safetensors"
+    save_file(whole, str(dest / out))
+    return out
