@@ -50,8 +50,8 @@ def describe(event: Event) -> str | None:
 
 
 def _attempt_line(event: Event) -> str | None:
-    """What happened to one attempt: it started, resumed past damage, was fenced, resumed
-    inexactly, was preempted or failed."""
+    """What happened to one attempt: it started, resumed past damage or at another size
+    (a sharded checkpoint), was fenced, resumed inexactly, was preempted or failed."""
     match event:
         case Started():
             return (
@@ -62,6 +62,12 @@ def _attempt_line(event: Event) -> str | None:
             return (
                 f"[yellow]skipped damaged checkpoints[/yellow] {event.damaged};"
                 f" resumed from step {event.step}"
+            )
+        case RestoredEvent() if event.resharded_from:
+            return (
+                f"resumed step {event.step} from the shards of {event.resharded_from} ranks"
+                f" (rank 0 read {event.read_bytes / 2**20:.1f} MiB of them): loaded exactly,"
+                " not the old size's bits from here"
             )
         case Fenced():
             return f"[red]fenced[/red] {event.worker}: {event.reason}"

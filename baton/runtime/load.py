@@ -8,6 +8,11 @@ message.
 In a run of several ranks each rank loads the replicated objects (model, optimizer, …) from
 rank 0's files and its own data positions, generators, RNG states and cursor from its own
 shard (`rank<k>.` files; rank 0's are the plain ones): a rank downloads only what it loads.
+
+A sharded object (FSDP2) is read in place, by byte range, from every rank's shard file
+(`baton.runtime.shards`): its chunks are checked against meta.json and the live object as it
+is loaded, after the objects loaded before it; rank 0 verified every file, and that the
+chunks tile each tensor, when it chose the checkpoint (`commit.restorable`).
 """
 
 from __future__ import annotations

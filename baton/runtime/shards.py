@@ -76,8 +76,9 @@ def local(
         ):
             continue  # a replica of a chunk another rank writes (HSDP's replicated dimension)
         piece = t.to_local()
-        if piece.numel() == 0:
-            continue  # more ranks than rows: this rank holds nothing of it
+        if piece.numel() == 0 and (t.numel() or rank):
+            continue  # more ranks than rows: this rank holds nothing of it (an empty
+            # tensor's place is kept by rank 0's empty chunk)
         chunks[name], offsets[name] = piece, _offsets(t)
     return chunks, shards.sharding_info(offsets)
 

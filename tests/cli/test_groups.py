@@ -10,7 +10,14 @@ import msgspec
 from baton.cli.status import _group_rows
 from baton.cli.watch import describe
 from shared.contracts import JobSpec, RankRange, RunRecord, RunState
-from shared.contracts.events import AttemptFailed, GroupFormed, Preempted, RankLost, Resized
+from shared.contracts.events import (
+    AttemptFailed,
+    GroupFormed,
+    Preempted,
+    RankLost,
+    Resized,
+    Restored,
+)
 
 SPEC = JobSpec(name="g", entry_point="m:f", total_steps=10, ranks=2)
 
@@ -60,3 +67,12 @@ def test_an_elastic_run_shows_its_range_its_size_now_and_each_resize() -> None:
     grow = Preempted(run_id="r1", worker="t1", step=40, reason="to grow its group onto t2")
     line = describe(grow)
     assert line is not None and "after step 40" in line and "to grow its group onto t2" in line
+
+
+def test_watch_says_a_sharded_run_resumed_at_another_size() -> None:
+    """An FSDP2 run's resize (docs/sharded.md): what it read, and that it is not exact."""
+    restored = Restored(run_id="r1", worker="t1", step=20, resharded_from=3, read_bytes=3 << 20)
+    line = describe(restored)
+    assert line is not None and "step 20" in line and "3 ranks" in line and "3.0 MiB" in line
+    assert "not the old size's bits" in line
+    assert describe(Restored(run_id="r1", worker="t1", step=20)) is None  # a plain resume
