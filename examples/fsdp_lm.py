@@ -73,7 +73,8 @@ def shard(model: LM, ctx: RunContext) -> None:
     if ctx.world_size == 1 and not dist.is_initialized():  # a run of one rank has no group
         from torch._C._distributed_c10d import HashStore
 
-        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+        backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

@@ -4,7 +4,7 @@ share of its budget.
 
 Invariant: a run's spend is what its trainers booked (`RunRecord.actual_cost`: each ended
 attempt's seconds at its pool's rate, on the trainer's clock) plus the attempt running now,
-as a trainer books it (`services/trainer/attempt.py`, `_spent`): its seconds so far at the
+as a trainer books it (`services/trainer/attempt.py`, `spent`): its seconds so far at the
 pool's rate (`BATON_POOLS_FILE`). Those seconds are the hub server's now less its stamp of
 that attempt's `started` event (the one naming the record's token) — two readings of one
 clock; an attempt whose `started` is not stored (yet) counts nothing until it is. At a

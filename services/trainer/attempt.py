@@ -1,14 +1,15 @@
 """One training attempt: a lease held, a child process running, its commits followed.
 
-An attempt ends in exactly one verdict (`verdicts.py` holds the outcome table), decided
-once, by `_decide`, from the first of these to happen, strongest first:
+An attempt ends in exactly one verdict (`verdicts.py` holds the outcome table and builds
+each verdict from the attempt), decided once, by `_decide`, from the first of these to
+happen, strongest first:
 
     fenced (lease taken over, or the final commit refused)   -> FENCED
     the run ended elsewhere (hard timeout)                   -> STOPPED
     the training process stalled (`stall.py`)                -> RETRY, FAILED or PAUSED
     asked to stop (cancel, pause, SIGTERM), the grace ran out -> CANCELLED, PAUSED or
                                                                 PREEMPTED
-    the divergence guard stopped the child (`_guarded`)      -> by `guard.action`
+    the divergence guard stopped the child (`guarded`)       -> by `guard.action`
     the child exited without finishing                       -> RETRY, FAILED or PAUSED
     the child stopped early after its checkpoint             -> CANCELLED, PAUSED or
                                                                 PREEMPTED
@@ -34,10 +35,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from opentelemetry import trace
 
-from services.trainer import rewind
-from services.trainer.child_proc import FINISH_GRACE_S, Child
+from services.trainer import rewind, verdicts
+from services.trainer.child_proc import FINISH_GRACE_S, OUTPUT_DRAIN_S, Child
 from services.trainer.commits import Commits
-from services.trainer.group import Breakage, Leader
+from services.trainer.group import Leader
 from services.trainer.keeper import Keeper, Order
 from services.trainer.reports import Reports
 from services.trainer.stall import Bounds, StallWatch
@@ -47,9 +48,8 @@ from shared.bus import names
 from shared.checkpoint import commit
 from shared.checkpoint.store import Store
 from shared.config import Settings
-from shared.contracts import RunRecord, Skip, Task
+from shared.contracts import Skip, Task
 from shared.contracts.child import (
-    EXIT_BAD_LAUNCH,
     EXIT_GUARDED,
     CheckpointReady,
     Control,
@@ -63,10 +63,7 @@ from shared.contracts.child import (
     Tripped,
 )
 from shared.contracts.events import (
-    AttemptFailed,
     Event,
-    Preempted,
-    RankLost,
     Started,
 )
 from shared.state import transitions
@@ -75,10 +72,6 @@ from shared.state.pools import Pools
 from shared.state.runs import Runs
 
 log = logging.getLogger("baton.trainer")
-
-FINAL_COMMIT_WAIT_S = 900.0
-LOG_TAIL_BYTES = 3000
-OUTPUT_DRAIN_S = 2.0
 
 
 class Attempt:
@@ -269,7 +262,7 @@ class Attempt:
         signal: the host is going away, and the run is recovered as a dead trainer's is)."""
         return self.orders.fenced or self.hurry.is_set()
 
-    async def _output_copied(self) -> None:
+    async def output_copied(self) -> None:
         """Until the exited child's last output is in its log file (the tail a failure
         reports), or a moment has passed: a grandchild holding the pipe open must not keep
         the verdict waiting."""
@@ -287,7 +280,7 @@ class Attempt:
         await self.reports.emit(event)
 
     @property
-    def _growing(self) -> bool:
+    def growing(self) -> bool:
         """Stopping only because a trainer is free to grow this elastic group onto."""
         return self._grow.is_set() and not self.stop.is_set() and self.orders.given is None
 
@@ -313,11 +306,11 @@ class Attempt:
         try:
             await _first(reader, self.orders.changed, self.stop, self._broken, self._grow)
             if self._broken.is_set() and self.orders.given is None:
-                return await self._group_broke(reader)
+                return await verdicts.group_broke(self, reader)
             if not reader.done() and self.orders.given in (None, Order.PAUSE, Order.CANCEL):
                 given = self.orders.given
                 why = "preempted" if given is None else given.name.lower()
-                if self._growing:
+                if self.growing:
                     assert self.group is not None
                     why = f"growing onto {self.group.grower}"
                 log.info("%s: %s at step %d; checkpointing", self.run_id, why, self.step)
@@ -329,7 +322,7 @@ class Attempt:
                     timeout=self.settings.grace_s,
                 )  # fmt: skip
                 if self._broken.is_set() and self.orders.given in (None, Order.PAUSE, Order.CANCEL):
-                    return await self._group_broke(reader)
+                    return await verdicts.group_broke(self, reader)
             if self.orders.given is Order.ROLLBACK:  # no checkpoint: it would be abandoned
                 return rewind.handed_back(self)
             return await self._decide(reader)
@@ -340,34 +333,34 @@ class Attempt:
         """The verdict, strongest cause first (the module's table)."""
         given = self.orders.given
         if given is Order.FENCE:
-            return self._fenced(self.orders.reason)
+            return verdicts.fenced(self, self.orders.reason)
         if given is Order.OVER:
             self.child.kill()
             log.warning("%s: stopped: %s", self.run_id, self.orders.reason)
             return Verdict(Outcome.STOPPED)
         if given is Order.STALL:
             self.child.kill()
-            await self._output_copied()
-            return self._child_failed(-9, self.orders.reason)
+            await self.output_copied()
+            return verdicts.child_failed(self, -9, self.orders.reason)
         if not reader.done():  # asked to stop, and the grace ran out (or a second signal)
-            return await self._stopped_early(None)
+            return await verdicts.stopped_early(self, None)
         finished = reader.result()
         if finished is None and self.group is not None:
-            return await self._group_broke(reader)
+            return await verdicts.group_broke(self, reader)
         if finished is None:
             code = await self.child.wait()
-            await self._output_copied()
+            await self.output_copied()
             if code == EXIT_GUARDED and self.tripped is not None:
-                return await self._guarded(self.tripped)
-            return self._child_failed(code)
+                return await verdicts.guarded(self, self.tripped)
+            return verdicts.child_failed(self, code)
         # `Finished` comes after the child's last write; it then leaves promptly (no
         # interpreter teardown), so its exit is waited for, briefly: nothing is killed.
         if not await self.child.exit_or_kill():
             log.info("%s: the training process finished but did not exit within %.0fs; "
                      "stopped", self.run_id, FINISH_GRACE_S)  # fmt: skip
         if finished.stopped:
-            return await self._stopped_early(finished)
-        return await self._finished()
+            return await verdicts.stopped_early(self, finished)
+        return await verdicts.finished(self)
 
     async def _read(self) -> Finished | None:
         async for msg in self.child.messages():
@@ -395,150 +388,6 @@ class Attempt:
                 return msg
         return None
 
-    # -- verdicts ------------------------------------------------------------------------
-
-    async def _finished(self) -> Verdict:
-        final = self.last_checkpoint
-        if final is None or not final.final:
-            return self._child_failed(0, "the entry point ended without its final checkpoint")
-        if not await self.commits.wait(final.token, final.step, FINAL_COMMIT_WAIT_S):
-            return self._fenced(f"final commit at step {final.step} was refused")
-        log.info("%s: completed at step %d, digest %s", self.run_id, final.step, final.digest[:16])
-        done = transitions.complete(self._spent(), final.step, final.digest, final.metrics)
-        return Verdict(Outcome.COMPLETED, change=done)
-
-    async def _stopped_early(self, finished: Finished | None) -> Verdict:
-        """Preempted (SIGTERM) or cancelled: the child checkpointed and returned (or was
-        killed when the grace ran out)."""
-        if finished is None:
-            self.child.kill()
-        last = self.last_checkpoint
-        # The record's step follows commits as their events arrive; a commit heard of only
-        # from the store (or whose event is still being handled) is written here.
-        kept: int | None = None
-        grace = self.settings.grace_s
-        if (
-            finished is not None
-            and last is not None
-            and await self.commits.wait(last.token, last.step, grace)
-        ):
-            kept = last.step
-        if self.orders.given is Order.CANCEL:
-            reason = self.orders.reason
-            cancelled = transitions.cancel_attempt(self._spent(), reason, kept)
-            return Verdict(Outcome.CANCELLED, change=cancelled)
-        if self.orders.given is Order.PAUSE:
-            paused = transitions.pause_attempt(self._spent(), self.orders.reason, kept)
-            return Verdict(Outcome.PAUSED, change=paused)
-        step = last.step if last else 0
-        why = ""
-        if self._growing:
-            # The group forms again at once, larger (its `Resized` event says so).
-            assert self.group is not None
-            why = f"to grow its group onto {self.group.grower}"
-        log.info("%s: preempted %s; lease released after step %d", self.run_id, why, step)
-
-        def preempted(r: RunRecord) -> Event:
-            return Preempted(run_id=self.run_id, worker=self.worker, step=step, reason=why)
-
-        released = transitions.release(self._spent(), kept)
-        return Verdict(Outcome.PREEMPTED, change=released, event=preempted)
-
-    async def _guarded(self, t: Tripped) -> Verdict:
-        """The divergence guard stopped the training process at step `t.step`, once the
-        checkpoints of the steps before it were written: those are good, and are committed
-        before the job's `guard.action` decides. A rollback needs a run of one rank (the
-        ranks of a group would each have to leave out their own batches) and is allowed
-        `guard.max_rollbacks` times; past either, the guard stops the run instead."""
-        guard = self.task.spec.guard
-        last = self.last_checkpoint
-        if last is not None:
-            await self.commits.wait(last.token, last.step, self.settings.grace_s)
-        latest = await commit.read_latest(self.store, self.run_id)
-        good = latest[0].step if latest else 0
-        action = guard.action
-        spent = len(self.skips) >= guard.max_rollbacks
-        if action == "rollback" and (self.group is not None or spent):
-            why = "a group's" if self.group is not None else f"{len(self.skips)} rollbacks"
-            log.warning("%s: no rollback (%s): the guard stops the run", self.run_id, why)
-            action = "stop"
-        await self.reports.guarded(t, action, good)
-        reason = f"divergence guard: {t.metric} = {t.value} at step {t.step} ({t.rule})"
-        if action == "pause":
-            return Verdict(Outcome.PAUSED, change=transitions.pause_attempt(self._spent(), reason))
-        if action == "rollback":
-            skip = Skip(after=good, batches=t.step - good)
-            rolled = transitions.roll_back(self._spent(), skip)
-            return Verdict(Outcome.ROLLED_BACK, change=rolled)
-        return self._child_failed(EXIT_GUARDED, reason)
-
-    def _fenced(self, reason: str) -> Verdict:
-        self.child.kill()
-        log.warning("%s: fenced (%s); training process killed", self.run_id, reason)
-        trace.get_current_span().set_attribute("baton.reason", reason)
-        return Verdict(Outcome.FENCED, reason=reason)
-
-    async def _group_broke(self, reader: asyncio.Task[Finished | None]) -> Verdict:
-        """A rank of the group is gone or failed (or rank 0's own process ended without
-        finishing): every rank stops, and once each one's end is known, the group's verdict
-        is decided — a lost rank re-forms the group (not the user's failure), a failure in
-        some rank's code is a failed attempt with that rank's traceback."""
-        assert self.group is not None
-        reader.cancel()
-        self.child.kill()
-        code = await self.child.wait()
-        await self._output_copied()
-        if code == EXIT_BAD_LAUNCH or not self.group.key.formed:
-            # Rank 0's process ended before any other rank started: its own failure.
-            return self._child_failed(code)
-        if code == EXIT_GUARDED and self.tripped is not None:
-            return await self._guarded(self.tripped)
-        own_tail = tail_of(self.log_path)
-        cause = await self.group.settle(code, own_tail)
-        if cause.user:
-            return self._child_failed(code, cause.reason, tail=cause.tail, rank=cause.rank)
-        return self._rank_lost(cause)
-
-    def _rank_lost(self, cause: Breakage) -> Verdict:
-        log.warning(
-            "%s: rank %d (%s) lost at step %d: %s; the group forms again",
-            self.run_id, cause.rank, cause.worker, self.step, cause.reason,
-        )  # fmt: skip
-        epoch, step = self.lease.token, self.step
-
-        def lost(r: RunRecord) -> Event:
-            return RankLost(
-                run_id=self.run_id, worker=self.worker, epoch=epoch, rank=cause.rank,
-                lost=cause.worker, reason=cause.reason, step=step,
-            )  # fmt: skip
-
-        released = transitions.release(self._spent())
-        return Verdict(Outcome.PREEMPTED, change=released, event=lost)
-
-    def _child_failed(
-        self, code: int, why: str = "", *, tail: str | None = None, rank: int | None = None
-    ) -> Verdict:
-        self.child.kill()
-        reason = why or (
-            "the entry point could not be loaded"
-            if code == EXIT_BAD_LAUNCH
-            else f"training process exited with code {code}"
-        )
-        tail = tail_of(self.log_path) if tail is None else tail
-        trace.get_current_span().set_status(trace.StatusCode.ERROR, reason)
-        # The token as the change applies: a lapsed lease re-taken meanwhile moves it.
-        count = transitions.count_failure(
-            lambda: self.lease.token, self._spent(), reason, fatal=code == EXIT_BAD_LAUNCH
-        )
-
-        def failed(r: RunRecord) -> Event:
-            return AttemptFailed(
-                run_id=self.run_id, worker=self.worker, attempt=r.attempts, reason=reason,
-                detail=tail, rank=rank,
-            )  # fmt: skip
-
-        return Verdict(Outcome.RETRY, change=count, event=failed, detail=tail)
-
     # -- helpers -------------------------------------------------------------------------
 
     async def _sample_speed(self) -> None:
@@ -549,7 +398,7 @@ class Attempt:
         with contextlib.suppress(Exception):  # a speed sample is not worth failing over
             await self.pools.record(self.task.spec.pool, elapsed / (final.step - self.start_step))
 
-    def _spent(self) -> transitions.Spent:
+    def spent(self) -> transitions.Spent:
         """This attempt's time and cost so far, and its token: what its verdict's record
         change books (`transitions.book_time`), only while the record still names it."""
         elapsed = time.monotonic() - self._began
@@ -568,14 +417,3 @@ async def _first(
         for w, task in zip(waits, tasks, strict=True):
             if task is not w:
                 task.cancel()
-
-
-def tail_of(path: Path) -> str:
-    """The last few KB of a run's log: what a failure reports."""
-    try:
-        with path.open("rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""

@@ -23,6 +23,10 @@ log = logging.getLogger("baton.trainer")
 PR_SET_PDEATHSIG = 1
 CHILD_MODULE = "services.trainer.child"
 FINISH_GRACE_S = 5.0
+LOG_TAIL_BYTES = 3000
+"""How much of a run's log a failure reports (`tail_of`)."""
+OUTPUT_DRAIN_S = 2.0
+"""How long an exited child's last output may take to reach its log file."""
 """How long a training process that reported `Finished` may take to exit by itself before
 it is stopped. It leaves promptly (`child.leave_promptly`: milliseconds); the grace is for
 the user's `atexit` hooks and a loaded machine."""
@@ -251,3 +255,14 @@ class Zygote:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listening
             self._listening = None
+
+
+def tail_of(path: Path) -> str:
+    """The last few KB of a run's log: what a failure reports."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""

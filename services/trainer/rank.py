@@ -26,8 +26,7 @@ from pathlib import Path
 import msgspec
 from nats.aio.msg import Msg
 
-from services.trainer.attempt import OUTPUT_DRAIN_S, tail_of
-from services.trainer.child_proc import FINISH_GRACE_S, Child, Zygote
+from services.trainer.child_proc import FINISH_GRACE_S, OUTPUT_DRAIN_S, Child, Zygote, tail_of
 from services.trainer.group import GIVE_WAY_S, POLL_S, local_rank
 from shared.bus import names
 from shared.contracts.child import (

@@ -125,7 +125,7 @@ def handed_back(a: Attempt) -> Verdict:
     def preempted(r: RunRecord) -> Event:
         return Preempted(run_id=a.run_id, worker=a.worker, step=step, reason=reason)
 
-    released = transitions.release(a._spent())
+    released = transitions.release(a.spent())
     delay = _delays.pop(a, 0.0)
     return Verdict(Outcome.PREEMPTED, change=released, event=preempted, delay=delay)
 

@@ -24,29 +24,46 @@ change the record refuses means the run is over (STOPPED) or no longer ours (FEN
 fenced trainer answers nothing: the message is no longer its own, and a late ack could
 delete the new holder's copy (docs/nats.md). Every other outcome frees the lease before
 answering, so the next worker finds it free when the message reaches it.
+
+The verdicts an attempt decides are built here too (`finished`, `stopped_early`, `guarded`,
+`fenced`, `group_broke`, `rank_lost`, `child_failed`), beside the table they follow, from
+what the attempt holds; which one applies is the attempt's `_decide`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from opentelemetry import trace
 
+from services.trainer.child_proc import tail_of
+from services.trainer.keeper import Order
 from shared.bus.emit import emit
-from shared.contracts import RunRecord, RunState
-from shared.contracts.events import Event, Fenced, Paused
+from shared.checkpoint import commit
+from shared.contracts import RunRecord, RunState, Skip
+from shared.contracts.child import EXIT_BAD_LAUNCH, EXIT_GUARDED, Finished, Tripped
+from shared.contracts.events import AttemptFailed, Event, Fenced, Paused, Preempted, RankLost
+from shared.state import transitions
 from shared.state.endings import settle
 from shared.state.lease import Lease
 from shared.state.runs import Change, Runs
 
+if TYPE_CHECKING:
+    from services.trainer.attempt import Attempt
+    from services.trainer.group import Breakage
+
 log = logging.getLogger("baton.trainer")
 
 MAX_RETRY_DELAY_S = 60.0
+FINAL_COMMIT_WAIT_S = 900.0
 
 
 class Outcome(enum.Enum):
@@ -151,3 +168,155 @@ async def _answer(msg: Msg, outcome: Outcome, delay: float) -> None:
     # that is acked on sight.
     with contextlib.suppress(Exception):
         await msg.ack_sync(timeout=5)
+
+
+# -- the verdicts an attempt decides (`Attempt._decide`, strongest cause first) -----------
+
+
+async def finished(a: Attempt) -> Verdict:
+    final = a.last_checkpoint
+    if final is None or not final.final:
+        return child_failed(a, 0, "the entry point ended without its final checkpoint")
+    if not await a.commits.wait(final.token, final.step, FINAL_COMMIT_WAIT_S):
+        return fenced(a, f"final commit at step {final.step} was refused")
+    log.info("%s: completed at step %d, digest %s", a.run_id, final.step, final.digest[:16])
+    done = transitions.complete(a.spent(), final.step, final.digest, final.metrics)
+    return Verdict(Outcome.COMPLETED, change=done)
+
+
+async def stopped_early(a: Attempt, ended: Finished | None) -> Verdict:
+    """Preempted (SIGTERM) or cancelled: the child checkpointed and returned (or was
+    killed when the grace ran out)."""
+    if ended is None:
+        a.child.kill()
+    last = a.last_checkpoint
+    # The record's step follows commits as their events arrive; a commit heard of only
+    # from the store (or whose event is still being handled) is written here.
+    kept: int | None = None
+    grace = a.settings.grace_s
+    if (
+        ended is not None
+        and last is not None
+        and await a.commits.wait(last.token, last.step, grace)
+    ):
+        kept = last.step
+    if a.orders.given is Order.CANCEL:
+        reason = a.orders.reason
+        cancelled = transitions.cancel_attempt(a.spent(), reason, kept)
+        return Verdict(Outcome.CANCELLED, change=cancelled)
+    if a.orders.given is Order.PAUSE:
+        paused = transitions.pause_attempt(a.spent(), a.orders.reason, kept)
+        return Verdict(Outcome.PAUSED, change=paused)
+    step = last.step if last else 0
+    why = ""
+    if a.growing:
+        # The group forms again at once, larger (its `Resized` event says so).
+        assert a.group is not None
+        why = f"to grow its group onto {a.group.grower}"
+    log.info("%s: preempted %s; lease released after step %d", a.run_id, why, step)
+
+    def preempted(r: RunRecord) -> Event:
+        return Preempted(run_id=a.run_id, worker=a.worker, step=step, reason=why)
+
+    released = transitions.release(a.spent(), kept)
+    return Verdict(Outcome.PREEMPTED, change=released, event=preempted)
+
+
+async def guarded(a: Attempt, t: Tripped) -> Verdict:
+    """The divergence guard stopped the training process at step `t.step`, once the
+    checkpoints of the steps before it were written: those are good, and are committed
+    before the job's `guard.action` decides. A rollback needs a run of one rank (the
+    ranks of a group would each have to leave out their own batches) and is allowed
+    `guard.max_rollbacks` times; past either, the guard stops the run instead."""
+    guard = a.task.spec.guard
+    last = a.last_checkpoint
+    if last is not None:
+        await a.commits.wait(last.token, last.step, a.settings.grace_s)
+    latest = await commit.read_latest(a.store, a.run_id)
+    good = latest[0].step if latest else 0
+    action = guard.action
+    spent = len(a.skips) >= guard.max_rollbacks
+    if action == "rollback" and (a.group is not None or spent):
+        why = "a group's" if a.group is not None else f"{len(a.skips)} rollbacks"
+        log.warning("%s: no rollback (%s): the guard stops the run", a.run_id, why)
+        action = "stop"
+    await a.reports.guarded(t, action, good)
+    reason = f"divergence guard: {t.metric} = {t.value} at step {t.step} ({t.rule})"
+    if action == "pause":
+        return Verdict(Outcome.PAUSED, change=transitions.pause_attempt(a.spent(), reason))
+    if action == "rollback":
+        skip = Skip(after=good, batches=t.step - good)
+        rolled = transitions.roll_back(a.spent(), skip)
+        return Verdict(Outcome.ROLLED_BACK, change=rolled)
+    return child_failed(a, EXIT_GUARDED, reason)
+
+
+def fenced(a: Attempt, reason: str) -> Verdict:
+    a.child.kill()
+    log.warning("%s: fenced (%s); training process killed", a.run_id, reason)
+    trace.get_current_span().set_attribute("baton.reason", reason)
+    return Verdict(Outcome.FENCED, reason=reason)
+
+
+async def group_broke(a: Attempt, reader: asyncio.Task[Finished | None]) -> Verdict:
+    """A rank of the group is gone or failed (or rank 0's own process ended without
+    finishing): every rank stops, and once each one's end is known, the group's verdict
+    is decided — a lost rank re-forms the group (not the user's failure), a failure in
+    some rank's code is a failed attempt with that rank's traceback."""
+    assert a.group is not None
+    reader.cancel()
+    a.child.kill()
+    code = await a.child.wait()
+    await a.output_copied()
+    if code == EXIT_BAD_LAUNCH or not a.group.key.formed:
+        # Rank 0's process ended before any other rank started: its own failure.
+        return child_failed(a, code)
+    if code == EXIT_GUARDED and a.tripped is not None:
+        return await guarded(a, a.tripped)
+    own_tail = tail_of(a.log_path)
+    cause = await a.group.settle(code, own_tail)
+    if cause.user:
+        return child_failed(a, code, cause.reason, tail=cause.tail, rank=cause.rank)
+    return rank_lost(a, cause)
+
+
+def rank_lost(a: Attempt, cause: Breakage) -> Verdict:
+    log.warning(
+        "%s: rank %d (%s) lost at step %d: %s; the group forms again",
+        a.run_id, cause.rank, cause.worker, a.step, cause.reason,
+    )  # fmt: skip
+    epoch, step = a.lease.token, a.step
+
+    def lost(r: RunRecord) -> Event:
+        return RankLost(
+            run_id=a.run_id, worker=a.worker, epoch=epoch, rank=cause.rank,
+            lost=cause.worker, reason=cause.reason, step=step,
+        )  # fmt: skip
+
+    released = transitions.release(a.spent())
+    return Verdict(Outcome.PREEMPTED, change=released, event=lost)
+
+
+def child_failed(
+    a: Attempt, code: int, why: str = "", *, tail: str | None = None, rank: int | None = None
+) -> Verdict:
+    a.child.kill()
+    reason = why or (
+        "the entry point could not be loaded"
+        if code == EXIT_BAD_LAUNCH
+        else f"training process exited with code {code}"
+    )
+    tail = tail_of(a.log_path) if tail is None else tail
+    trace.get_current_span().set_status(trace.StatusCode.ERROR, reason)
+    # The token as the change applies: a lapsed lease re-taken meanwhile moves it.
+    count = transitions.count_failure(
+        lambda: a.lease.token, a.spent(), reason, fatal=code == EXIT_BAD_LAUNCH
+    )
+
+    def failed(r: RunRecord) -> Event:
+        return AttemptFailed(
+            run_id=a.run_id, worker=a.worker, attempt=r.attempts, reason=reason,
+            detail=tail, rank=rank,
+        )  # fmt: skip
+
+    return Verdict(Outcome.RETRY, change=count, event=failed, detail=tail)
