@@ -204,7 +204,7 @@ class Member:
         exited = asyncio.ensure_future(child.wait())
         try:
             await self._follow(child, exited)
-            code = exited.result()
+            code = await exited  # the group may have ended it: killed, and not yet reaped
             await asyncio.wait({copying}, timeout=OUTPUT_DRAIN_S)
             self.me = msgspec.structs.replace(
                 self.me, state="exited", code=code, step=self.step,

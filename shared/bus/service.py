@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import signal
 import sys
@@ -44,6 +45,7 @@ async def _main(
     telemetry.setup(f"baton-{name}")
     signals = StopSignals()
     signals.install()
+    dumping = asyncio.create_task(dump_tasks_on_request())
     made: list[Service] = []
 
     async def reconnected() -> None:
@@ -63,6 +65,7 @@ async def _main(
         # telemetry last, to flush what that final work recorded.
         await nc.drain()
         await service.close()
+        dumping.cancel()
         telemetry.shutdown()
 
 
@@ -99,6 +102,26 @@ class StopSignals:
         if self.stop.is_set():
             self.hurry.set()
         self.stop.set()
+
+
+DUMP_SIGNAL = signal.SIGUSR1
+
+
+async def dump_tasks_on_request() -> None:
+    """On SIGUSR1, log every asyncio task of this process with the stack it waits in: what
+    an operator (or a test that timed out) asks of a service that seems stuck. The handler
+    only sets an event; the stacks are taken here, on the loop."""
+    asked = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(DUMP_SIGNAL, asked.set)
+    while True:
+        await asked.wait()
+        asked.clear()
+        tasks = sorted(asyncio.all_tasks(), key=lambda t: t.get_name())
+        log.warning("%d tasks, as asked (SIGUSR1):", len(tasks))
+        for task in tasks:
+            out = io.StringIO()
+            task.print_stack(limit=12, file=out)
+            log.warning("task %s\n%s", task.get_name(), out.getvalue().rstrip())
 
 
 async def pull_loop(

@@ -29,6 +29,7 @@ from baton.stack.embedded import (
 from baton.stack.natsserver import NatsServer
 from baton.stack.procs import ServiceSpec, Supervisor
 from shared.bus.connect import connect
+from shared.bus.service import DUMP_SIGNAL
 from tests.support.audit import Audit
 
 T = TypeVar("T")
@@ -170,10 +171,32 @@ class Stack:
         path = self.root / "logs" / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    async def dump_trainers(self) -> None:
+        """Ask every live trainer to log its asyncio tasks and what each waits in
+        (`shared.bus.service.dump_tasks_on_request`): a stuck attempt shows in its log."""
+        asked = {}
+        for spec in self.specs:
+            pid = self.sup.pid(spec.name)
+            if pid is not None and "services.trainer" in spec.argv:
+                asked[spec.name] = self.log(spec.name).count("tasks, as asked")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, DUMP_SIGNAL)
+
+        async def dumped() -> bool:
+            return all(
+                self.log(n).count("tasks, as asked") > k or self.sup.pid(n) is None
+                for n, k in asked.items()
+            )
+
+        with contextlib.suppress(AssertionError):  # a trainer too busy to answer: no dump
+            await eventually(dumped, 5, "the trainers' task dumps")
+
     async def stop(self) -> None:
         for nc in self.clients:
             if not nc.is_closed:
                 await nc.close()
+        # For the post-mortem of a failed test: what every trainer was doing at the end.
+        await self.dump_trainers()
         hurry = asyncio.Event()
         hurry.set()  # tests do not wait out graceful shutdowns
         await self.sup.stop(stop_order(self.specs), hurry=hurry)
