@@ -49,6 +49,7 @@ from shared.state import transitions
 from shared.state.groups import GroupStore
 from shared.state.lease import Lease
 from shared.state.runs import Runs
+from shared.waits import wait_set
 
 log = logging.getLogger("baton.trainer")
 
@@ -185,8 +186,7 @@ class Leader:
                 if (over := await self._beat()) is not None:
                     return over
             await self.renew()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), POLL_S)
+            await wait_set(stop, POLL_S)
 
     async def _call(self, rank: int, grow: bool = False) -> None:
         call = RankCall(task=self.task, epoch=self.epoch, rank=rank, grow=grow)

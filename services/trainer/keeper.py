@@ -18,7 +18,6 @@ that finished during a long cut took a second attempt after heal that way).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 from collections.abc import Awaitable, Callable
@@ -31,6 +30,7 @@ from shared.logs import Condition
 from shared.state import transitions
 from shared.state.lease import Lease
 from shared.state.runs import Runs
+from shared.waits import wait_set
 
 log = logging.getLogger("baton.trainer")
 
@@ -114,8 +114,7 @@ class Keeper:
         interval = self.lease.ttl_s / 3
         wait = interval
         while not self.orders.fenced:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.beat_now.wait(), wait)
+            await wait_set(self.beat_now, wait)
             self.beat_now.clear()
             try:
                 await touch()

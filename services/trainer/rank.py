@@ -39,6 +39,7 @@ from shared.contracts.child import (
 )
 from shared.contracts.groups import GroupKey, MemberKey, RankCall
 from shared.state.groups import GroupStore
+from shared.waits import wait_set
 
 log = logging.getLogger("baton.trainer")
 
@@ -131,8 +132,7 @@ class Member:
                 if time.monotonic() - touched > self._ack_wait_s / 3:
                     touched = time.monotonic()
                     await msg.in_progress()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), POLL_S)
+                await wait_set(self.stop, POLL_S)
             await msg.ack()  # the group it offered itself to is over: it forms again
         finally:
             await self.groups.delete(self.key)
@@ -153,8 +153,7 @@ class Member:
         way or is stopping)."""
         touched = time.monotonic()
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), POLL_S)
+            await wait_set(self.stop, POLL_S)
             if self.stop.is_set():
                 await msg.nak()  # to the next idle trainer, at once
                 return None

@@ -61,6 +61,7 @@ from shared.state.handover import hand_over
 from shared.state.lease import Lease
 from shared.state.pools import Pools, load_table
 from shared.state.runs import Runs
+from shared.waits import wait_set
 
 log = logging.getLogger("baton.trainer")
 
@@ -394,8 +395,7 @@ class Trainer:
                     self.js, subject, encode(info), msg_id=f"hb.{info.worker}.{info.at}",
                     headers={"Nats-TTL": f"{ttl}s"}, attempts=1,
                 )  # fmt: skip
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.beat.wait(), self.settings.heartbeat_s)
+            await wait_set(self.beat, self.settings.heartbeat_s)
             self.beat.clear()
 
     def _child_env(self) -> dict[str, str]:

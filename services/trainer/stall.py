@@ -23,12 +23,13 @@ beyond its event loop turning.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import statistics
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+
+from shared.waits import wait_set
 
 SAMPLES = 32
 """Recent steps the median is taken over."""
@@ -111,5 +112,4 @@ class StallWatch:
                 await warn(quiet, step)
             deadline = bound * (STOP_AFTER if self.warned else 1.0)
             self._moved.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._moved.wait(), max(0.0, deadline - quiet) + 0.01)
+            await wait_set(self._moved, max(0.0, deadline - quiet) + 0.01)
