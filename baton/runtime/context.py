@@ -95,7 +95,6 @@ class RunContext:
         self.token = token
         """The fencing token every file of this attempt is written under; in a group, the
         group's epoch, the same for every rank."""
-        self._store_url = store_url
         self._send = send
         self._loaders: dict[str, Batches] = {}
         self._metrics: dict[str, float] = {}

@@ -136,7 +136,9 @@ class ExternalLoop:
         incoming = into / ".incoming"
         incoming.mkdir(parents=True)
         local = asyncio.run(
-            download(ctx._store_url, wanted + theirs, incoming, check_hashes=ctx.rank > 0)
+            download(
+                ctx._checkpoints.store_url, wanted + theirs, incoming, check_hashes=ctx.rank > 0
+            )
         )
         meta = checkpoint_files.read_meta(local[own + META])
         if meta.get("run_id") != ctx.run_id or meta.get("spec_hash") != spec_hash(ctx.spec):
