@@ -9,9 +9,10 @@ hub:
                   itself; read its own runs' records, events and logs (each submitter
                   user owns the runs it submits)
     dispatcher    take submissions, cancels and steering requests; write run records;
-                  publish tasks
+                  publish tasks, and grant runs to sites (into each site's work queue)
     checkpointer  take commit requests; publish commit outcomes
-    reaper        read everything it sweeps; write run records; re-publish tasks; link sites
+    reaper        read everything it sweeps; write run records; re-publish tasks; link sites;
+                  take in sites' records of the runs granted to them
     trainer       take tasks (its consumer only); write the leases of the runs it was
                   handed, run records and heartbeats; publish events, logs, commit requests;
                   read drain keys by key (whether it is drained)
@@ -59,7 +60,7 @@ HUB_ROLES = (
     "operator", "submitter", "dispatcher", "checkpointer", "reaper", "trainer", "dashboard",
     "notifier",
 )  # fmt: skip
-SITE_ROLES = ("operator", "submitter", "checkpointer", "trainer")
+SITE_ROLES = ("operator", "submitter", "checkpointer", "dispatcher", "trainer")
 
 
 class Permissions(msgspec.Struct, frozen=True):
@@ -149,6 +150,9 @@ def hub_permissions(role: str) -> Permissions | None:
                 f"{API}.STREAM.MSG.GET.{names.TASKS_STREAM}",
                 f"{API}.STREAM.MSG.DELETE.{names.TASKS_STREAM}",
                 f"{p}.tasks.>", f"{p}.events.>", f"{p}.dlq.>", f"{p}.control.>",
+                # Grants runs to sites: into each site's own work queue
+                # (`services/dispatcher/delegation.py`).
+                f"{p}.site.*.tasks.>",
             ),
             subscribe=(inbox,),
         )  # fmt: skip
@@ -168,6 +172,8 @@ def hub_permissions(role: str) -> Permissions | None:
             publish=(
                 *_DECLARE, f"{API}.STREAM.UPDATE.*", *_FLOW,
                 *_consume(API, names.ADVISORY_STREAM),
+                # Takes in the records of runs granted to sites (`services/reaper/grants.py`).
+                *_consume(API, names.REPORTS_STREAM),
                 *_read_kv(API, *_ALL_KV),
                 *_write_kv("", names.RUNS_BUCKET, names.SITES_BUCKET, names.LIVE_BUCKET),
                 # Retires ended runs into the archive (`shared.state.runs`).
@@ -270,10 +276,16 @@ def submitter_permissions(user: str, site: str = "") -> Permissions:
     own_logs = f"{p}.logs.{user}.>"
     submit, cancel = f"{p}.submit.*.{user}", f"{p}.cancel.{user}.>"
     steer: tuple[str, ...] = (f"{p}.steer.{user}.>",)
+    local: tuple[str, ...] = ()
     if site:
         # Steering is carried out at the hub, where the runs' records are: a site's
         # submitter reaches it through the operator there.
         submit, cancel, steer = names.at_site(submit, site), names.at_site(cancel, site), ()
+        # Its job's answer, from the site's own dispatcher, is read in the site's outbox.
+        local = (
+            f"{API}.CONSUMER.CREATE.{names.OUTBOX_STREAM}.*.{names.at_site(own_events, site)}",
+            f"{API}.CONSUMER.DELETE.{names.OUTBOX_STREAM}.*",
+        )
     return Permissions(
         publish=(
             submit, cancel, *steer, f"{api}.INFO", *_FLOW,
@@ -283,7 +295,7 @@ def submitter_permissions(user: str, site: str = "") -> Permissions:
             f"{api}.CONSUMER.CREATE.{names.EVENTS_STREAM}.*.{own_events}",
             f"{api}.CONSUMER.DELETE.{names.EVENTS_STREAM}.*",
             f"{api}.CONSUMER.CREATE.{names.LOGS_STREAM}.*.{own_logs}",
-            f"{api}.CONSUMER.DELETE.{names.LOGS_STREAM}.*",
+            f"{api}.CONSUMER.DELETE.{names.LOGS_STREAM}.*", *local,
         ),
         subscribe=(f"{inbox_prefix(user.replace('-', '_'))}.>",),
     )  # fmt: skip
@@ -324,7 +336,11 @@ def site_permissions(role: str, site: str) -> Permissions | None:
     if role == "submitter":
         return submitter_permissions(f"{site}-{role}", site)
     if role == "checkpointer":
-        local = [n for n in (names.OUTBOX_STREAM, names.CKPT_STREAM)]
+        # Declares the site's streams and the buckets of the runs granted to it.
+        local = [
+            names.OUTBOX_STREAM, names.CKPT_STREAM, names.TASKS_STREAM, names.SUBMIT_STREAM,
+            f"KV_{names.site_runs_bucket(site)}", f"KV_{names.site_leases_bucket(site)}",
+        ]  # fmt: skip
         return Permissions(
             publish=(
                 f"{API}.INFO", *(f"{API}.STREAM.INFO.{s}" for s in local),
@@ -336,9 +352,32 @@ def site_permissions(role: str, site: str) -> Permissions | None:
             ),
             subscribe=(inbox,),
         )  # fmt: skip
-    if role == "trainer":
+    if role == "dispatcher":
+        # Jobs submitted at the site: dispatched there, as grants to the site itself
+        # (`services/dispatcher/site.py`); it asks the hub whether a run id is known there.
+        runs = names.site_runs_bucket(site)
         return Permissions(
-            publish=_trainer_publish(HUB_API, hub_kv, site),
+            publish=(
+                f"{API}.INFO", *_FLOW, *_consume(API, names.SUBMIT_STREAM),
+                f"{API}.CONSUMER.INFO.{names.TASKS_STREAM}.>",
+                *_read_kv(API, runs), *_write_kv("", runs),
+                names.site_root(site, "tasks"), names.site_root(site, "events"),
+                names.site_root(site, "dlq"),
+                f"{HUB_API}.INFO", f"{HUB_API}.STREAM.INFO.KV_{names.RUNS_BUCKET}",
+                f"{HUB_API}.DIRECT.GET.KV_{names.RUNS_BUCKET}.>",
+                f"{HUB_API}.DIRECT.GET.{names.ARCHIVE_STREAM}.>",
+            ),
+            subscribe=(inbox,),
+        )  # fmt: skip
+    if role == "trainer":
+        # The runs granted to the site: its own work queue and buckets, in its own domain
+        # (`services/trainer/granted.py`).
+        granted = (names.site_runs_bucket(site), names.site_leases_bucket(site))
+        return Permissions(
+            publish=(
+                *_trainer_publish(HUB_API, hub_kv, site), *_consume(API, names.TASKS_STREAM),
+                *_read_kv(API, *granted), *_write_kv("", *granted),
+            ),
             subscribe=(inbox, f"{names.PREFIX}.control.>", names.site_root(site, "events")),
         )
     raise ValueError(f"no such role at a site: {role!r}")
@@ -354,13 +393,20 @@ def site_link(site: str) -> Permissions:
     hub_calls = sorted(
         {
             s
-            for r in ("trainer", "submitter")
+            for r in ("trainer", "submitter", "dispatcher")
             for s in (site_permissions(r, site) or Permissions((), ())).publish
             if s.startswith(f"{HUB_API}.") or s.startswith("$JS.ACK.")
         }
     )
-    out = (f"{names.PREFIX}.site.{site}.>", *hub_calls, *_FLOW, "$JSC.R.>", "$JS.S.>")
-    into = (*site_users, f"{names.PREFIX}.control.>", f"$JS.{site}.API.>", *_FLOW)
+    # The site's JetStream answers the dispatcher's grants (`services/dispatcher/delegation.py`).
+    out = (
+        f"{names.PREFIX}.site.{site}.>", *hub_calls, *_FLOW, "$JSC.R.>", "$JS.S.>",
+        f"{inbox_prefix('dispatcher')}.>",
+    )  # fmt: skip
+    into = (
+        *site_users, f"{names.PREFIX}.control.>", f"$JS.{site}.API.>", *_FLOW,
+        names.site_root(site, "tasks"),
+    )  # fmt: skip
     return Permissions(publish=out, subscribe=into)
 
 

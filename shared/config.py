@@ -99,6 +99,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`BATON_ALERTS`: the notifier's TOML file of who is told what (docs/alerts.md);
     `baton up --alerts FILE` sets it."""
 
+    delegate_ahead: tuple[tuple[str, int], ...] = (("*", 1),)
+    """`BATON_DELEGATE_AHEAD`: runs the hub grants each site per live trainer of a pool
+    beyond the one it trains (`services/dispatcher/delegation.py`): `1`, or per site
+    `lab1=2,lab2=0,*=1` (`*`: every other site). 0 grants a site nothing: its trainers take
+    the hub's work over the link, as before grants."""
+
     @property
     def hub_api(self) -> str | None:
         """API prefix for writes into the hub's KV from a site; None at the hub."""
@@ -115,6 +121,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return not self.entry_allow or any(
             module == p or module.startswith(p + ".") for p in self.entry_allow
         )
+
+    def ahead(self, site: str) -> int:
+        table = dict(self.delegate_ahead)
+        return table.get(site, table.get("*", 0))
 
     @property
     def sweep_s(self) -> float:
@@ -157,6 +167,7 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             form_wait_s=_float(env, "BATON_FORM_WAIT", d.form_wait_s),
             upload_bps=upload_bps(env),
             alerts_file=env.get("BATON_ALERTS", ""),
+            delegate_ahead=_ahead(env.get("BATON_DELEGATE_AHEAD", "1")),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -174,6 +185,21 @@ def upload_bps(env: Mapping[str, str]) -> float:
     if match is None:  # a ConfigError, not a ValueError: the store reads it outside `load`
         raise ConfigError(f"BATON_UPLOAD_BPS={raw!r} is not bytes per second (`250000`, `250k`)")
     return float(match[1]) * _SCALE[match[2].lower()]
+
+
+def _ahead(raw: str) -> tuple[tuple[str, int], ...]:
+    out = []
+    for part in (p.strip() for p in raw.split(",") if p.strip()):
+        site, _, count = part.rpartition("=")
+        site = site.strip() or "*"
+        if site != "*":
+            _site(site)
+        if not count.strip().isdigit() or int(count) > 1000:
+            raise ValueError(
+                f"BATON_DELEGATE_AHEAD={raw!r}: {part!r} is not `N` or `site=N` (0 to 1000)"
+            )
+        out.append((site, int(count)))
+    return tuple(out)
 
 
 def _site(raw: str) -> str:

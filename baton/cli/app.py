@@ -306,18 +306,12 @@ def runs(
     if as_json:
         print_json(records)
         return
-    t = Table("run", "name", "pool", "state", "step", "attempts", "worker", "loss")
+    t = Table("run", "name", "pool", "state", "step", "attempts", "worker", "site", "loss")
     for r in records:
         t.add_row(
-            r.run_id,
-            r.spec.name,
-            r.spec.pool,
-            r.state.value,
-            f"{r.step}/{r.spec.total_steps}",
-            str(r.attempts),
-            r.worker or "-",
-            fmt(r.metrics.get("loss")),
-        )
+            r.run_id, r.spec.name, r.spec.pool, r.state.value, f"{r.step}/{r.spec.total_steps}",
+            str(r.attempts), r.worker or "-", r.site or "-", fmt(r.metrics.get("loss")),
+        )  # fmt: skip
     out.print(t)
 
 

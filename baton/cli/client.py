@@ -17,7 +17,10 @@ from nats.errors import ConnectionClosedError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from baton.cli import reader
+from baton.cli import at_site, reader
+from baton.cli.at_site import hub_answers as hub_answers
+from baton.cli.at_site import hub_domain as hub_domain
+from baton.cli.at_site import site_of as site_of
 from baton.cli.errors import CliError as CliError  # re-exported: callers catch client.CliError
 from baton.cli.errors import needs
 from shared import auth
@@ -45,29 +48,6 @@ async def open_nats(url: str, **options: Any) -> Client:
         )
     except ConnectionError as exc:
         raise CliError(f"{exc}. Is the stack up? Start it with `baton up`.") from None
-
-
-def site_of(nc: Client) -> str:
-    """The JetStream domain of the server `nc` is connected to when it is a site's leaf node
-    (not the hub's domain); "" at the hub."""
-    domain = str(getattr(nc, "_server_info", {}).get("domain") or "")
-    return "" if domain == names.HUB_DOMAIN else domain
-
-
-def hub_domain(nc: Client) -> str | None:
-    """The domain a read of the hub's state goes to: the hub's from a site's leaf node (the
-    site's users may read the runs bucket across the link), else the server's own."""
-    return names.HUB_DOMAIN if site_of(nc) else None
-
-
-async def hub_answers(nc: Client, timeout: float = 2.0) -> bool:
-    """Whether the hub's JetStream answers from here (across a site's link, which carries
-    `$JS.hub.API.INFO` for the site's users)."""
-    try:
-        await nc.request(f"$JS.{names.HUB_DOMAIN}.API.INFO", b"", timeout=timeout)
-    except Exception:
-        return False
-    return True
 
 
 async def wait_for_services(nc: Client, pool: str, timeout: float) -> None:
@@ -112,9 +92,9 @@ async def submit(
 ) -> tuple[str, Event | None]:
     """Publish a spec; wait up to `wait_s` for the dispatcher's accepted/rejected event.
 
-    At a site (`nc` connected to its leaf node) the spec goes to the site's outbox, which
-    stores it even while the link to the hub is down; the answer is then read from the hub
-    across the link, and is simply not there yet while the link is down.
+    At a site (`nc` connected to its leaf node) the spec goes to the site's own submit
+    stream, which stores it even while the link to the hub is down; the site's dispatcher
+    answers, into the site's outbox, where the answer is read (link or no link).
 
     The root span of the run's trace is `submit`: a new trace (never a child of whatever
     span the caller has open), since one trace is one run. Its context goes to the
@@ -144,9 +124,13 @@ async def submit(
         if wait_s <= 0:
             return run_id, None
         try:
-            sub = await _subscribe_events(nc, run_id, names.HUB_DOMAIN if site else None)
+            if site:  # the site's own dispatcher answers, into the site's outbox
+                events = names.at_site(names.events_of_run(run_id), site)
+                sub = await reader.read(nc, names.OUTBOX_STREAM, events)
+            else:
+                sub = await _subscribe_events(nc, run_id)
         except (ServiceUnavailableError, TimeoutError, NatsTimeoutError):
-            return run_id, None  # a site cut off from the hub: the outbox has the job
+            return run_id, None
         try:
             answer: Accepted | Rejected | None = await reader.first(sub, wait_s, answer_of)
         finally:
@@ -228,8 +212,19 @@ async def readable_history(nc: Client, run_id: str) -> list[Event] | None:
     their records)."""
     from nats.errors import NoRespondersError
 
-    if not site_of(nc):
+    if not (site := site_of(nc)):
         return await history(nc, run_id)
+    if await at_site.site_record(nc, site, run_id) is not None:
+        # A run granted to this site: its events as the site sent them, link or no link.
+        from shared.history.clocks import from_messages
+
+        sub = await reader.read(
+            nc, names.OUTBOX_STREAM, names.at_site(names.events_of_run(run_id), site)
+        )
+        try:
+            return from_messages(await reader.drain(sub))
+        finally:
+            await sub.unsubscribe()
     try:
         return await history(nc, run_id)
     except (NoRespondersError, NatsTimeoutError, TimeoutError, ServiceUnavailableError):
@@ -248,7 +243,13 @@ async def divergences(nc: Client, run_id: str) -> list[Diverged]:
 
 
 async def record(nc: Client, run_id: str, domain: str | None = None) -> RunRecord:
-    """The run's record, from the runs bucket or, once it was retired, the archive."""
+    """The run's record, from the runs bucket or, once it was retired, the archive. At a
+    site, the site's own record of a run granted to it first: the newest, and there with
+    the link cut."""
+    if (site := site_of(nc)) and domain is None:
+        found = await at_site.site_record(nc, site, run_id)
+        if found is not None:
+            return found
     with needs("runs bucket"):
         found = await (await Runs.open(nc.jetstream(domain=domain or hub_domain(nc)))).find(run_id)
     if found is None:
@@ -263,6 +264,8 @@ async def all_records(nc: Client, history: bool = False) -> list[RunRecord]:
     At a site, from the hub's runs bucket across the link, which carries that bucket but
     not the live index: what the bucket holds is the same set (the live runs and those not
     yet retired)."""
+    if site := site_of(nc):
+        return await at_site.site_records(nc, site, history)
     js = nc.jetstream(domain=hub_domain(nc))
     with needs("runs bucket"):
         runs = await Runs.open(js)
@@ -323,6 +326,8 @@ async def await_state(nc: Client, run_id: str, wanted: set[str], wait_s: float) 
 
 
 async def workers(nc: Client) -> list[WorkerInfo]:
+    if site := site_of(nc):
+        return [w for w, _ in await at_site.site_workers(nc, site)]
     with needs("workers bucket"):
         return await live_workers(nc.jetstream())
 
@@ -334,6 +339,8 @@ async def workers_seen(nc: Client) -> list[tuple[WorkerInfo, float]]:
     from shared.state.clock import age, server_now
     from shared.state.workers import heard_workers
 
+    if site := site_of(nc):
+        return await at_site.site_workers(nc, site)
     with needs("workers bucket"):
         heard = await heard_workers(nc.jetstream())
         now = await server_now(nc, f"KV_{names.WORKERS_BUCKET}") if heard else 0.0

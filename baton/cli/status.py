@@ -58,6 +58,7 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
         ("retries", str(record.retries)),
         ("worker", record.worker or "-"),
         ("token", str(record.token or "-")),
+        ("site", f"{record.site} (granted, epoch {record.epoch})" if record.site else "-"),
         *_group_rows(record, events),
         *_lineage_rows(record),
         *_health_rows(record, events),

@@ -153,11 +153,13 @@ SpecBuilder = Callable[[StackOptions, str], list[ServiceSpec]]
 
 def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
     """Dispatcher, checkpointer, reaper (and the notifier, given an alerts file) and the
-    trainers, in start order; at a site, its checkpointer and trainers (named after the
-    site: worker names are unique system-wide)."""
+    trainers, in start order; at a site, its checkpointer, its dispatcher (of the jobs
+    submitted there) and trainers (named after the site: worker names are unique
+    system-wide)."""
     data = opts.data_dir.absolute()
     trainer = f"{opts.site}-trainer" if opts.site else "trainer"
-    services = ["checkpointer"] if opts.site else ["dispatcher", "checkpointer", "reaper"]
+    hub_services = ["dispatcher", "checkpointer", "reaper"]
+    services = ["checkpointer", "dispatcher"] if opts.site else hub_services
     if opts.alerts and not opts.site:
         services.append("notifier")
     usable = devices(opts)

@@ -46,6 +46,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     pool: str
     owner: str
     site: str
+    """The site holding the run's grant, else the one it ended at ("" for the hub)."""
     created_at: float
     updated_at: float
     seq: int
@@ -60,7 +61,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
         return cls(
             run_id=r.run_id, name=r.spec.name, state=r.state, step=r.step,
             total_steps=r.spec.total_steps, attempts=r.attempts, worker=r.worker,
-            pool=r.spec.pool, owner=r.run_id.rpartition(".")[0], site=r.ending_site,
+            pool=r.spec.pool, owner=r.run_id.rpartition(".")[0], site=r.site or r.ending_site,
             created_at=r.created_at, updated_at=r.updated_at, seq=seq, stamped_at=stamped_at,
         )  # fmt: skip
 

@@ -25,6 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from opentelemetry import trace
 
+from services.dispatcher.delegation import Delegation
 from services.dispatcher.steering import Steering
 from shared import telemetry
 from shared.bus import names
@@ -87,6 +88,7 @@ class Dispatcher:
         self.runs = await Runs.open(self.js)
         self.pools = Pools(self.js, load_table(self.settings.pools_file))
         self.steering = Steering(self.nc, self.runs, self.lease_secret)
+        self.delegation = Delegation(self.nc, self.runs, self.settings)
 
     async def serve(self, stop: asyncio.Event) -> None:
         await asyncio.gather(
@@ -110,6 +112,7 @@ class Dispatcher:
                 stop,
                 lambda msg: handle(self.js, msg, "dispatcher", self.on_request),
             ),
+            self.delegation.serve(stop),
         )
 
     async def on_submission(self, msg: Msg) -> None:
@@ -165,9 +168,11 @@ class Dispatcher:
                 rejected = Rejected(run_id=run_id, reason=reason, path="$.idempotency_key")
                 await emit(self.js, rejected)
                 raise ContractError(reason, "$.idempotency_key")
-        if record.state is RunState.QUEUED:
-            # Also on a duplicate: the first submission may have died before this publish.
-            # The current span is `dispatch` (none when called outside on_submission).
+        # Also on a duplicate: the first submission may have died before this publish. The
+        # current span is `dispatch` (none when called outside on_submission). A site with
+        # room is granted the run instead (`delegation.py`).
+        queued = record.state is RunState.QUEUED and not record.site
+        if queued and not await self.delegation.place(record):
             await publish_task(self.js, record, self.lease_secret, telemetry.inject())
         await emit(
             self.js,

@@ -26,8 +26,12 @@ when a run is given up.
                  collected, its record archived, out of the live index (`shared.state.runs`)
     goodput      a run seen running that has ended: its goodput exported (`accounts.py`)
 
+    taken back   a run granted to a site silent past its `lost_after`: fenced in the
+                 store, queued again at the hub (`grants.py`)
+
 Beside the sweeps, the reaper watches the sites' greetings and (re)attaches their outboxes
-to the hub's streams (`sites.py`).
+to the hub's streams (`sites.py`), and takes in the records of the runs granted to sites
+as they report them (`grants.py`).
 """
 
 from __future__ import annotations
@@ -45,13 +49,20 @@ from services.reaper import budgets
 from services.reaper.accounts import Accounts
 from services.reaper.clock import HubClock
 from services.reaper.deliveries import on_advisory
+from services.reaper.grants import Reconciler, TakeBack
 from services.reaper.lapses import Lapses
 from services.reaper.sites import SiteWatch
 from shared.bus import names
 from shared.bus.answer import handle
 from shared.bus.emit import emit
 from shared.bus.service import pull_loop
-from shared.bus.streams import declared, ensure, ensure_consumer, reaper_consumer
+from shared.bus.streams import (
+    declared,
+    ensure,
+    ensure_consumer,
+    reaper_consumer,
+    reconciler_consumer,
+)
 from shared.checkpoint import retention
 from shared.checkpoint.store import open_store
 from shared.config import Settings
@@ -63,6 +74,7 @@ from shared.state import transitions
 from shared.state.endings import repair, settle
 from shared.state.lease import holder as lease_holder
 from shared.state.lease import lease_key
+from shared.state.pools import load_table
 from shared.state.runs import Runs, Stamped
 from shared.state.tasks import publish_task
 from shared.state.workers import live_workers
@@ -101,9 +113,15 @@ class Reaper:
         async def declare() -> None:
             await ensure(self.js, self.settings.replicas)
             await ensure_consumer(self.js, names.ADVISORY_STREAM, reaper_consumer())
+            await ensure_consumer(self.js, names.REPORTS_STREAM, reconciler_consumer())
 
         await declared(declare, log)
         self.runs = await Runs.open(self.js)
+        self.reconciler = Reconciler(self.runs)
+        self.take_back = TakeBack(
+            self.nc, self.js, self.runs, self.store, load_table(self.settings.pools_file),
+            self.lease_secret,
+        )  # fmt: skip
         self.lapses = Lapses(self.nc, self.js, self.runs, self.lease_secret)
         await self.lapses.start()
         await self.sites.start()
@@ -118,8 +136,17 @@ class Reaper:
                 self.js, msg, "reaper", lambda m: on_advisory(self.js, self.runs, m)
             ),
         )
+        reports = pull_loop(
+            self.js,
+            names.REPORTS_STREAM,
+            names.RECONCILER_CONSUMER,
+            stop,
+            lambda msg: handle(self.js, msg, "reaper", self.reconciler.on_report),
+        )
         try:
-            await asyncio.gather(advisories, self._sweeping(stop), self.sites.watch(stop))
+            await asyncio.gather(
+                advisories, reports, self._sweeping(stop), self.sites.watch(stop)
+            )
         finally:
             await self.sites.stop()
             await self.lapses.stop()
@@ -142,7 +169,12 @@ class Reaper:
         running = [r for r in records if not r.state.terminal]
         workers = {w.worker: w for w in await live_workers(self.js)}
         redispatched = []
+        # A run granted to a site is the site's to time, hand over and end; the hub takes
+        # it back once the site is silent past its policy (`grants.py`).
+        await self.take_back.sweep([r for r in running if r.site])
         for r in running:
+            if r.site:
+                continue
             if await self._timeouts(r):
                 continue
             await self._budget(r)

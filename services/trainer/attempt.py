@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from nats.aio.client import Client
@@ -88,7 +89,10 @@ class Attempt:
         signals: tuple[asyncio.Event, asyncio.Event],
         beat_now: asyncio.Event,
         group: Leader | None = None,
+        grant: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
+        """`runs` holds the run's record: the hub's, or a site's own for a run granted to
+        it, whose `grant` the keeper checks with the hub while it can (`granted.py`)."""
         self.js: JetStreamContext = nc.jetstream()
         self.nc = nc
         self.settings = settings
@@ -107,8 +111,9 @@ class Attempt:
         # A group's epoch is the token its ranks were started with: a lapsed lease re-taken
         # under a new token would leave them writing under the old one, so it is fenced.
         self.keeper = Keeper(
-            task.run_id, lease, runs, store, beat_now, child.send, may_retake=group is None
-        )
+            task.run_id, lease, runs, store, beat_now, child.send, may_retake=group is None,
+            grant=grant,
+        )  # fmt: skip
         self.orders = self.keeper.orders
         self.site = settings.site
         self.commits = Commits(
@@ -180,7 +185,8 @@ class Attempt:
         token = self.lease.token
         self._delivery = msg.reply
         group = [self.worker, *(m.worker for m in self.group.members)] if self.group else []
-        running = transitions.mark_running(self.worker, token, self._delivery, group)
+        granted_to = self.task.grant.site if self.task.grant is not None else ""
+        running = transitions.mark_running(self.worker, token, self._delivery, group, granted_to)
         record = await self.runs.update(self.run_id, running)
         if record is None:  # over, or someone newer holds it: the attempt never starts
             unchanged = transitions.unchanged

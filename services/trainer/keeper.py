@@ -7,6 +7,10 @@ run is already over (a hard timeout). A renewal that loses its CAS means the lea
 lapsed or was taken: the keeper re-takes a lapsed lease only if nobody else moved the run
 on meanwhile; otherwise the attempt is fenced.
 
+For a run granted to this trainer's site (`granted.py`), the lease and the record are the
+site's own, and after each renewal the keeper also asks the hub, while it can, whether the
+grant still holds: a run the hub took back is fenced.
+
 Once the attempt's verdict is decided (`settling`), the lease decides nothing more: the
 verdict's record write is a compare-and-swap on the token the attempt ran under, which
 succeeds exactly when nobody moved the run on. So the keeper then only renews: a renewal
@@ -90,6 +94,7 @@ class Keeper:
         send: Callable[[Control], None],
         *,
         may_retake: bool = True,
+        grant: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
         self.run_id = run_id
         self.lease = lease
@@ -102,6 +107,9 @@ class Keeper:
         """False for a group's leader: its ranks carry the epoch they started with."""
         self.settled = False
         """The attempt's verdict is decided: renew only (see the module's docstring)."""
+        self.grant = grant
+        """For a run granted to this trainer's site: why the hub no longer grants it, or
+        None (`granted.py`); asked after each renewal, and a reason fences the attempt."""
         self.renewal = Condition(log, f"{run_id}: lease renewal", "training goes on")
         """Logs a run of failed renewals (a cut link) once as it starts and once as it ends."""
 
@@ -128,6 +136,11 @@ class Keeper:
                         return
                     if not self.may_retake or not await self._retake():
                         self.orders.fence("the lease was taken over by another worker")
+                        return
+                if self.grant is not None and not self.settled:
+                    revoked = await self.grant()
+                    if revoked is not None:
+                        self.orders.fence(revoked)
                         return
                 await self._read_orders()
                 self.renewal.ok()

@@ -37,6 +37,7 @@ from services.trainer.attempt import Attempt
 from services.trainer.child_proc import Zygote
 from services.trainer.claim import WorkDir
 from services.trainer.drain import Draining
+from services.trainer.granted import Granted
 from services.trainer.group import GaveWay, Leader, Superseded
 from services.trainer.rank import Member
 from services.trainer.verdicts import Outcome, Scope, Verdict, apply
@@ -56,6 +57,7 @@ from shared.contracts.groups import RankCall
 from shared.contracts.tasks import Claim
 from shared.errors import ContractError
 from shared.state import transitions
+from shared.state.grants import epoch_of
 from shared.state.groups import GroupStore, key_ttl
 from shared.state.handover import hand_over
 from shared.state.lease import Lease
@@ -66,6 +68,8 @@ from shared.waits import wait_set
 log = logging.getLogger("baton.trainer")
 
 ATTEMPT_ERROR_DELAY_S = 5.0
+HUB_RETRY_S = 5.0
+"""At a site: how long the hub's queue is left alone after a fetch from it failed."""
 NATS_SECRETS = ("NATS_PASSWORD", "NATS_PASSWORD_FILE", "NATS_AUTH_FILE", "NATS_CREDS", "NATS_NKEY")
 
 
@@ -93,6 +97,10 @@ class Trainer:
         self.zygote = Zygote(self._child_env())
         """Forks each attempt's training process from one that imported torch already."""
         self.workdir = WorkDir(Path(settings.work_dir))
+        self.granted = Granted(self.js, self.hub, settings, self.store) if self.site else None
+        """At a site: the runs the hub granted to it (`granted.py`)."""
+        self._hub: asyncio.Task[None] | None = None
+        """At a site: reaching the hub's streams, in the background (see `start`)."""
 
     async def start(self) -> None:
         # First of all: a predecessor under this identity that still lives keeps the lock,
@@ -110,23 +118,49 @@ class Trainer:
             self.runs = await Runs.open(self.hub, self.settings.hub_api)
             await self.draining.read()  # drained before this start: take nothing
 
-        await _until_reachable(declared, "the hub's streams and buckets")
-        if (claim := self.workdir.left_behind()) is not None:
-            await self._hand_over(claim)
+        claim = self.workdir.left_behind()
+        if self.granted is None:
+            await _until_reachable(declared, "the hub's streams and buckets")
+            if claim is not None:
+                await self._hand_over(claim)
+        else:
+            # At a site the hub may be out of reach (a trainer restarted during a cut): the
+            # runs granted to the site are served at once, the hub's work once it answers.
+            await _until_reachable(self.granted.open, "the site's work queue and buckets")
+            if claim is not None and claim.site:
+                await self._hand_over(claim)
+                claim = None
+
+            async def reach_hub() -> None:
+                await _until_reachable(declared, "the hub's streams and buckets")
+                if claim is not None:
+                    await self._hand_over(claim)
+
+            self._hub = asyncio.create_task(reach_hub())
         await self.zygote.start()
         await self.nc.subscribe(names.control_subject(self.settings.worker_id), cb=self._on_command)
 
     async def _hand_over(self, claim: Claim) -> None:
         """This worker's predecessor died during an attempt: free its lease and make its task
         deliverable now, instead of after the lease TTL and the task's AckWait."""
-        lease = Lease(
-            self.hub, claim.run_id, self.settings.worker_id, self.settings.lease_ttl_s,
-            api_prefix=self.settings.hub_api, key=claim.lease_key,
-        )  # fmt: skip
+        runs = self.runs
+        if claim.site and self.granted is not None:  # a run granted to this site
+            lease = Lease(
+                self.js, claim.run_id, self.settings.worker_id, self.settings.lease_ttl_s,
+                key=claim.lease_key, bucket=names.site_leases_bucket(claim.site),
+                epoch=epoch_of(claim.token),
+            )  # fmt: skip
+            runs = self.granted.runs
+        else:
+            lease = Lease(
+                self.hub, claim.run_id, self.settings.worker_id, self.settings.lease_ttl_s,
+                api_prefix=self.settings.hub_api, key=claim.lease_key,
+                epoch=epoch_of(claim.token),
+            )  # fmt: skip
         freed = await lease.abandon(claim.token)
         reason = "its trainer process died (its successor on the host found the claim)"
         handed = await hand_over(
-            self.nc, self.js, self.runs, claim.run_id, claim.token, reason, site=self.site
+            self.nc, self.js, runs, claim.run_id, claim.token, reason, site=self.site
         )
         self.workdir.let_go()
         log.warning(
@@ -158,20 +192,66 @@ class Trainer:
                 await self.draining.until_undrained()
                 if stop.is_set():
                     break
-                await pull_loop(
-                    self.hub,
-                    names.TASKS_STREAM,
-                    names.trainer_consumer(self.settings.pool),
-                    self.draining.leave,
-                    self.on_task,
-                )
+                if self.granted is not None:
+                    await self._serve_site(self.draining.leave)
+                else:
+                    await pull_loop(
+                        self.hub,
+                        names.TASKS_STREAM,
+                        names.trainer_consumer(self.settings.pool),
+                        self.draining.leave,
+                        self.on_task,
+                    )
                 self.beat.set()  # drained and idle now (or stopping): say so at once
         finally:
             for t in beside:
                 t.cancel()
+            if self._hub is not None:
+                self._hub.cancel()
             await self.zygote.stop()
             await self.store.close()
             self.workdir.unlock()
+
+    async def _serve_site(self, leave: asyncio.Event) -> None:
+        """At a site: the runs granted to the site first, from its own queue, which a cut
+        does not reach; then the hub's queue (runs of several ranks, calls for ranks, work
+        not granted), skipped for a while after a fetch the cut made fail."""
+        assert self.granted is not None
+        pool = names.trainer_consumer(self.settings.pool)
+        mine = await self.js.pull_subscribe_bind(pool, names.TASKS_STREAM)
+        hubs = None
+        hub_back = 0.0
+        while not leave.is_set():
+            if hubs is None and self._hub is not None and self._hub.done():
+                hubs = await self.hub.pull_subscribe_bind(pool, names.TASKS_STREAM)
+            try:
+                took = await _fetch_one(mine, 1.0)
+            except Exception as exc:  # the site's own server restarting
+                log.warning("the site's work queue is out of reach (%s); retrying", exc)
+                await wait_set(leave, 1.0)
+                continue
+            if took is not None:
+                await self.on_granted(took)
+                continue
+            if hubs is None or time.monotonic() < hub_back:
+                continue
+            try:
+                took = await _fetch_one(hubs, 0.5)
+            except Exception as exc:
+                log.debug("the hub's work queue is out of reach (%s)", exc)
+                hub_back = time.monotonic() + HUB_RETRY_S
+                continue
+            if took is not None:
+                await self.on_task(took)
+
+    async def on_granted(self, msg: Msg) -> None:
+        """A run the hub granted to this site (`granted.py`)."""
+        assert self.granted is not None
+        if self.draining.drained:
+            await msg.nak()
+            return
+        await self.zygote.warm()
+        await self.granted.on_task(msg, self._start)
 
     async def on_task(self, msg: Msg) -> None:
         if self.draining.drained:
@@ -196,15 +276,16 @@ class Trainer:
             await msg.term()
             return
         record = found[0]
-        if record.state.terminal or record.state is RunState.PAUSED:
+        if record.state.terminal or record.state is RunState.PAUSED or record.site:
             # A duplicate of a run that is already over, or that waits for a human (whose
-            # resume queues a task of its own).
+            # resume queues a task of its own), or one granted to a site, whose own queue
+            # holds its task.
             await msg.ack()
             return
         await self.zygote.warm()  # restarted if it died: before the lease, not after
         lease = Lease(
             self.hub, task.run_id, self.settings.worker_id, self.settings.lease_ttl_s,
-            api_prefix=self.settings.hub_api, key=task.lease_key,
+            api_prefix=self.settings.hub_api, key=task.lease_key, epoch=record.epoch,
         )  # fmt: skip
         if not await lease.acquire():
             # Someone holds the run and renews it: this copy is a duplicate. Look again
@@ -234,7 +315,8 @@ class Trainer:
     async def _held(
         self, task: Task, lease: Lease, msg: Msg, scope: Scope, group: Leader | None = None
     ) -> None:
-        claim = Claim(run_id=task.run_id, lease_key=lease.key, token=lease.token)
+        site = task.grant.site if task.grant is not None else ""
+        claim = Claim(run_id=task.run_id, lease_key=lease.key, token=lease.token, site=site)
         self.workdir.hold(claim)
         try:
             await self._attempt(task, lease, msg, scope, group)
@@ -311,9 +393,12 @@ class Trainer:
         child = await self.zygote.fork()
         # SIGTERM or a drain: either way the run hands over at its next checkpoint.
         signals = (self.draining.leave, self.signals.hurry)
+        check = None
+        if task.grant is not None and self.granted is not None:
+            check = self.granted.check(task.grant)
         attempt = Attempt(
-            self.nc, self.settings, self.store, self.runs, self.pools, task, lease, child,
-            signals, self.beat_now, group,
+            self.nc, self.settings, self.store, scope.runs, self.pools, task, lease, child,
+            signals, self.beat_now, group, check,
         )  # fmt: skip
         self.attempt = attempt
         try:
@@ -412,6 +497,15 @@ class Trainer:
 UNREACHABLE = (
     ServiceUnavailableError, NoRespondersError, TimeoutError, NatsTimeoutError, NotFoundError,
 )  # fmt: skip
+
+
+async def _fetch_one(sub: JetStreamContext.PullSubscription, timeout: float) -> Msg | None:
+    """The next message of a pull consumer, or None when none came within `timeout`."""
+    try:
+        msgs = await sub.fetch(1, timeout=timeout)
+    except (TimeoutError, NatsTimeoutError):
+        return None
+    return msgs[0] if msgs else None
 
 
 async def _until_reachable(call: Callable[[], Awaitable[None]], what: str) -> None:

@@ -25,6 +25,10 @@ ARCHIVE_STREAM = "BATON_ARCHIVE"
 # a site-domain stream named CKPT_STREAM too, with site subjects.
 OUTBOX_STREAM = "BATON_OUTBOX"
 
+# At the hub: the records of runs granted to sites, as each site's own runs bucket holds
+# them, sourced from the sites and taken in once by the reaper (`services/reaper/reconcile.py`).
+REPORTS_STREAM = "BATON_REPORTS"
+
 # JetStream domain of the hub, as sites address it.
 HUB_DOMAIN = "hub"
 
@@ -53,6 +57,7 @@ CHECKPOINTER_CONSUMER = "checkpointer"
 CANCEL_CONSUMER = "dispatcher-cancel"
 REAPER_CONSUMER = "reaper"
 NOTIFIER_CONSUMER = "notifier"
+RECONCILER_CONSUMER = "reconciler"
 
 # Subject roots, used as stream subjects and consumer filters.
 SUBMIT_ALL = f"{PREFIX}.submit.>"
@@ -67,6 +72,7 @@ CANCEL_ALL = f"{PREFIX}.cancel.>"
 STEER_ALL = f"{PREFIX}.steer.>"
 LOGS_ALL = f"{PREFIX}.logs.>"
 ARCHIVE_ALL = f"{PREFIX}.archive.>"
+REPORTS_ALL = f"{PREFIX}.reports.>"
 # JetStream's own advisory when a message has used up its deliveries, for our work queues
 # (wildcards match whole tokens only, so each stream is named).
 MAX_DELIVERIES_ADVISORIES = [
@@ -207,6 +213,7 @@ ALL_STREAMS = (
     "BATON_ADVISORIES",
     "BATON_ARCHIVE",
     "BATON_OUTBOX",
+    "BATON_REPORTS",
 )
 
 
@@ -218,10 +225,11 @@ ALL_STREAMS = (
 # is stored once at the site and copied once to the hub by sourcing — whether the link was
 # up or down when it was published (docs/nats.md: "Double capture").
 
-SITE_OUTBOX_KINDS = ("submit", "events", "logs", "dlq", "cancel", "workers", "calls")
+SITE_OUTBOX_KINDS = ("events", "logs", "dlq", "cancel", "workers", "calls")
 """Subject roots a site sends to the hub through its outbox; `workers` are heartbeats,
 sourced into the workers bucket; `calls` a site trainer's calls for the ranks of the group
-it leads, sourced into the work queue."""
+it leads, sourced into the work queue. Jobs submitted at a site (`submit`) stay there: the
+site's own dispatcher takes them (`services/dispatcher/site.py`)."""
 
 
 def at_site(subject: str, site: str) -> str:
@@ -235,6 +243,31 @@ def at_site(subject: str, site: str) -> str:
 
 def site_root(site: str, kind: str) -> str:
     return f"{PREFIX}.site.{site}.{kind}.>"
+
+
+def site_task_subject(site: str, pool: str, run_id: str) -> str:
+    """Where the hub puts a task it delegates to `site`: into the site's own work queue
+    (`BATON_TASKS` in the site's domain), never into the outbox."""
+    return f"{PREFIX}.site.{site}.tasks.{pool}.{run_id}"
+
+
+def site_tasks_of_pool(site: str, pool: str) -> str:
+    return f"{PREFIX}.site.{site}.tasks.{pool}.>"
+
+
+def site_runs_bucket(site: str) -> str:
+    """The runs bucket in `site`'s domain: the records of the runs granted to it. Named
+    after the site, so that no bucket at the hub or at another site shares its subjects."""
+    return f"{RUNS_BUCKET}_{site}"
+
+
+def site_leases_bucket(site: str) -> str:
+    return f"{LEASES_BUCKET}_{site}"
+
+
+def report_subject(site: str, run_id: str) -> str:
+    """A site's record of a run granted to it, as the hub's reports stream holds it."""
+    return f"{PREFIX}.reports.{site}.{run_id}"
 
 
 def hello_subject(site: str) -> str:

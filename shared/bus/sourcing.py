@@ -44,15 +44,17 @@ SILENCE_S = 3.0
 re-attaches the site's sources."""
 
 SOURCED = {
-    names.SUBMIT_STREAM: "submit",
     names.EVENTS_STREAM: "events",
     names.LOGS_STREAM: "logs",
     names.DLQ_STREAM: "dlq",
     names.CANCEL_STREAM: "cancel",
     names.TASKS_STREAM: "calls",
     f"KV_{names.WORKERS_BUCKET}": "workers",
+    names.REPORTS_STREAM: "reports",
 }
-"""Hub stream → the kind of site message it takes in."""
+"""Hub stream → the kind of site message it takes in. `reports` are not in the outbox: they
+are the site's own runs bucket, the records of the runs granted to it, whose newest
+revision per run is what the hub takes in (`services/reaper/reconcile.py`)."""
 
 
 def api_of(site: str) -> str:
@@ -60,6 +62,15 @@ def api_of(site: str) -> str:
 
 
 def source_of(site: str, kind: str) -> StreamSource:
+    if kind == "reports":
+        bucket = names.site_runs_bucket(site)
+        return StreamSource(
+            name=f"KV_{bucket}",
+            external=ExternalStream(api=api_of(site)),
+            subject_transforms=[
+                SubjectTransform(src=f"$KV.{bucket}.>", dest=f"{names.PREFIX}.reports.{site}.>")
+            ],
+        )
     dest = f"$KV.{names.WORKERS_BUCKET}.>" if kind == "workers" else f"{names.PREFIX}.{kind}.>"
     return StreamSource(
         name=names.OUTBOX_STREAM,
@@ -130,6 +141,21 @@ async def views(nc: Client) -> list[SiteView]:
             lag[api] = lag.get(api, 0) + state.lag
     now = await server_now(nc, f"KV_{names.SITES_BUCKET}") if records else 0.0
     return [view_of(r, at, now, lag.get(api_of(r.site), 0)) for r, at in records]
+
+
+async def linked(nc: Client) -> set[str]:
+    """The sites that greeted the hub within SILENCE_S, on the hub server's clock (as
+    `views`, without the backlog)."""
+    stored = await stamped_values(nc.jetstream(), names.SITES_BUCKET)
+    if not stored:
+        return set()
+    now = await server_now(nc, f"KV_{names.SITES_BUCKET}")
+    out = set()
+    for found in stored:
+        with contextlib.suppress(ContractError):
+            if age(now, found.at) < SILENCE_S:
+                out.add(decode(found.value, SiteRecord).site)
+    return out
 
 
 class SourceState(msgspec.Struct, frozen=True):

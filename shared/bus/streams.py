@@ -117,6 +117,11 @@ def stream_configs() -> list[StreamConfig]:
             "JetStream max-deliveries advisories for Baton's consumers",
         ),
         _archive(),
+        # Sourced from each site's runs bucket (`shared.bus.sourcing`), taken in by the
+        # reaper's reconciler: a work queue, so each report is taken in once.
+        _work_queue(
+            names.REPORTS_STREAM, names.REPORTS_ALL, "Sites' records of the runs granted to them"
+        ),
     ]
 
 
@@ -138,7 +143,35 @@ def site_stream_configs(site: str) -> list[StreamConfig]:
             names.site_root(site, "ckpt"),
             f"Checkpoint commit requests of site {site}'s trainers",
         ),
+        # Jobs submitted at the site, taken by its own dispatcher (`services/dispatcher/site.py`).
+        _work_queue(
+            names.SUBMIT_STREAM, names.site_root(site, "submit"), f"Jobs submitted at site {site}"
+        ),
+        # The tasks the hub delegated to the site (`services/dispatcher/delegation.py`):
+        # held here, so a site cut off from the hub still has runs to start.
+        _work_queue(
+            names.TASKS_STREAM,
+            names.site_root(site, "tasks"),
+            f"Runs the hub granted to site {site}, per pool",
+        ),
     ]
+
+
+def site_kv_configs(site: str) -> list[KeyValueConfig]:
+    """The records and leases of the runs granted to `site`, in its own domain: the site
+    starts, leases and completes them while cut off (`shared.state.grants`). The runs
+    bucket keeps each run's newest record only: it is what the hub sources and takes in."""
+    return [
+        KeyValueConfig(
+            bucket=names.site_runs_bucket(site), history=1, direct=True,
+            description=f"Records of the runs granted to site {site}", ttl=30 * DAY_S,
+        ),
+        KeyValueConfig(
+            bucket=names.site_leases_bucket(site), history=1, direct=True,
+            description=f"Leases of the runs granted to site {site}",
+            limit_marker_ttl=LEASE_MARKER_TTL_S,
+        ),
+    ]  # fmt: skip
 
 
 def kv_configs() -> list[KeyValueConfig]:
@@ -216,6 +249,42 @@ def trainer_consumer(pool: str, ack_wait_s: float, max_deliver: int) -> Consumer
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=ack_wait_s,
         max_deliver=max_deliver,
+    )
+
+
+def site_trainer_consumer(
+    site: str, pool: str, ack_wait_s: float, max_deliver: int
+) -> ConsumerConfig:
+    """A site trainer's consumer of the tasks delegated to its site, in the site's domain."""
+    return ConsumerConfig(
+        durable_name=names.trainer_consumer(pool),
+        filter_subject=names.site_tasks_of_pool(site, pool),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=ack_wait_s,
+        max_deliver=max_deliver,
+    )
+
+
+def site_dispatcher_consumer(site: str) -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=names.DISPATCHER_CONSUMER,
+        filter_subject=names.site_root(site, "submit"),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=30.0,
+        max_deliver=10,
+    )
+
+
+def reconciler_consumer() -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=names.RECONCILER_CONSUMER,
+        filter_subject=names.REPORTS_ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=30.0,
+        max_deliver=-1,
     )
 
 
@@ -306,9 +375,12 @@ async def ensure(js: JetStreamContext, replicas: int = 1) -> None:
 
 
 async def ensure_site(js: JetStreamContext, site: str) -> None:
-    """Create or update the streams of `site`, in its own domain (`js` is the site's)."""
+    """Create or update the streams and buckets of `site`, in its own domain (`js` is the
+    site's)."""
     for config in site_stream_configs(site):
         await _ensure_stream(js, config)
+    for kv in site_kv_configs(site):
+        await _ensure_bucket(js, kv)
 
 
 async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> None:

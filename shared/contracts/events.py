@@ -184,6 +184,23 @@ class Redispatched(_Event, tag="redispatched", frozen=True):
     reason: str
 
 
+class Delegated(_Event, tag="delegated", frozen=True):
+    """The hub granted the queued run to `site` under grant `epoch`: the site starts, leases
+    and completes it there, also while cut off (`shared.state.grants`)."""
+
+    site: str
+    epoch: int
+
+
+class TakenBack(_Event, tag="taken_back", frozen=True):
+    """The hub took the run back from `site` (silent past its `lost_after`): the store now
+    refuses every token of the site's grant, and the run is queued again under `epoch`."""
+
+    site: str
+    epoch: int
+    reason: str
+
+
 class RunWarning(_Event, tag="warning", frozen=True):
     """Something needs attention but nothing was stopped (yet): `soft_timeout`, `stalled`,
     `budget_<percent>`."""
@@ -279,6 +296,8 @@ Event = (
     | RankLost
     | Resized
     | Redispatched
+    | Delegated
+    | TakenBack
     | RunWarning
     | Cancelled
     | StallRecovered

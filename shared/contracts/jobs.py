@@ -67,6 +67,20 @@ class Guard(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     max_rollbacks: Annotated[int, Meta(ge=1, le=1000)] = 3
 
 
+class Disconnect(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What the hub does with a run granted to a site that falls silent (docs/sites.md,
+    "Disconnect policy"). While the site is silent its trainers go on with the run; once it
+    has been silent for `lost_after_s` the hub takes the run back — the store refuses the
+    site's copy from then on — and, with `replace`, queues it for any trainer of its pool.
+    At heal the site's copy is stopped (a `fenced` event says why) and its record is not
+    taken in: the hub's copy is the run."""
+
+    lost_after_s: Annotated[float, Meta(ge=1, le=30 * 86400)] = 600.0
+    replace: bool = True
+    """False: the hub never hands the run to anyone else; the site keeps it however long
+    it is silent."""
+
+
 class ForkOf(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """A forked run's start: run `run_id`'s committed checkpoint at `step` (`baton fork`). The
     fork's first attempt has the checkpointer copy that checkpoint into the fork's own prefix
@@ -126,6 +140,9 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     this says; this bounds a peer that hangs while its trainer lives."""
     fork: ForkOf | None = None
     """Set on a fork: the run and checkpoint it starts from (`baton fork`)."""
+    disconnect: Disconnect | None = None
+    """How long the hub waits for a silent site holding this run before it takes the run
+    back (`Disconnect`); unset, its pool's (`[pools.<name>.disconnect]`), else 600 s."""
 
     @property
     def min_ranks(self) -> int:

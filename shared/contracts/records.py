@@ -122,6 +122,13 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     group_size: int = 0
     """How many ranks the run trained with last (0 before its first attempt): an elastic
     run's group that forms at another size has been resized."""
+    site: str = ""
+    """The site holding the run's grant ("" = the hub): it starts, leases, checkpoints and
+    completes the run there, also while cut off, and reports back (`shared.state.grants`)."""
+    epoch: int = 0
+    """The run's grant epoch, moved on by every grant and every taking back: each fencing
+    token issued for the run, by the hub or a site, is `epoch << 32 | revision`
+    (`shared.state.grants.token_of`), so the store orders every authority's tokens."""
 
 
 MAX_REWINDS = 20
@@ -151,6 +158,7 @@ _ADDED_LATER: dict[str, object] = {
     "on_failure": None,
     "guard": msgspec.to_builtins(Guard()),
     "fork": None,
+    "disconnect": None,
 }
 """Spec fields added after checkpoints were first written, with their defaults: left out of
 the hash while at their default, so a run's checkpoints keep matching its spec across

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from shared.contracts.jobs import RUN_ID, JobSpec
+from shared.contracts.records import RunRecord
 
 
 class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -21,6 +22,9 @@ class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     """The run's key in the leases bucket, when the hub keys leases by a secret
     (`shared.state.lease.lease_key`): only a trainer handed this task can name — and so write —
     the run's lease. None: the run id is the key."""
+    grant: RunRecord | None = None
+    """Set on a task delegated to a site (`shared.state.grants`): the run's record as the hub
+    granted it (its `site` and `epoch`), from which the site keeps the run's record itself."""
 
 
 class Claim(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -32,3 +36,6 @@ class Claim(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     token: int
     """The lease's fencing token when the attempt took it; the run record keeps the task
     delivery that the attempt holding it answers (`shared.state.handover`)."""
+    site: str = ""
+    """The site whose own bucket holds the lease and the record (a run granted to it),
+    "" for the hub's."""

@@ -34,6 +34,7 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from shared.bus import names
 from shared.bus.kvwrite import KvWriter
 from shared.contracts import encode
+from shared.state.grants import token_of
 
 log = logging.getLogger("baton.lease")
 
@@ -61,16 +62,24 @@ class Lease:
         ttl_s: int,
         api_prefix: str | None = None,
         key: str | None = None,
+        *,
+        bucket: str = names.LEASES_BUCKET,
+        epoch: int = 0,
     ) -> None:
+        """`bucket`: a site's own leases bucket for a run granted to it; `epoch`: the run's
+        grant epoch, the high bits of every token (`shared.state.grants`)."""
         self._js = js
+        self._bucket = bucket
+        self.epoch = epoch
         self.run_id = run_id
         self.key = key or run_id
         """The lease's key in the bucket (`lease_key`)."""
         self.worker = worker
         self.ttl_s = ttl_s
-        self._writer = KvWriter(js, names.LEASES_BUCKET, api_prefix)
+        self._writer = KvWriter(js, bucket, api_prefix)
         self.token = 0
-        """Revision of the write that acquired the lease: the fencing token."""
+        """The fencing token: the revision of the write that acquired the lease, under the
+        run's grant epoch (`grants.token_of`)."""
         self.revision = 0
         """Revision of the newest write (acquire or renew): what the next CAS expects."""
 
@@ -80,7 +89,7 @@ class Lease:
         for _ in range(3):
             seq = await self._write(expected)
             if seq is not None:
-                self.token = self.revision = seq
+                self.token, self.revision = token_of(self.epoch, seq), seq
                 return True
             free = await self._free_revision()
             if free is None:
@@ -105,7 +114,7 @@ class Lease:
 
     async def _still_ours(self) -> int | None:
         """The lease's revision if it is alive and names this worker and token."""
-        kv = await self._js.key_value(names.LEASES_BUCKET)
+        kv = await self._js.key_value(self._bucket)
         try:
             entry = await kv.get(self.key)
         except (KeyNotFoundError, KeyDeletedError):
@@ -120,7 +129,7 @@ class Lease:
         """Give the lease up now, so the next worker need not wait for the TTL. A renewal
         whose reply was lost may have moved the revision on; the lease is then still ours
         (it names this worker) and is released at its real revision."""
-        kv = await self._js.key_value(names.LEASES_BUCKET)
+        kv = await self._js.key_value(self._bucket)
         for _ in range(2):
             if await self._writer.delete(self.key, expected=self.revision):
                 return
@@ -138,16 +147,16 @@ class Lease:
         """Free the lease that a dead predecessor under this worker identity took at
         `token`: only while it still names this worker and that token. The acquiring write
         is the token itself (its value names token 0); every renewal writes the token."""
-        kv = await self._js.key_value(names.LEASES_BUCKET)
+        kv = await self._js.key_value(self._bucket)
         try:
             entry = await kv.get(self.key)
         except (KeyNotFoundError, KeyDeletedError):
             return False  # lapsed already
         held = json.loads(entry.value or b"{}")
-        named = held.get("token") or entry.revision
+        assert entry.revision is not None
+        named = held.get("token") or token_of(self.epoch, entry.revision)
         if held.get("worker") != self.worker or named != token:
             return False
-        assert entry.revision is not None
         return await self._writer.delete(self.key, expected=entry.revision)
 
     async def _write(self, expected: int) -> int | None:
@@ -157,7 +166,7 @@ class Lease:
     async def _free_revision(self) -> int | None:
         """The revision a create must name: 0 if the key never existed or expired, the
         marker's revision if it was released, None if someone holds it."""
-        kv = await self._js.key_value(names.LEASES_BUCKET)
+        kv = await self._js.key_value(self._bucket)
         try:
             entry = await kv.get(self.key)
         except (KeyDeletedError, KeyNotFoundError) as exc:

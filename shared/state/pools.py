@@ -21,7 +21,7 @@ from nats.js.kv import KeyValue
 from shared.bus import names
 from shared.bus.kvwrite import KvWriter
 from shared.contracts import convert, decode, encode
-from shared.contracts.jobs import OnFailure
+from shared.contracts.jobs import Disconnect, JobSpec, OnFailure
 from shared.errors import ConfigError
 
 EWMA_WEIGHT = 0.3
@@ -36,6 +36,9 @@ class Pool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     on_failure: OnFailure = "retry"
     """What a failure of user code leads to for a job that does not say
     (`shared.contracts.jobs.OnFailure`)."""
+    disconnect: Disconnect = Disconnect()
+    """What the hub does with this pool's runs granted to a site that falls silent, for a
+    job that does not say (`shared.contracts.jobs.Disconnect`)."""
 
 
 class Measured(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,6 +48,15 @@ class Measured(msgspec.Struct, frozen=True, kw_only=True):
 
 class PoolTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pools: dict[str, Pool] = {}
+
+
+def disconnect_of(spec: JobSpec, table: PoolTable) -> Disconnect:
+    """The disconnect policy in force for a run: its job's, else its pool's, else the
+    default."""
+    if spec.disconnect is not None:
+        return spec.disconnect
+    pool = table.pools.get(spec.pool)
+    return pool.disconnect if pool is not None else Disconnect()
 
 
 def load_table(path: str) -> PoolTable:

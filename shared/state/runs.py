@@ -54,18 +54,25 @@ class Stamped(NamedTuple):
 
 
 class Runs:
-    def __init__(self, js: JetStreamContext, kv: KeyValue, writer: KvWriter) -> None:
+    def __init__(
+        self, js: JetStreamContext, kv: KeyValue, writer: KvWriter, bucket: str = names.RUNS_BUCKET
+    ) -> None:
         self._js = js
         self._kv = kv
         self._writer = writer
+        self._bucket = bucket
         # Hub services only (the dispatcher writes it, the reaper reads and retires).
         self._live = KvWriter(js, names.LIVE_BUCKET)
 
     @classmethod
-    async def open(cls, js: JetStreamContext, api_prefix: str | None = None) -> Runs:
-        """`js` reads the hub's domain; `api_prefix` routes writes into it from a site."""
-        kv = await js.key_value(names.RUNS_BUCKET)
-        return cls(js, kv, KvWriter(js, names.RUNS_BUCKET, api_prefix))
+    async def open(
+        cls, js: JetStreamContext, api_prefix: str | None = None, bucket: str = names.RUNS_BUCKET
+    ) -> Runs:
+        """`js` reads the hub's domain; `api_prefix` routes writes into it from a site.
+        `bucket`: a site's own runs bucket, the records of the runs granted to it
+        (`shared.state.grants`), read and written in the site's domain."""
+        kv = await js.key_value(bucket)
+        return cls(js, kv, KvWriter(js, bucket, api_prefix), bucket)
 
     async def get(self, run_id: str) -> tuple[RunRecord, int] | None:
         try:
@@ -79,7 +86,7 @@ class Runs:
         """As `get` (the same one direct get), with the server's stamp of the revision."""
         try:
             msg = await self._js.get_msg(
-                f"KV_{names.RUNS_BUCKET}", subject=f"$KV.{names.RUNS_BUCKET}.{run_id}", direct=True
+                f"KV_{self._bucket}", subject=f"$KV.{self._bucket}.{run_id}", direct=True
             )
         except NotFoundError:
             return None
@@ -99,7 +106,7 @@ class Runs:
             return found
         try:
             msg = await self._js.get_last_msg(
-                f"KV_{names.RUNS_BUCKET}", f"$KV.{names.RUNS_BUCKET}.{run_id}"
+                f"KV_{self._bucket}", f"$KV.{self._bucket}.{run_id}"
             )
         except NotFoundError:
             return None
@@ -118,6 +125,15 @@ class Runs:
         if archived is not None:
             await self.forget_live(record.run_id)
             return False
+        try:
+            await self._kv.create(record.run_id, encode(record))
+        except KeyWrongLastSequenceError:
+            return False
+        return True
+
+    async def adopt(self, record: RunRecord) -> bool:
+        """Keep `record` as it is, unless the bucket has a record of its run already (a
+        site's bucket taking a run granted to it): False then."""
         try:
             await self._kv.create(record.run_id, encode(record))
         except KeyWrongLastSequenceError:
@@ -181,7 +197,7 @@ class Runs:
         """Every record still in the runs bucket (live runs and recently ended ones): reads
         each one, so its cost follows the bucket's size; only `baton runs --all` uses it."""
         out = []
-        for key in await keys(self._js, names.RUNS_BUCKET):
+        for key in await keys(self._js, self._bucket):
             found = await self.get(key)
             if found is not None:
                 out.append(found[0])

@@ -18,7 +18,11 @@ newer one), so a fenced attempt writes nothing.
                    cancel_attempt, pause_attempt, release, roll_back, count_failure, fail
                    (entry point refused), pause_unowned,
                    cancel_unowned, unchanged, rewound and drop_rollback (a rollback)
-    reaper         end, fail (deliveries used up), warn, redispatch, pause_unowned
+    reaper         end, fail (deliveries used up), warn, redispatch, pause_unowned,
+                   take_back and reconcile (a site's grant)
+    delegator      delegate (the dispatcher granting queued runs to sites)
+    site trainer   accept_grant, forward_requests, and the trainer's own, on the site's
+                   records of the runs granted to it
     anyone         hand_over (a dead attempt's task), mark_ending and announced (endings)
 """
 
@@ -72,13 +76,18 @@ _replace = msgspec.structs.replace
 # -- starting and holding an attempt ----------------------------------------------------
 
 
-def mark_running(worker: str, token: int, delivery: str | None, group: list[str]) -> Change:
-    """Unless the run is over or a newer token holds it: RUNNING under `worker` and `token`,
-    one more attempt, answering `delivery`, trained by `group` (its workers by rank, [] for
-    one rank), no longer waiting."""
+def mark_running(
+    worker: str, token: int, delivery: str | None, group: list[str], site: str = ""
+) -> Change:
+    """Unless the run is over, a newer token holds it or it is granted elsewhere than to
+    `site` ("" = the hub): RUNNING under `worker` and `token`, one more attempt, answering
+    `delivery`, trained by `group` (its workers by rank, [] for one rank), no longer
+    waiting."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if r.state.terminal or r.state is RunState.PAUSED or (r.token or 0) > token:
+            return None
+        if r.site != site:
             return None
         return _replace(
             r, state=RunState.RUNNING, worker=worker, token=token, attempts=r.attempts + 1,
@@ -287,28 +296,30 @@ def end(state: RunState, reason: str) -> Change:
 
 
 def cancel(reason: str) -> Change:
-    """A QUEUED or PAUSED run: CANCELLED for `reason`. A RUNNING one not asked yet: asked to
-    cancel (`cancel_requested`; its trainer checkpoints and stops). Otherwise None."""
+    """A QUEUED or PAUSED run the hub holds: CANCELLED for `reason`. A RUNNING one, or one
+    granted to a site, not asked yet: asked to cancel (`cancel_requested`; its trainer
+    checkpoints and stops, or the site cancels it when it takes it). Otherwise None."""
 
     def change(r: RunRecord) -> RunRecord | None:
-        if r.state in (RunState.QUEUED, RunState.PAUSED):
+        if r.state in (RunState.QUEUED, RunState.PAUSED) and not r.site:
             return _replace(r, state=RunState.CANCELLED, reason=reason)
-        if r.state is RunState.RUNNING and r.cancel_requested is None:
-            return _replace(r, cancel_requested=reason)
+        if (r.state is RunState.RUNNING or r.site) and r.cancel_requested is None:
+            # Granted to a site, the run is the site's to end: asked, like a running one.
+            return None if r.state.terminal else _replace(r, cancel_requested=reason)
         return None
 
     return change
 
 
 def pause(reason: str) -> Change:
-    """A QUEUED run: PAUSED for `reason` (its queued task is then deleted). A RUNNING one
-    not asked yet: asked to pause (`pause_requested`; its trainer checkpoints and stops, and
-    the run is PAUSED). Otherwise None."""
+    """A QUEUED run the hub holds: PAUSED for `reason` (its queued task is then deleted). A
+    RUNNING one, or one granted to a site, not asked yet: asked to pause (`pause_requested`;
+    its trainer checkpoints and stops, and the run is PAUSED). Otherwise None."""
 
     def change(r: RunRecord) -> RunRecord | None:
-        if r.state is RunState.QUEUED:
+        if r.state is RunState.QUEUED and not r.site:
             return _replace(r, state=RunState.PAUSED, pause_requested=reason)
-        if r.state is RunState.RUNNING and r.pause_requested is None:
+        if r.state in (RunState.RUNNING, RunState.QUEUED) and r.pause_requested is None:
             return _replace(r, pause_requested=reason)
         return None
 
@@ -447,3 +458,98 @@ def announced(r: RunRecord) -> RunRecord | None:
     if not r.announce_pending:
         return None
     return _replace(r, announce_pending=False)
+
+
+# -- grants to sites (`shared.state.grants`) --------------------------------------------
+
+
+def delegate(site: str) -> Change:
+    """A QUEUED run of one rank that the hub holds, asked nothing: granted to `site` under
+    the next epoch (the site starts it, also while cut off)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state is not RunState.QUEUED or r.site or r.spec.max_ranks > 1:
+            return None
+        if r.cancel_requested or r.pause_requested or r.rollback_to is not None:
+            return None
+        return _replace(r, site=site, epoch=r.epoch + 1, worker=None, delivery=None, group=[])
+
+    return change
+
+
+def take_back(site: str, epoch: int) -> Change:
+    """While `site` holds the run under `epoch` and it is not over: the hub's again under
+    the next epoch (every token of the site's grant is then below the hub's), QUEUED at the
+    next dispatch (a PAUSED run stays paused), held by nobody."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or r.site != site or r.epoch != epoch:
+            return None
+        state = RunState.PAUSED if r.state is RunState.PAUSED else RunState.QUEUED
+        return _replace(
+            r, site="", epoch=epoch + 1, state=state, dispatch=r.dispatch + 1, worker=None,
+            delivery=None, group=[],
+        )  # fmt: skip
+
+    return change
+
+
+def reconcile(site: str, reported: RunRecord) -> Change:
+    """The record `site` keeps of a run granted to it, taken in at the hub: while the hub's
+    record still grants the run to `site` under the reported epoch and is not over, it
+    becomes the site's, keeping what was asked at the hub meanwhile (cancel, pause). An
+    ended record only has its announcement mark cleared, once the site's is. A run submitted
+    at `site` whose job the hub also queued, and never started, becomes the site's (the
+    same job submitted at both sides of a cut is one run). None when there is nothing to
+    take in (a report of a revoked grant, or a repeat)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if _submitted_at_both(r, site, reported):
+            return reported
+        if r.site != site or r.epoch != reported.epoch:
+            return None
+        if r.state.terminal:
+            done = r.announce_pending and not reported.announce_pending
+            return _replace(r, announce_pending=False) if done else None
+        new = _replace(
+            reported,
+            cancel_requested=reported.cancel_requested or r.cancel_requested,
+            pause_requested=reported.pause_requested or r.pause_requested,
+            dispatch=max(r.dispatch, reported.dispatch),
+        )
+        return None if _replace(new, updated_at=r.updated_at) == r else new
+
+    return change
+
+
+def _submitted_at_both(r: RunRecord, site: str, reported: RunRecord) -> bool:
+    return (
+        not r.site and r.state is RunState.QUEUED and r.attempts == 0 and reported.site == site
+        and reported.epoch > r.epoch and r.spec_hash == reported.spec_hash
+    )  # fmt: skip
+
+
+def accept_grant(granted: RunRecord) -> Change:
+    """At the site, whose bucket keeps a record of the run already: the record the hub
+    granted, if its epoch is newer (a grant the site has not seen yet)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        return granted if granted.epoch > r.epoch else None
+
+    return change
+
+
+def forward_requests(hub: RunRecord) -> Change:
+    """At the site: what was asked of the run at the hub (cancel, pause) while the hub still
+    grants it under the site's epoch, unless the run is over or was asked already."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or hub.epoch != r.epoch or hub.site != r.site:
+            return None
+        cancel = r.cancel_requested or hub.cancel_requested
+        pause = r.pause_requested or hub.pause_requested
+        if (cancel, pause) == (r.cancel_requested, r.pause_requested):
+            return None
+        return _replace(r, cancel_requested=cancel, pause_requested=pause)
+
+    return change

@@ -57,3 +57,13 @@ def test_the_readme_lists_every_variable_settings_reads() -> None:
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     table = readme.split("### Settings (environment)", 1)[1].split("\n## ", 1)[0]
     assert read and [v for v in read if f"`{v}`" not in table] == []
+
+
+def test_grants_ahead_is_per_site_with_a_default() -> None:
+    load = config.load
+    s = load({"BATON_DELEGATE_AHEAD": "lab1=3, lab2=0, *=2"})
+    assert (s.ahead("lab1"), s.ahead("lab2"), s.ahead("lab9")) == (3, 0, 2)
+    assert load({}).ahead("lab1") == 1 and load({"BATON_DELEGATE_AHEAD": "0"}).ahead("x") == 0
+    for bad in ("x", "lab1=-1", "Bad Site=1", "lab1=9999"):
+        with pytest.raises(ConfigError, match=r"BATON_DELEGATE_AHEAD|BATON_SITE"):
+            config.load({"BATON_DELEGATE_AHEAD": bad})

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import urllib.request
 
 import msgspec
@@ -27,6 +29,8 @@ from shared.state.workers import live_workers
 from tests.support.proxy import Proxy
 from tests.support.stack import Stack, eventually
 
+CLI_TIMEOUT_S = 60
+"""A bound on a hang of a `baton` command, not on its speed."""
 SOURCED = "Nats-Stream-Source"
 """The header JetStream puts on a message one stream sourced from another."""
 
@@ -69,8 +73,9 @@ class Site:
             await self.add_trainer(f"{self.name}-trainer-{i}")
         await self.linked()
 
-    async def add_trainer(self, name: str) -> int:
-        """A trainer at this site (keep `trainer-` in `name`: the stop order looks for it)."""
+    async def add_trainer(self, name: str, *, restart: bool = False) -> int:
+        """A trainer at this site (keep `trainer-` in `name`: the stop order looks for it);
+        `restart`: restarted when it dies, as `baton up --site` runs it."""
         one = msgspec.structs.replace(self.opts, trainers=1)
         base = next(s for s in service_specs(one, self.nats.url) if "trainer-" in s.name)
         env = {
@@ -79,7 +84,8 @@ class Site:
             "BATON_WORK_DIR": str(self.root / "work" / name),
         }
         self.trainers.append(name)
-        return await self.hub.add(msgspec.structs.replace(base, name=name, env=env))
+        spec = msgspec.structs.replace(base, name=name, env=env)
+        return await self.hub.add(spec, restart=restart)
 
     async def linked(self, timeout: float = 30) -> None:
         """Until the hub sources this site's outbox and every site trainer is registered
@@ -128,6 +134,28 @@ class Site:
             f"hub holds {len(from_site)} site events, the site sent {len(want)}: "
             "each must arrive once, in order"
         )
+
+    async def cli(self, *args: str) -> tuple[int, str, str]:
+        """`python -m baton ARGS` pointed at the site's leaf as the site's operator: (exit
+        code, stdout, stderr)."""
+        auth = self.root / "auth" / f"{self.name}-operator.env"
+        assert auth.is_file(), f"no operator credentials at {auth}"
+        env = {**os.environ, "NATS_URL": self.nats.url, "NATS_AUTH_FILE": str(auth)}
+        for var in ("NATS_USER", "NATS_PASSWORD", "NATS_CREDS", "BATON_SITE"):
+            env.pop(var, None)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "baton", *args, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), CLI_TIMEOUT_S)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            what = f"baton {' '.join(args)} did not end within {CLI_TIMEOUT_S}s"
+            raise AssertionError(what) from None
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(), err.decode()
 
     async def _undo(self) -> None:
         await self.proxy.stop()

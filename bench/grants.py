@@ -1,0 +1,170 @@
+"""A site through a partition, with grants (docs/sites.md): how busy its trainers stay while
+cut off, and how soon the hub is consistent after heal.
+
+    .venv/bin/python -m bench.grants [--cuts 30,120] [--run-s 20] [--heal 10,100]
+                                     [--skip-baseline]
+
+**Utilisation.** A hub with no trainer (dispatcher, checkpointer, reaper) and site `lab1`
+(leaf node behind a loopback proxy, its checkpointer, dispatcher and two trainers), real
+processes under `baton up`'s authorization. Runs of about `--run-s` seconds each are queued
+at the hub — enough for both trainers through the cut and one run more; once both trainers
+train, the leaf's link is cut for C seconds. Busy trainer-seconds inside the cut are read
+off the site's own events (each attempt from `started` to its end, on the site host's
+clock — the same host here) over 2·C. With grants (`BATON_DELEGATE_AHEAD` = the runs a
+trainer needs to cover the cut) against the baseline in the same run, grants off
+(`BATON_DELEGATE_AHEAD=0`: the trainers take the hub's queue across the link, as before).
+
+**Heal → consistent.** N short runs granted to the site (two trainers, `ahead` N/2), the
+link cut before they start; once every run completed at the cut-off site (its outbox says
+so), the link is restored and the bench times restore → every run's record at the hub
+COMPLETED and its `completed` event stored at the hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import tempfile
+import time
+from pathlib import Path
+
+from nats.aio.client import Client
+
+from shared.bus import names
+from shared.contracts import RunState, decode
+from shared.contracts.events import Event, Started
+from shared.state.runs import Runs
+from tests.e2e.jobs import paced, submit
+from tests.support.sites import Site
+from tests.support.stack import Stack, eventually
+
+HUB_ONLY = ("dispatcher", "checkpointer", "reaper")
+PACE = 0.05
+ENDS = ("completed", "fenced", "failed", "attempt_failed", "preempted", "cancelled", "paused")
+
+
+async def stack(tmp: Path, ahead: int) -> tuple[Stack, Site]:
+    hub = Stack(tmp / "hub", trainers=0, lease_ttl=6, env={"BATON_DELEGATE_AHEAD": str(ahead)})
+    await hub.start(HUB_ONLY)
+    site = Site(hub, "lab1")
+    await site.start(trainers=2)
+    return hub, site
+
+
+async def site_events(site: Site) -> list[tuple[str, Event]]:
+    """(kind, event) of every event the site's outbox holds, in order."""
+    out = []
+    for subject, data in await site.outbox(names.site_root(site.name, "events")):
+        out.append((subject.rsplit(".", 1)[1], decode(data, Event)))
+    return out
+
+
+def busy_within(events: list[tuple[str, Event]], start: float, end: float) -> float:
+    """Trainer-seconds inside [start, end] spent in attempts: each from its `started` to
+    the next end of the same run on the same worker (or `end`)."""
+    total = 0.0
+    for i, (kind, e) in enumerate(events):
+        if kind != "started" or not isinstance(e, Started):
+            continue
+        stop = end
+        for later_kind, later in events[i + 1 :]:
+            if later.run_id == e.run_id and later_kind in ENDS:
+                stop = later.at
+                break
+        total += max(0.0, min(stop, end) - max(e.at, start))
+    return total
+
+
+async def utilisation(cut_s: float, run_s: float, grants: bool) -> float:
+    steps = max(10, round(run_s / PACE))
+    per_trainer = math.ceil(cut_s / run_s) + 1
+    ahead = per_trainer if grants else 0
+    with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
+        hub, site = await stack(Path(tmp), ahead)
+        try:
+            nc = await hub.client()
+            run_ids = [
+                await submit(nc, paced(steps, pace=PACE)) for _ in range(2 * (per_trainer + 1))
+            ]
+            await eventually(lambda: _training(nc, run_ids, 2), 120, "both trainers to train")
+            site.proxy.sever()
+            start = time.time()
+            await asyncio.sleep(cut_s)  # the cut's length is the measurement's
+            end = time.time()
+            site.proxy.restore()
+            busy = busy_within(await site_events(site), start, end)
+            return busy / (2 * (end - start))
+        finally:
+            await hub.stop()
+
+
+async def heal(n: int) -> tuple[float, float]:
+    """(restore → every record COMPLETED at the hub, → every `completed` event at the hub)."""
+    with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
+        hub, site = await stack(Path(tmp), max(1, n // 2))
+        try:
+            nc = await hub.client()
+            run_ids = [await submit(nc, paced(5, pace=0.0)) for _ in range(n)]
+            await eventually(lambda: _granted(nc, run_ids), 120, "every run to be granted")
+            site.proxy.sever()
+
+            async def done_at_site() -> bool:
+                got = await site.outbox(names.site_root(site.name, "events"))
+                ended = {s.split(".")[4] for s, _ in got if s.endswith(".completed")}
+                return ended >= {r.rpartition(".")[2] for r in run_ids}
+
+            await eventually(done_at_site, 60 + 5 * n, "every run done at the cut-off site")
+            site.proxy.restore()
+            began = time.monotonic()
+            await eventually(lambda: _completed(nc, run_ids), 120, "records", every=0.02)
+            records = time.monotonic() - began
+            await eventually(lambda: _events(nc, n), 120, "events", every=0.02)
+            return records, time.monotonic() - began
+        finally:
+            await hub.stop()
+
+
+async def _training(nc: Client, run_ids: list[str], n: int) -> bool:
+    runs = await Runs.open(nc.jetstream())
+    found = [await runs.get(r) for r in run_ids]
+    return sum(1 for f in found if f and f[0].state is RunState.RUNNING) >= n
+
+
+async def _granted(nc: Client, run_ids: list[str]) -> bool:
+    runs = await Runs.open(nc.jetstream())
+    found = [await runs.get(r) for r in run_ids]
+    return all(f and f[0].site for f in found)
+
+
+async def _completed(nc: Client, run_ids: list[str]) -> bool:
+    runs = await Runs.open(nc.jetstream())
+    found = [await runs.get(r) for r in run_ids]
+    return all(f and f[0].state is RunState.COMPLETED for f in found)
+
+
+async def _events(nc: Client, n: int) -> bool:
+    info = await nc.jetstream().stream_info(names.EVENTS_STREAM, subjects_filter="*.*.*.completed")
+    return len(info.state.subjects or {}) >= n
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--cuts", default="30,120")
+    p.add_argument("--run-s", type=float, default=20.0)
+    p.add_argument("--heal", default="10,100")
+    p.add_argument("--skip-baseline", action="store_true")
+    a = p.parse_args()
+    print("| cut | grants | baseline (grants off) |\n|---|---|---|")
+    for cut in (float(c) for c in a.cuts.split(",") if c):
+        with_grants = await utilisation(cut, a.run_s, grants=True)
+        base = "-" if a.skip_baseline else f"{await utilisation(cut, a.run_s, False):.1%}"
+        print(f"| {cut:.0f} s | {with_grants:.1%} | {base} |", flush=True)
+    print("\n| runs done at the site | → records | → events |\n|---|---|---|")
+    for n in (int(x) for x in a.heal.split(",") if x):
+        records, events = await heal(n)
+        print(f"| {n} | {records:.2f} s | {events:.2f} s |", flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

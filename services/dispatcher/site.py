@@ -1,0 +1,180 @@
+"""The site's dispatcher: jobs submitted at a site are dispatched there, link or no link.
+
+A job submitted at a site (`baton submit --site`) lands in the site's own `BATON_SUBMIT`
+stream, in the site's domain. This dispatcher takes it with the hub's rules — the same
+spec validation, the same run id (`run_id_for(key, owner)`, the owner being the subject's
+last token, which the servers enforce), the same idempotency — and makes the run a grant
+to its own site from the start: its record, under epoch 1, in the site's runs bucket, and
+its task, carrying that record, in the site's work queue, where the site's trainers take
+it as any run the hub granted (`services/trainer/granted.py`). Its events go through the
+outbox. The hub takes the record in at heal (`services/reaper/grants.py`): one run per id.
+
+With the link up it first asks the hub whether the run id exists there (in the runs bucket
+or the archive): a repeat of a job the hub knows is answered as the hub would answer it
+(`accepted`, duplicate), and never run again. Cut off, it cannot ask: a job whose id the hub
+used before (a repeat of an ended run, or the same job submitted at the hub during the same
+cut and started there) runs at the site again, and its record is not taken in at heal
+(docs/sites.md, "Submitting at a site").
+
+A job of a pool none of the site's trainers serve is rejected here, saying so: nothing at
+the site could ever start it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from shared.backoff import Backoff, retrying
+from shared.bus import names
+from shared.bus.answer import handle
+from shared.bus.connect import UNAVAILABLE, publish
+from shared.bus.service import pull_loop
+from shared.bus.streams import ensure_consumer, site_dispatcher_consumer
+from shared.config import Settings
+from shared.contracts import JobSpec, RunRecord, RunState, Task, decode, encode, spec_hash
+from shared.contracts.events import Accepted, Event, Rejected, kind_of
+from shared.contracts.jobs import MAX_SPEC_BYTES
+from shared.contracts.records import run_id_for
+from shared.errors import ContractError
+from shared.state.runs import Runs
+
+log = logging.getLogger("baton.dispatcher")
+
+SITE_EPOCH = 1
+"""The grant epoch of a run submitted at a site: above the hub's own (0), so the store
+orders the site's tokens above any the hub issued for the same id."""
+HUB_READ_S = 3.0
+
+
+class SiteDispatcher:
+    def __init__(self, nc: Client, settings: Settings) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.hub: JetStreamContext = nc.jetstream(domain=settings.hub_domain)
+        self.settings = settings
+        self.site = settings.site
+        self.runs: Runs
+        self._hub_runs: Runs | None = None
+
+    async def on_reconnect(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def start(self) -> None:
+        async def declare() -> None:
+            await ensure_consumer(self.js, names.SUBMIT_STREAM, site_dispatcher_consumer(self.site))
+            self.runs = await Runs.open(self.js, bucket=names.site_runs_bucket(self.site))
+
+        # The site's checkpointer declares the site's streams and buckets: until it has,
+        # they are not found.
+        await retrying(
+            declare, retry_on=(*UNAVAILABLE, NotFoundError),
+            what="the site's streams are not declared yet", backoff=Backoff(first=0.5, most=5.0),
+            log=log,
+        )  # fmt: skip
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        await pull_loop(
+            self.js, names.SUBMIT_STREAM, names.DISPATCHER_CONSUMER, stop,
+            lambda msg: handle(self.js, msg, "dispatcher", self.on_submission, site=self.site),
+        )  # fmt: skip
+
+    async def on_submission(self, msg: Msg) -> None:
+        parts = msg.subject.split(".")  # baton.site.<site>.submit.<pool>[.<owner>]
+        pool, owner = parts[4], parts[5] if len(parts) > 5 else ""
+        key = (msg.headers or {}).get("Nats-Msg-Id") or f"seq-{msg.metadata.sequence.stream}"
+        try:
+            spec = decode(msg.data, JobSpec, max_bytes=MAX_SPEC_BYTES)
+            if spec.pool != pool:
+                raise ContractError(f"pool {spec.pool!r} differs from the subject's {pool!r}")
+            if spec.max_ranks > 1:
+                raise ContractError("a run of several ranks is submitted at the hub", "$.ranks")
+            if not await self._serves(pool):
+                raise ContractError(
+                    f"no trainer of pool {pool!r} at site {self.site}: submit it at the hub",
+                    "$.pool",
+                )
+        except ContractError as exc:
+            run_id = run_id_for(key, owner)
+            await self._emit(Rejected(run_id=run_id, reason=exc.reason, path=exc.path))
+            raise
+        await self.dispatch(spec, spec.idempotency_key or key, owner)
+
+    async def dispatch(self, spec: JobSpec, key: str, owner: str) -> None:
+        run_id = run_id_for(key, owner)
+        known = await self._at_hub(run_id)
+        if known is not None:
+            self._same_job(known, spec)
+            log.info("%s: known at the hub already; not run again", run_id)
+            await self._accepted(spec, run_id, duplicate=True)
+            return
+        now = time.time()
+        record = RunRecord(
+            run_id=run_id, spec=spec, spec_hash=spec_hash(spec), created_at=now,
+            updated_at=now, on_failure=spec.on_failure or "retry", site=self.site,
+            epoch=SITE_EPOCH,
+        )  # fmt: skip
+        duplicate = not await self.runs.adopt(record)
+        if duplicate:
+            found = await self.runs.get(run_id)
+            assert found is not None
+            record = found[0]
+            self._same_job(record, spec)
+        if record.state is RunState.QUEUED and record.epoch == SITE_EPOCH:
+            task = Task(run_id=run_id, spec=spec, dispatch=record.dispatch, grant=record)
+            await publish(
+                self.js, names.site_task_subject(self.site, spec.pool, run_id), encode(task),
+                msg_id=f"grant.{run_id}.{record.epoch}",
+            )  # fmt: skip
+        await self._accepted(spec, run_id, duplicate=duplicate)
+        log.info("%s %s (%s) at site %s", "re-accepted" if duplicate else "accepted", run_id,
+                 spec.name, self.site)  # fmt: skip
+
+    def _same_job(self, record: RunRecord, spec: JobSpec) -> None:
+        if record.spec_hash != spec_hash(spec):
+            raise ContractError(
+                "idempotency key was already used for a different job spec", "$.idempotency_key"
+            )
+
+    async def _at_hub(self, run_id: str) -> RunRecord | None:
+        """The hub's record of `run_id` (live or archived), None if the hub has none or
+        cannot be asked (the link is cut)."""
+        try:
+            async with asyncio.timeout(HUB_READ_S):
+                if self._hub_runs is None:
+                    self._hub_runs = await Runs.open(self.hub, self.settings.hub_api)
+                return await self._hub_runs.find(run_id)
+        except Exception as exc:
+            log.debug("%s: the hub cannot be asked (%s); dispatched here", run_id, exc)
+            return None
+
+    async def _serves(self, pool: str) -> bool:
+        """Some trainer of `pool` at this site has a consumer of the site's work queue."""
+        try:
+            await self.js.consumer_info(names.TASKS_STREAM, names.trainer_consumer(pool))
+        except NotFoundError:
+            return False
+        return True
+
+    async def _accepted(self, spec: JobSpec, run_id: str, *, duplicate: bool) -> None:
+        accepted = Accepted(
+            run_id=run_id, name=spec.name, pool=spec.pool, total_steps=spec.total_steps,
+            duplicate=duplicate,
+        )  # fmt: skip
+        await self._emit(accepted, msg_id=None if duplicate else f"accepted.{run_id}")
+
+    async def _emit(self, event: Event, msg_id: str | None = None) -> None:
+        subject = names.at_site(names.event_subject(event.run_id, kind_of(event)), self.site)
+        await publish(
+            self.js, subject, encode(event),
+            msg_id=msg_id or f"{kind_of(event)}.{event.run_id}.{time.time_ns()}",
+        )  # fmt: skip

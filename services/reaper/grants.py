@@ -1,0 +1,119 @@
+"""The hub's side of runs granted to sites (`shared.state.grants`): taking in what the
+sites report, and taking back what a silent site holds.
+
+**Reports.** Each site's runs bucket — the records of the runs granted to it, written by
+its trainers — is sourced into the hub's `BATON_REPORTS` work queue
+(`shared.bus.sourcing`), once, in the site's order, resuming after any cut. The reconciler
+takes each in by one compare-and-swap (`transitions.reconcile`): while the hub's record
+still grants the run to that site under the reported epoch, it becomes the site's record.
+A run submitted at the site (`services/dispatcher/site.py`) that the hub has no record of
+is created from the site's record (`Runs.create`: one record per id, ever, archive
+included). So a run that finished at a cut-off site is COMPLETED at the hub once, by its
+site's own record, when the link heals — no lease is taken, no attempt started and no commit made at
+the hub for it. A report of a grant the hub has since taken back changes nothing.
+
+**Taking back.** The reaper's sweep looks at every live run granted to a site; once the
+site has been silent (no greeting, on the hub server's clock) for the run's `lost_after`
+(`shared.contracts.jobs.Disconnect`), and its policy allows replacing it, the run is taken
+back: first the store's `latest` is moved to the next epoch (`grants.fence`), so the site's
+commits are refused from that instant, then the record (`transitions.take_back`) and a
+fresh task for the hub's queue, and a `taken_back` event. A run whose final checkpoint is
+already committed is not taken back: it was trained to the end, and its site's record will
+say so at heal.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from shared.bus import names
+from shared.bus import sourcing as sites
+from shared.bus.emit import emit
+from shared.checkpoint.store import Store
+from shared.contracts import RunRecord, decode
+from shared.contracts.events import TakenBack
+from shared.errors import ContractError
+from shared.state import grants, transitions
+from shared.state.pools import PoolTable, disconnect_of
+from shared.state.runs import Runs
+from shared.state.tasks import publish_task
+
+log = logging.getLogger("baton.reaper")
+
+
+class Reconciler:
+    def __init__(self, runs: Runs) -> None:
+        self.runs = runs
+
+    async def on_report(self, msg: Msg) -> None:
+        """One revision of a site's record of a run granted to it."""
+        site = msg.subject.split(".")[2]
+        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
+            return  # a site's record expiring: nothing to take in
+        reported = decode(msg.data, RunRecord)
+        if reported.site != site or msg.subject != names.report_subject(site, reported.run_id):
+            raise ContractError(
+                f"site {site} reported a record of {reported.run_id!r} granted to "
+                f"{reported.site or 'the hub'!r}"
+            )
+        # Submitted at the site, unknown here: the hub's record is the site's, once.
+        unknown = await self.runs.find(reported.run_id) is None
+        if unknown and await self.runs.create(reported):
+            log.info("%s: submitted at site %s; taken in", reported.run_id, site)
+            return
+        new = await self.runs.update(reported.run_id, transitions.reconcile(site, reported))
+        if new is not None and new.state.terminal:
+            log.info("%s: %s at site %s; taken in", new.run_id, new.state.value, site)
+
+
+class TakeBack:
+    def __init__(
+        self, nc: Client, js: JetStreamContext, runs: Runs, store: Store, table: PoolTable,
+        lease_secret: bytes | None,
+    ) -> None:  # fmt: skip
+        self.nc = nc
+        self.js = js
+        self.runs = runs
+        self.store = store
+        self.table = table
+        self.lease_secret = lease_secret
+        self._final: set[tuple[str, int]] = set()
+        """(run, epoch) found trained to the end at a silent site: said once."""
+
+    async def sweep(self, granted: list[RunRecord]) -> list[str]:
+        """Take back every run in `granted` whose site has been silent past its policy's
+        `lost_after`; returns the runs taken back."""
+        if not granted:
+            return []
+        silent = {v.site: v.last_seen_s for v in await sites.views(self.nc)}
+        taken = []
+        for r in granted:
+            policy = disconnect_of(r.spec, self.table)
+            quiet = silent.get(r.site)
+            if quiet is None or quiet < policy.lost_after_s or not policy.replace:
+                continue
+            why = f"site {r.site} silent for {quiet:.0f}s (lost_after {policy.lost_after_s:.0f}s)"
+            if await self.take_back(r, why):
+                taken.append(r.run_id)
+        return taken
+
+    async def take_back(self, r: RunRecord, why: str) -> bool:
+        epoch = r.epoch + 1
+        if not await grants.fence(self.store, r.run_id, epoch):
+            if (r.run_id, r.epoch) not in self._final:
+                self._final.add((r.run_id, r.epoch))
+                log.info("%s: %s, but its final checkpoint is committed; its record is "
+                         "awaited", r.run_id, why)  # fmt: skip
+            return False
+        record = await self.runs.update(r.run_id, transitions.take_back(r.site, r.epoch))
+        if record is None:
+            return False  # it ended, or moved on, meanwhile
+        await publish_task(self.js, record, self.lease_secret)
+        event = TakenBack(run_id=r.run_id, site=r.site, epoch=record.epoch, reason=why)
+        await emit(self.js, event, msg_id=f"taken_back.{r.run_id}.{record.epoch}")
+        log.warning("%s: taken back: %s; queued again under epoch %d", r.run_id, why, epoch)
+        return True

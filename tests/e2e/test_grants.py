@@ -1,0 +1,320 @@
+"""A site keeps its trainers busy through a partition: runs granted ahead, started, leased
+and completed at the site while cut off, and taken in once at heal (`shared.state.grants`).
+
+The hub (dispatcher, checkpointer, reaper; no trainer) and the site `lab1` (leaf node in
+its own domain, checkpointer, two trainers) are real processes under `baton up`'s default
+authorization; a proxy cuts the leaf's link. Every stack's logs are scanned for permission
+violations and JetStream API timeouts when it stops (`tests/support/audit.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+
+from baton.cli import client
+from shared.bus import names
+from shared.bus import sourcing as sites
+from shared.bus.connect import publish
+from shared.contracts import RunRecord, RunState, decode, encode
+from shared.contracts.events import (
+    Accepted,
+    Completed,
+    Delegated,
+    Event,
+    Fenced,
+    Rejected,
+    Started,
+    TakenBack,
+)
+from shared.state.runs import Runs
+from tests.e2e.jobs import finished, history, paced, submit
+from tests.support.sites import Site
+from tests.support.stack import Stack, eventually
+
+HUB_ONLY = ("dispatcher", "checkpointer", "reaper")
+TTL = 6
+
+pytestmark = pytest.mark.timeout(420)
+
+
+@pytest.fixture
+async def hub(tmp_path: Path) -> AsyncIterator[Stack]:
+    s = Stack(tmp_path / "hub", trainers=0, lease_ttl=TTL)
+    await s.start(HUB_ONLY)
+    try:
+        yield s
+    finally:
+        await s.stop()
+
+
+@pytest.fixture
+async def site(hub: Stack) -> Site:
+    s = Site(hub, "lab1")
+    await s.start(trainers=2)
+    return s
+
+
+async def records(nc: Client, run_ids: list[str]) -> list[RunRecord]:
+    runs = await Runs.open(nc.jetstream())
+    out = []
+    for run_id in run_ids:
+        found = await runs.get(run_id)
+        assert found is not None, run_id
+        out.append(found[0])
+    return out
+
+
+async def site_events(site: Site, run_id: str, kind: str) -> list[bytes]:
+    """The events of `kind` the site's outbox holds for the run."""
+    sent = await site.outbox(names.at_site(names.event_subject(run_id, kind), site.name))
+    return [data for _, data in sent]
+
+
+def of(events: list[Event], kind: type[Event]) -> list[Event]:
+    return [e for e in events if isinstance(e, kind)]
+
+
+async def test_a_cut_off_site_starts_and_completes_its_granted_runs(
+    hub: Stack, site: Site
+) -> None:
+    """Two runs training at the site and two granted ahead when the link is cut: the site
+    finishes the first two, starts and commits the other two, and completes them — all
+    while cut off. At heal each run is COMPLETED once at the hub, by its site's record:
+    one attempt, one `completed` event, the uninterrupted run's weights."""
+    nc = await hub.client()
+    reference = await submit(nc, paced(60, pace=0.0))
+    want = (await finished(nc, reference, timeout=90)).digest
+    assert want
+
+    run_ids = [await submit(nc, paced(60, pace=0.08)) for _ in range(4)]
+
+    async def granted() -> bool:
+        return all(r.site == "lab1" for r in await records(nc, run_ids))
+
+    await eventually(granted, 30, "the four runs to be granted to lab1")
+
+    async def two_started() -> list[str] | None:
+        rs = await records(nc, run_ids)
+        running = [r.run_id for r in rs if r.state is RunState.RUNNING]
+        return running if len(running) == 2 else None
+
+    running = await eventually(two_started, 60, "two runs to start at the site")
+    queued = [r for r in run_ids if r not in running]
+    site.proxy.sever()
+
+    async def done_at_site() -> bool:
+        return all([await site_events(site, r, "completed") for r in run_ids])
+
+    await eventually(done_at_site, 240, "every run to complete at the cut-off site")
+    # The queued ones started at the site during the cut: their `started` and commits
+    # are in the site's outbox, and the hub has not heard of them yet.
+    for run_id in queued:
+        assert await site_events(site, run_id, "started"), run_id
+        assert await site_events(site, run_id, "checkpoint_committed"), run_id
+        assert not [e for e in await history(nc, run_id) if isinstance(e, Started)], run_id
+    await _site_shows_its_own(site, run_ids)
+    site.proxy.restore()
+
+    for run_id in run_ids:
+        record = await finished(nc, run_id, timeout=60)
+        assert record.state is RunState.COMPLETED and record.digest == want, record
+        assert record.attempts == 1, f"{run_id} trained again: {record.attempts} attempts"
+
+    for run_id in run_ids:
+        await eventually(
+            lambda r=run_id: _completed_once(nc, r), 30, f"{run_id}'s events at the hub"
+        )
+        events = await history(nc, run_id)
+        assert len(of(events, Started)) == 1 and not of(events, Fenced)
+        [grant] = of(events, Delegated)
+        assert isinstance(grant, Delegated) and grant.site == "lab1"
+        await site.assert_events_once_in_order(nc, run_id)
+
+
+async def test_a_site_silent_past_lost_after_loses_its_runs_to_another(
+    tmp_path: Path,
+) -> None:
+    """lab1 holds a run and falls silent past the job's `lost_after`: the hub takes the run
+    back (fencing lab1's grant in the store) and lab2 completes it. At heal lab1's commits
+    for it are refused, its process is stopped with a `fenced` event saying why, and the
+    run completes once, with the uninterrupted run's weights."""
+    hub = Stack(tmp_path / "hub", trainers=0, lease_ttl=TTL)
+    await hub.start(HUB_ONLY)
+    try:
+        lab1, lab2 = Site(hub, "lab1"), Site(hub, "lab2")
+        await lab1.start(trainers=1)
+        nc = await hub.client()
+        reference = await submit(nc, paced(200, pace=0.0))
+        want = (await finished(nc, reference, timeout=90)).digest
+
+        spec = paced(200, pace=0.08, disconnect={"lost_after_s": 8})
+        run_id = await submit(nc, spec)
+
+        async def committed_at_lab1() -> bool:
+            return len(await site_events(lab1, run_id, "checkpoint_committed")) >= 2
+
+        await eventually(committed_at_lab1, 60, "the run to commit at lab1")
+        lab1.proxy.sever()
+        await lab2.start(trainers=1)
+
+        async def taken_back() -> TakenBack | None:
+            found = of(await history(nc, run_id), TakenBack)
+            return found[0] if found else None  # type: ignore[return-value]
+
+        back = await eventually(taken_back, 60, "the hub to take the run back from lab1")
+        assert back.site == "lab1" and "silent" in back.reason, back
+        record = await finished(nc, run_id, timeout=120)
+        assert record.state is RunState.COMPLETED and record.digest == want, record
+        last = of(await history(nc, run_id), Started)[-1]
+        assert isinstance(last, Started) and last.worker == "lab2-trainer-1", last
+
+        lab1.proxy.restore()
+        await lab1.linked()
+
+        async def lab1_fenced() -> Fenced | None:
+            found = [decode(d, Fenced) for d in await site_events(lab1, run_id, "fenced")]
+            return found[0] if found else None
+
+        fenced = await eventually(lab1_fenced, 60, "lab1's copy to be fenced")
+        # Stopped by the store refusing a commit, or by the hub's answer at heal, whichever
+        # came first.
+        assert any(w in fenced.reason for w in ("refused", "took the run back", "latest names"))
+        events = await history(nc, run_id)
+        assert len(of(events, Completed)) == 1, [type(e).__name__ for e in events]
+        final = (await records(nc, [run_id]))[0]
+        assert final.state is RunState.COMPLETED and final.site != "lab1", final
+    finally:
+        await hub.stop()
+
+
+async def test_jobs_submitted_at_a_cut_off_site_start_there_and_are_one_run_each(
+    hub: Stack, site: Site
+) -> None:
+    """During a cut the site's own dispatcher takes jobs submitted there and its trainers
+    run them; the same job also submitted at the hub meanwhile is still one run at heal."""
+    nc, at_site = await hub.client(), await site.client("submitter")
+    reference = await submit(nc, paced(40, pace=0.0))
+    want = (await finished(nc, reference, timeout=90)).digest
+    site.proxy.sever()
+    await eventually(lambda: _down(nc, "lab1"), 30, "the hub to see lab1 cut off")
+    specs = [paced(40, pace=0.02) for _ in range(3)]
+    run_ids = []
+    for spec in specs:
+        run_id, answer = await client.submit(at_site, spec, 20, "lab1")
+        assert isinstance(answer, Accepted) and not answer.duplicate, answer
+        run_ids.append(run_id)
+    # Bad input at the site: a clear answer, nothing run.
+    _, answer = await client.submit(at_site, paced(40, pool="nope"), 20, "lab1")
+    assert isinstance(answer, Rejected) and "no trainer of pool 'nope'" in answer.reason, answer
+    # The first job again, at the hub, by the same submitter (the operator may publish on
+    # its subject): the hub has a record of it too now, queued — it has no trainer, and
+    # lab1 is cut off.
+    await publish(
+        nc.jetstream(), names.submit_subject("default", "lab1-submitter"), encode(specs[0]),
+        msg_id=f"hub-copy-{run_ids[0]}",
+    )  # fmt: skip
+    at_hub = await eventually(lambda: _record(nc, run_ids[0]), 30, "the hub's copy")
+    assert at_hub.state is RunState.QUEUED and at_hub.attempts == 0, at_hub
+
+    async def done_at_site() -> bool:
+        return all([await site_events(site, r, "completed") for r in run_ids])
+
+    await eventually(done_at_site, 180, "the site's jobs to complete during the cut")
+    site.proxy.restore()
+    for run_id in run_ids:
+        assert run_id.startswith("lab1-submitter."), run_id
+        record = await finished(nc, run_id, timeout=60)
+        assert record.state is RunState.COMPLETED and record.digest == want, record
+        assert record.attempts == 1 and record.site == "lab1", record
+
+    async def heard() -> bool:
+        return all([of(await history(nc, r), Completed) for r in run_ids])
+
+    await eventually(heard, 30, "the site's events at the hub")
+    for run_id in run_ids:
+        events = await history(nc, run_id)
+        kinds = [type(e).__name__ for e in events]
+        assert kinds.count("Completed") == 1 and kinds.count("Started") == 1, kinds
+
+
+async def test_a_site_trainer_killed_and_its_server_restarted_during_the_cut(
+    hub: Stack, site: Site
+) -> None:
+    """SIGKILL of a site trainer mid-run and a restart of the site's nats-server (same
+    disk), both during the cut: every granted run completes once, none is lost, and the
+    killed one resumes from its last checkpoint."""
+    nc = await hub.client()
+    reference = await submit(nc, paced(80, pace=0.0))
+    want = (await finished(nc, reference, timeout=90)).digest
+    await site.add_trainer("lab1-trainer-3", restart=True)
+    await site.linked()
+    run_ids = [await submit(nc, paced(80, pace=0.06)) for _ in range(4)]
+
+    async def three_running() -> bool:
+        rs = await records(nc, run_ids)
+        return sum(r.state is RunState.RUNNING for r in rs) == 3 and all(r.site for r in rs)
+
+    await eventually(three_running, 60, "three granted runs to train at the site")
+    site.proxy.sever()
+    victim = next(r for r in await records(nc, run_ids) if r.worker == "lab1-trainer-3")
+
+    async def committed() -> bool:
+        return bool(await site_events(site, victim.run_id, "checkpoint_committed"))
+
+    await eventually(committed, 60, "a checkpoint of the victim's run")
+    os.kill(hub.pid("lab1-trainer-3"), signal.SIGKILL)
+    await site.nats.restart(kill=True)
+
+    async def done_at_site() -> bool:
+        return all([await site_events(site, r, "completed") for r in run_ids])
+
+    await eventually(done_at_site, 240, "every granted run to complete during the cut")
+    site.proxy.restore()
+    for run_id in run_ids:
+        record = await finished(nc, run_id, timeout=60)
+        assert record.state is RunState.COMPLETED and record.digest == want, record
+    events = await history(nc, victim.run_id)
+    starts = of(events, Started)
+    assert len(starts) == 2 and starts[1].start_step > 0, starts  # type: ignore[attr-defined]
+    for run_id in run_ids:
+        await eventually(
+            lambda r=run_id: _completed_once(nc, r), 30, f"{run_id}'s events at the hub"
+        )
+
+
+async def _site_shows_its_own(site: Site, run_ids: list[str]) -> None:
+    """The CLI at the cut-off site answers from the site's own state: its runs (done
+    there), its trainers, a run's status; and says in one line what it leaves out."""
+    code, out, err = await site.cli("runs", "--json")
+    assert code == 0 and "Traceback" not in err, (code, out, err)
+    shown = {r["run_id"]: r for r in json.loads(out)}
+    for run_id in run_ids:
+        assert shown[run_id]["state"] == "COMPLETED" and shown[run_id]["site"] == "lab1", shown
+    assert "the hub is unreachable from this site" in err, err
+    code, out, err = await site.cli("workers", "--json")
+    assert code == 0, (code, out, err)
+    assert {w["worker"] for w in json.loads(out)} == {"lab1-trainer-1", "lab1-trainer-2"}, out
+    code, out, err = await site.cli("status", run_ids[-1])
+    assert code == 0 and "COMPLETED" in out and "Traceback" not in err, (code, out, err)
+
+
+async def _down(nc: Client, site: str) -> bool:
+    return site not in await sites.linked(nc)
+
+
+async def _record(nc: Client, run_id: str) -> RunRecord | None:
+    found = await (await Runs.open(nc.jetstream())).get(run_id)
+    return found[0] if found is not None else None
+
+
+async def _completed_once(nc: Client, run_id: str) -> bool:
+    found = of(await history(nc, run_id), Completed)
+    assert len(found) <= 1, f"{run_id} completed {len(found)} times"
+    return len(found) == 1

@@ -1,0 +1,149 @@
+"""Grants to sites without NATS: the token order across authorities, the store fence a
+taking back writes, and the record transitions of granting, taking back and reconciling."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import save
+
+from shared.checkpoint import commit
+from shared.checkpoint.store.file import FileStore
+from shared.contracts import CommitRequest, FileRef, RunState
+from shared.errors import StaleToken
+from shared.state import grants
+from shared.state import transitions as t
+from tests.shared.state.test_transitions import SPEC, applied, changed, record, refused, terminal
+
+QUEUED = record(state=RunState.QUEUED, worker=None, token=3, delivery=None, group=[])
+
+
+def test_tokens_order_by_epoch_before_revision() -> None:
+    hub_late = grants.token_of(0, 2**32 - 1)
+    site_early = grants.token_of(1, 1)
+    taken_back = grants.token_of(2, 1)
+    assert hub_late < site_early < taken_back
+    assert grants.epoch_of(site_early) == 1 and grants.epoch_of(hub_late) == 0
+    assert grants.token_of(0, 7) == 7, "the hub's tokens before any grant are revisions"
+    with pytest.raises(AssertionError):
+        grants.token_of(1, 2**32)
+
+
+async def _commit(store: FileStore, token: int, step: int, final: bool = False) -> None:
+    payload = save({"w": torch.full((4,), float(step))})
+    key = commit.data_key("r", token, step, "model.safetensors")
+    await store.put_once(key, payload)
+    ref = FileRef(
+        name="model.safetensors", key=key, size=len(payload),
+        sha256=hashlib.sha256(payload).hexdigest(),
+    )  # fmt: skip
+    req = CommitRequest(run_id="r", token=token, step=step, worker="w", files=[ref], final=final)
+    await commit.commit(store, req)
+
+
+async def test_a_fence_refuses_every_later_commit_of_the_revoked_grant(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    site = grants.token_of(1, 4)
+    await _commit(store, site, 10)
+    assert await grants.fence(store, "r", 2)
+    latest = await commit.read_latest(store, "r")
+    assert latest is not None
+    assert latest[0].token == grants.token_of(2, 0) and latest[0].step == 10
+    assert latest[0].manifest == commit.manifest_key("r", 10, site), "the same checkpoint"
+    with pytest.raises(StaleToken):
+        await _commit(store, site, 20)  # the site, still training: refused
+    await _commit(store, grants.token_of(2, 1), 20)  # the hub's next holder: accepted
+    assert await grants.fence(store, "r", 2), "fenced already: nothing to do"
+
+
+async def test_no_fence_without_a_checkpoint_and_none_over_a_final_one(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    assert await grants.fence(store, "r", 2), "nothing to fence: the next epoch is above"
+    assert await commit.read_latest(store, "r") is None
+    await _commit(store, grants.token_of(1, 1), 50, final=True)
+    assert not await grants.fence(store, "r", 2), "trained to the end: not taken back"
+    latest = await commit.read_latest(store, "r")
+    assert latest is not None and latest[0].token == grants.token_of(1, 1)
+
+
+def test_delegate_grants_a_queued_run_of_one_rank_under_the_next_epoch() -> None:
+    new = applied(t.delegate("lab1"), QUEUED)
+    assert changed(QUEUED, new) == {"site": "lab1", "epoch": 1}
+    ranks = msgspec.structs.replace(SPEC, ranks=2)
+    refused(
+        t.delegate("lab1"), record(), new, msgspec.structs.replace(QUEUED, spec=ranks),
+        msgspec.structs.replace(QUEUED, cancel_requested="x"),
+        msgspec.structs.replace(QUEUED, pause_requested="x"),
+        msgspec.structs.replace(QUEUED, rollback_to=10), *terminal(),
+    )  # fmt: skip
+
+
+def test_take_back_queues_the_run_at_the_hub_under_the_next_epoch() -> None:
+    granted = record(site="lab1", epoch=1, dispatch=1)
+    new = applied(t.take_back("lab1", 1), granted)
+    assert new.site == "" and new.epoch == 2 and new.state is RunState.QUEUED
+    assert new.dispatch == 2 and new.worker is None and new.group == []
+    paused = applied(t.take_back("lab1", 1), record(site="lab1", epoch=1, state=RunState.PAUSED))
+    assert paused.state is RunState.PAUSED
+    refused(
+        t.take_back("lab1", 1), record(site="lab2", epoch=1), record(site="lab1", epoch=2),
+        record(), *terminal(site="lab1", epoch=1),
+    )  # fmt: skip
+
+
+def test_reconcile_takes_the_sites_record_only_under_the_granted_epoch() -> None:
+    hub = record(site="lab1", epoch=1, state=RunState.QUEUED, cancel_requested="asked at hub")
+    reported = record(site="lab1", epoch=1, step=40, attempts=1, updated_at=9.0)
+    new = applied(t.reconcile("lab1", reported), hub)
+    assert new.step == 40 and new.attempts == 1 and new.state is RunState.RUNNING
+    assert new.cancel_requested == "asked at hub", "what the hub was asked is kept"
+    assert t.reconcile("lab1", new)(new) is None, "a repeat changes nothing"
+    refused(
+        t.reconcile("lab1", reported), record(site="lab1", epoch=2),
+        record(site="lab2", epoch=1), record(epoch=1),
+    )  # fmt: skip
+    # An ended record only has its announcement cleared, once the site's is.
+    ended = record(site="lab1", epoch=1, state=RunState.COMPLETED, announce_pending=True)
+    done = applied(
+        t.reconcile("lab1", msgspec.structs.replace(ended, announce_pending=False)), ended
+    )
+    assert changed(ended, done) == {"announce_pending": False}
+    refused(t.reconcile("lab1", ended), ended)
+
+
+def test_the_same_job_submitted_at_a_site_and_queued_at_the_hub_is_the_sites() -> None:
+    at_hub = record(state=RunState.QUEUED, attempts=0, worker=None, token=None)
+    at_site = record(site="lab1", epoch=1, state=RunState.COMPLETED, attempts=1)
+    assert applied(t.reconcile("lab1", at_site), at_hub) == at_site
+    started = msgspec.structs.replace(at_hub, attempts=1)
+    other = msgspec.structs.replace(at_site, spec_hash="other")
+    refused(t.reconcile("lab1", at_site), started, record(state=RunState.RUNNING))
+    refused(t.reconcile("lab1", other), at_hub)
+
+
+def test_at_the_site_a_newer_grant_replaces_the_record_and_requests_are_copied() -> None:
+    kept = record(site="lab1", epoch=1)
+    newer = record(site="lab1", epoch=3, state=RunState.QUEUED)
+    assert applied(t.accept_grant(newer), kept) == newer
+    refused(t.accept_grant(kept), kept, newer)
+    hub = record(site="lab1", epoch=1, cancel_requested="stop it")
+    assert applied(t.forward_requests(hub), kept).cancel_requested == "stop it"
+    refused(
+        t.forward_requests(hub), record(site="lab1", epoch=2),
+        msgspec.structs.replace(kept, cancel_requested="stop it"), *terminal(site="lab1", epoch=1),
+    )  # fmt: skip
+
+
+def test_mark_running_and_the_hubs_requests_respect_the_grant() -> None:
+    granted = record(site="lab1", epoch=1, state=RunState.QUEUED, token=None)
+    refused(t.mark_running("w", 5, None, []), granted)
+    assert applied(t.mark_running("w", 5, None, [], "lab1"), granted).state is RunState.RUNNING
+    refused(t.mark_running("w", 5, None, [], "lab1"), record(token=None))
+    # Granted, the run is the site's to end: a cancel or a pause is asked, not done.
+    assert applied(t.cancel("x"), granted).cancel_requested == "x"
+    assert applied(t.cancel("x"), granted).state is RunState.QUEUED
+    assert applied(t.pause("x"), granted).pause_requested == "x"
