@@ -61,17 +61,22 @@ async def site_events(site: Site) -> list[tuple[str, Event]]:
 
 
 def busy_within(events: list[tuple[str, Event]], start: float, end: float) -> float:
-    """Trainer-seconds inside [start, end] spent in attempts: each from its `started` to
-    the next end of the same run on the same worker (or `end`)."""
+    """Trainer-seconds inside [start, end] spent training: each attempt from its `started`
+    to its last `progress` or `checkpoint_committed` before its end event — not to the end
+    event itself, which a run held by the hub publishes only once its record is written,
+    after the link is back."""
     total = 0.0
     for i, (kind, e) in enumerate(events):
         if kind != "started" or not isinstance(e, Started):
             continue
-        stop = end
+        stop = e.at
         for later_kind, later in events[i + 1 :]:
-            if later.run_id == e.run_id and later_kind in ENDS:
-                stop = later.at
+            if later.run_id != e.run_id:
+                continue
+            if later_kind in ENDS:
                 break
+            if later_kind in ("progress", "checkpoint_committed"):
+                stop = later.at
         total += max(0.0, min(stop, end) - max(e.at, start))
     return total
 

@@ -375,8 +375,10 @@ def site_permissions(role: str, site: str) -> Permissions | None:
         granted = (names.site_runs_bucket(site), names.site_leases_bucket(site))
         return Permissions(
             publish=(
-                *_trainer_publish(HUB_API, hub_kv, site), *_consume(API, names.TASKS_STREAM),
-                *_read_kv(API, *granted), *_write_kv("", *granted),
+                *_trainer_publish(HUB_API, hub_kv, site),
+                *_consume(API, names.TASKS_STREAM),
+                *_read_kv(API, *granted),
+                *_write_kv("", *granted),
             ),
             subscribe=(inbox, f"{names.PREFIX}.control.>", names.site_root(site, "events")),
         )

@@ -44,8 +44,6 @@ async def hub_answers(nc: Client, timeout: float = 2.0) -> bool:
     return True
 
 
-
-
 def note(text: str) -> None:
     """A line on stderr beside a command's answer: what the answer leaves out."""
     print(f"note: {text}", file=sys.stderr)
@@ -84,7 +82,6 @@ async def site_records(nc: Client, site: str, history: bool) -> list[RunRecord]:
     return sorted(kept.values(), key=lambda r: r.created_at)
 
 
-
 async def site_workers(nc: Client, site: str) -> list[tuple[WorkerInfo, float]]:
     """At a site: its own trainers, from their newest heartbeats in the site's outbox
     (each expires there as at the hub), with how long ago the site's server stored each."""
@@ -107,5 +104,3 @@ async def site_workers(nc: Client, site: str) -> list[tuple[WorkerInfo, float]]:
             seen = age(now, stamp(m.metadata.timestamp)) if m.metadata else 0.0
             out.append((decode(m.data, WorkerInfo), seen))
     return out
-
-

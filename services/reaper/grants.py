@@ -13,7 +13,9 @@ site's own record, when the link heals — no lease is taken, no attempt started
 the hub for it. A report of a grant the hub has since taken back changes nothing.
 
 **Taking back.** The reaper's sweep looks at every live run granted to a site; once the
-site has been silent (no greeting, on the hub server's clock) for the run's `lost_after`
+site has been silent (no greeting, on the hub server's clock) for the run's `lost_after` —
+or, for a run nobody there trains now, linked but without an undrained trainer of its pool
+(all drained, or gone) for as long —
 (`shared.contracts.jobs.Disconnect`), and its policy allows replacing it, the run is taken
 back: first the store's `latest` is moved to the next epoch (`grants.fence`), so the site's
 commits are refused from that instant, then the record (`transitions.take_back`) and a
@@ -25,6 +27,7 @@ say so at heal.
 from __future__ import annotations
 
 import logging
+import time
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -35,6 +38,7 @@ from shared.bus import sourcing as sites
 from shared.bus.emit import emit
 from shared.checkpoint.store import Store
 from shared.contracts import RunRecord, decode
+from shared.contracts.control import WorkerInfo
 from shared.contracts.events import TakenBack
 from shared.errors import ContractError
 from shared.state import grants, transitions
@@ -60,8 +64,12 @@ class Reconciler:
                 f"site {site} reported a record of {reported.run_id!r} granted to "
                 f"{reported.site or 'the hub'!r}"
             )
-        # Submitted at the site, unknown here: the hub's record is the site's, once.
+        # Submitted at the site, unknown here: the hub's record is the site's, once — for a
+        # run id the site's own users may make (an operator's, or a `<site>-` submitter's).
         unknown = await self.runs.find(reported.run_id) is None
+        owner = reported.run_id.rpartition(".")[0]
+        if unknown and owner and not owner.startswith(f"{site}-"):
+            raise ContractError(f"site {site} reported a run of {owner!r}, which it cannot own")
         if unknown and await self.runs.create(reported):
             log.info("%s: submitted at site %s; taken in", reported.run_id, site)
             return
@@ -81,22 +89,36 @@ class TakeBack:
         self.store = store
         self.table = table
         self.lease_secret = lease_secret
+        self._unserved_since: dict[tuple[str, str], float] = {}
+        """(site, pool) → when a linked site was first seen without an undrained trainer of
+        the pool (this reaper's monotonic clock)."""
         self._final: set[tuple[str, int]] = set()
         """(run, epoch) found trained to the end at a silent site: said once."""
 
-    async def sweep(self, granted: list[RunRecord]) -> list[str]:
-        """Take back every run in `granted` whose site has been silent past its policy's
+    async def sweep(self, granted: list[RunRecord], workers: list[WorkerInfo]) -> list[str]:
+        """Take back every run in `granted` whose site has been silent — or has had no
+        undrained trainer of the run's pool (every one drained or gone) — past its policy's
         `lost_after`; returns the runs taken back."""
+        serving = {(w.site, w.pool) for w in workers if w.site and not w.drained}
+        now = time.monotonic()
+        for key in [k for k in self._unserved_since if k in serving]:
+            del self._unserved_since[key]
         if not granted:
             return []
         silent = {v.site: v.last_seen_s for v in await sites.views(self.nc)}
         taken = []
         for r in granted:
             policy = disconnect_of(r.spec, self.table)
-            quiet = silent.get(r.site)
+            quiet, why = silent.get(r.site), "silent"
+            if quiet is not None and quiet < sites.SILENCE_S:
+                if r.worker is not None or (r.site, r.spec.pool) in serving:
+                    continue  # trained, or a trainer there can take it
+                # Linked, but no trainer there takes it: as good as silent for this run.
+                since = self._unserved_since.setdefault((r.site, r.spec.pool), now)
+                quiet, why = now - since, f"without a trainer of pool {r.spec.pool}"
             if quiet is None or quiet < policy.lost_after_s or not policy.replace:
                 continue
-            why = f"site {r.site} silent for {quiet:.0f}s (lost_after {policy.lost_after_s:.0f}s)"
+            why = f"site {r.site} {why} for {quiet:.0f}s (lost_after {policy.lost_after_s:.0f}s)"
             if await self.take_back(r, why):
                 taken.append(r.run_id)
         return taken

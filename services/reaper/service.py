@@ -144,9 +144,7 @@ class Reaper:
             lambda msg: handle(self.js, msg, "reaper", self.reconciler.on_report),
         )
         try:
-            await asyncio.gather(
-                advisories, reports, self._sweeping(stop), self.sites.watch(stop)
-            )
+            await asyncio.gather(advisories, reports, self._sweeping(stop), self.sites.watch(stop))
         finally:
             await self.sites.stop()
             await self.lapses.stop()
@@ -171,7 +169,7 @@ class Reaper:
         redispatched = []
         # A run granted to a site is the site's to time, hand over and end; the hub takes
         # it back once the site is silent past its policy (`grants.py`).
-        await self.take_back.sweep([r for r in running if r.site])
+        await self.take_back.sweep([r for r in running if r.site], list(workers.values()))
         for r in running:
             if r.site:
                 continue

@@ -20,10 +20,13 @@ keeper reads its orders as at the hub.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 
 from services.trainer.verdicts import Scope
@@ -39,6 +42,7 @@ from shared.state import transitions
 from shared.state.grants import epoch_of
 from shared.state.lease import Lease
 from shared.state.runs import Runs
+from shared.waits import wait_set
 
 log = logging.getLogger("baton.trainer")
 
@@ -46,6 +50,9 @@ HUB_READ_S = 3.0
 """How long a look at the hub's record may take before the grant is taken to hold (a cut)."""
 
 Start = Callable[[Task, Lease, Msg, Scope, RunRecord], Awaitable[None]]
+Handle = Callable[[Msg], Awaitable[None]]
+HUB_RETRY_S = 5.0
+"""How long the hub's queue is left alone after a fetch from it failed (a cut)."""
 
 
 class Granted:
@@ -68,6 +75,41 @@ class Granted:
         )
         await ensure_consumer(self.js, names.TASKS_STREAM, consumer)
         self.runs = await Runs.open(self.js, bucket=names.site_runs_bucket(self.site))
+
+    async def serve(
+        self, leave: asyncio.Event, hub: JetStreamContext, hub_reached: Callable[[], bool],
+        on_granted: Handle, on_hub_task: Handle,
+    ) -> None:  # fmt: skip
+        """The site trainer's loop, one message at a time until `leave`: the runs granted
+        to the site first, from its own queue, which a cut does not reach; then the hub's
+        queue (runs of several ranks, calls for ranks, work not granted) once the hub was
+        reached, left alone for a while after a fetch the cut made fail."""
+        pool = names.trainer_consumer(self.settings.pool)
+        mine = await self.js.pull_subscribe_bind(pool, names.TASKS_STREAM)
+        hubs = None
+        hub_back = 0.0
+        while not leave.is_set():
+            if hubs is None and hub_reached():
+                hubs = await hub.pull_subscribe_bind(pool, names.TASKS_STREAM)
+            try:
+                took = await _fetch_one(mine, 1.0)
+            except Exception as exc:  # the site's own server restarting
+                log.warning("the site's work queue is out of reach (%s); retrying", exc)
+                await wait_set(leave, 1.0)
+                continue
+            if took is not None:
+                await on_granted(took)
+                continue
+            if hubs is None or time.monotonic() < hub_back:
+                continue
+            try:
+                took = await _fetch_one(hubs, 0.5)
+            except Exception as exc:
+                log.debug("the hub's work queue is out of reach (%s)", exc)
+                hub_back = time.monotonic() + HUB_RETRY_S
+                continue
+            if took is not None:
+                await on_hub_task(took)
 
     async def on_task(self, msg: Msg, start: Start) -> None:
         """Take a granted task: seed or read the site's record, take the site's lease under
@@ -120,7 +162,8 @@ class Granted:
             return
         if latest is not None and epoch_of(latest[0].token) > grant.epoch:
             log.info("%s: grant epoch %d was revoked; its task ended", grant.run_id, grant.epoch)
-            await msg.term()
+            with contextlib.suppress(Exception):  # answered already
+                await msg.term()
 
     def check(self, record: RunRecord) -> GrantCheck:
         return GrantCheck(self, record)
@@ -155,3 +198,12 @@ class GrantCheck:
             )
         await g.runs.update(self.record.run_id, transitions.forward_requests(hub))
         return None
+
+
+async def _fetch_one(sub: JetStreamContext.PullSubscription, timeout: float) -> Msg | None:
+    """The next message of a pull consumer, or None when none came within `timeout`."""
+    try:
+        msgs = await sub.fetch(1, timeout=timeout)
+    except (TimeoutError, NatsTimeoutError):
+        return None
+    return msgs[0] if msgs else None

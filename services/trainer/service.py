@@ -68,8 +68,6 @@ from shared.waits import wait_set
 log = logging.getLogger("baton.trainer")
 
 ATTEMPT_ERROR_DELAY_S = 5.0
-HUB_RETRY_S = 5.0
-"""At a site: how long the hub's queue is left alone after a fetch from it failed."""
 NATS_SECRETS = ("NATS_PASSWORD", "NATS_PASSWORD_FILE", "NATS_AUTH_FILE", "NATS_CREDS", "NATS_NKEY")
 
 
@@ -213,36 +211,12 @@ class Trainer:
             self.workdir.unlock()
 
     async def _serve_site(self, leave: asyncio.Event) -> None:
-        """At a site: the runs granted to the site first, from its own queue, which a cut
-        does not reach; then the hub's queue (runs of several ranks, calls for ranks, work
-        not granted), skipped for a while after a fetch the cut made fail."""
         assert self.granted is not None
-        pool = names.trainer_consumer(self.settings.pool)
-        mine = await self.js.pull_subscribe_bind(pool, names.TASKS_STREAM)
-        hubs = None
-        hub_back = 0.0
-        while not leave.is_set():
-            if hubs is None and self._hub is not None and self._hub.done():
-                hubs = await self.hub.pull_subscribe_bind(pool, names.TASKS_STREAM)
-            try:
-                took = await _fetch_one(mine, 1.0)
-            except Exception as exc:  # the site's own server restarting
-                log.warning("the site's work queue is out of reach (%s); retrying", exc)
-                await wait_set(leave, 1.0)
-                continue
-            if took is not None:
-                await self.on_granted(took)
-                continue
-            if hubs is None or time.monotonic() < hub_back:
-                continue
-            try:
-                took = await _fetch_one(hubs, 0.5)
-            except Exception as exc:
-                log.debug("the hub's work queue is out of reach (%s)", exc)
-                hub_back = time.monotonic() + HUB_RETRY_S
-                continue
-            if took is not None:
-                await self.on_task(took)
+        await self.granted.serve(leave, self.hub, self._hub_reached, self.on_granted, self.on_task)
+
+    def _hub_reached(self) -> bool:
+        t = self._hub
+        return t is not None and t.done() and not t.cancelled() and t.exception() is None
 
     async def on_granted(self, msg: Msg) -> None:
         """A run the hub granted to this site (`granted.py`)."""
@@ -497,15 +471,6 @@ class Trainer:
 UNREACHABLE = (
     ServiceUnavailableError, NoRespondersError, TimeoutError, NatsTimeoutError, NotFoundError,
 )  # fmt: skip
-
-
-async def _fetch_one(sub: JetStreamContext.PullSubscription, timeout: float) -> Msg | None:
-    """The next message of a pull consumer, or None when none came within `timeout`."""
-    try:
-        msgs = await sub.fetch(1, timeout=timeout)
-    except (TimeoutError, NatsTimeoutError):
-        return None
-    return msgs[0] if msgs else None
 
 
 async def _until_reachable(call: Callable[[], Awaitable[None]], what: str) -> None:

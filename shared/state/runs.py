@@ -105,9 +105,7 @@ class Runs:
         if found is not None:
             return found
         try:
-            msg = await self._js.get_last_msg(
-                f"KV_{self._bucket}", f"$KV.{self._bucket}.{run_id}"
-            )
+            msg = await self._js.get_last_msg(f"KV_{self._bucket}", f"$KV.{self._bucket}.{run_id}")
         except NotFoundError:
             return None
         if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from shared.bus import names
 from shared.bus import sourcing as sites
 from shared.bus.connect import publish
 from shared.contracts import RunRecord, RunState, decode, encode
+from shared.contracts.control import Drain
 from shared.contracts.events import (
     Accepted,
     Completed,
@@ -33,6 +35,7 @@ from shared.contracts.events import (
     Started,
     TakenBack,
 )
+from shared.state.drains import Drains
 from shared.state.runs import Runs
 from tests.e2e.jobs import finished, history, paced, submit
 from tests.support.sites import Site
@@ -81,9 +84,7 @@ def of(events: list[Event], kind: type[Event]) -> list[Event]:
     return [e for e in events if isinstance(e, kind)]
 
 
-async def test_a_cut_off_site_starts_and_completes_its_granted_runs(
-    hub: Stack, site: Site
-) -> None:
+async def test_a_cut_off_site_starts_and_completes_its_granted_runs(hub: Stack, site: Site) -> None:
     """Two runs training at the site and two granted ahead when the link is cut: the site
     finishes the first two, starts and commits the other two, and completes them — all
     while cut off. At heal each run is COMPLETED once at the hub, by its site's record:
@@ -318,3 +319,37 @@ async def _completed_once(nc: Client, run_id: str) -> bool:
     found = of(await history(nc, run_id), Completed)
     assert len(found) <= 1, f"{run_id} completed {len(found)} times"
     return len(found) == 1
+
+
+async def test_grants_a_drained_site_cannot_start_go_back_to_the_hub(tmp_path: Path) -> None:
+    """lab1 is linked, but its only trainer is drained: the run it trained is handed back
+    at its checkpoint and the one granted ahead never starts there. Past `lost_after` both
+    are taken back, and the hub's trainer completes them."""
+    hub = Stack(tmp_path / "hub", trainers=0, lease_ttl=TTL)
+    await hub.start(HUB_ONLY)
+    try:
+        lab1 = Site(hub, "lab1")
+        await lab1.start(trainers=1)
+        nc = await hub.client()
+        spec = {"disconnect": {"lost_after_s": 3}}
+        run_ids = [await submit(nc, paced(400, pace=0.05, **spec)) for _ in range(2)]
+
+        async def held() -> bool:
+            rs = await records(nc, run_ids)
+            return all(r.site == "lab1" for r in rs) and any(r.step > 0 for r in rs)
+
+        await eventually(held, 60, "both granted to lab1, one committing there")
+        drain = Drain(worker="lab1-trainer-1", reason="test", at=time.time())
+        await Drains(nc.jetstream()).drain(drain)
+        await hub.add_trainer("hub-trainer-1")
+        for run_id in run_ids:
+            record = await finished(nc, run_id, timeout=180)
+            assert record.state is RunState.COMPLETED and not record.site, record
+            events = await history(nc, run_id)
+            [back] = of(events, TakenBack)
+            assert "without a trainer of pool default" in back.reason, back  # type: ignore[attr-defined]
+            last = of(events, Started)[-1]
+            assert last.worker == "hub-trainer-1", last  # type: ignore[attr-defined]
+            assert len(of(events, Completed)) == 1
+    finally:
+        await hub.stop()

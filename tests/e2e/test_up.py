@@ -175,8 +175,9 @@ async def test_up_site_trains_the_hubs_work_and_baton_sites_shows_it(tmp_path: P
         procs.append(site)
         job = tmp_path / "job.json"
         job.write_text(json.dumps(JOB))
-        # Submitted at the site by its submitter, through its leaf node and outbox; answered
-        # by the hub, across the link, to the submitter's own inbox.
+        # Submitted at the site by its submitter, to the site's own dispatcher, which
+        # answers into the site's outbox; the run trains at the site, and the hub knows it
+        # once the site's record of it has come across the link.
         code, out, err = await baton(
             "submit", str(job), "--site", "lab1", "--wait", "30", "--json",
             env={
@@ -187,6 +188,11 @@ async def test_up_site_trains_the_hubs_work_and_baton_sites_shows_it(tmp_path: P
         assert code == 0 and json.loads(out)["accepted"], (out, err)
         run_id = json.loads(out)["run_id"]
         assert run_id.startswith("lab1-submitter."), f"the submitter owns its run: {run_id}"
+
+        async def known_at_hub() -> bool:
+            return (await baton("status", run_id, "--json", env=at_hub))[0] == 0
+
+        await eventually(known_at_hub, 30, "the hub to take in the site's run")
         code, out, err = await baton("watch", run_id, env=at_hub)
         assert code == 0, (out, err)
         code, out, _ = await baton("status", run_id, "--json", env=at_hub)
