@@ -52,8 +52,6 @@ class Delegation:
         self.js = nc.jetstream()
         self.runs = runs
         self.settings = settings
-        self.now = asyncio.Event()
-        """Set to look at once (a submission was just queued)."""
         self._sent: set[tuple[str, int]] = set()
         """(run, epoch) of the grants a site acknowledged, by this process."""
         self._free: dict[tuple[str, str], int] = {}
@@ -66,8 +64,7 @@ class Delegation:
                 await self.round()
             except Exception as exc:  # the hub restarting, a link going: look again soon
                 log.warning("delegating to sites failed (%s); again in %.0fs", exc, ROUND_S)
-            await wait_set(self.now, ROUND_S)
-            self.now.clear()
+            await wait_set(stop, ROUND_S)
 
     async def room(self) -> Counter[tuple[str, str]]:
         """(site, pool) → runs the site may hold: per live trainer, one and its ahead. Only

@@ -113,7 +113,7 @@ class SiteDispatcher:
         run_id = run_id_for(key, owner)
         known = await self._at_hub(run_id)
         if known is not None:
-            self._same_job(known, spec)
+            await self._same_job(known, spec)
             log.info("%s: known at the hub already; not run again", run_id)
             await self._accepted(spec, run_id, duplicate=True)
             return
@@ -128,7 +128,7 @@ class SiteDispatcher:
             found = await self.runs.get(run_id)
             assert found is not None
             record = found[0]
-            self._same_job(record, spec)
+            await self._same_job(record, spec)
         if record.state is RunState.QUEUED and record.epoch == SITE_EPOCH:
             task = Task(run_id=run_id, spec=spec, dispatch=record.dispatch, grant=record)
             await publish(
@@ -139,11 +139,15 @@ class SiteDispatcher:
         log.info("%s %s (%s) at site %s", "re-accepted" if duplicate else "accepted", run_id,
                  spec.name, self.site)  # fmt: skip
 
-    def _same_job(self, record: RunRecord, spec: JobSpec) -> None:
+    async def _same_job(self, record: RunRecord, spec: JobSpec) -> None:
+        """Refuse, and answer so, a key used before for another spec (as the hub does)."""
         if record.spec_hash != spec_hash(spec):
-            raise ContractError(
-                "idempotency key was already used for a different job spec", "$.idempotency_key"
+            reason, path = (
+                "idempotency key was already used for a different job spec",
+                "$.idempotency_key",
             )
+            await self._emit(Rejected(run_id=record.run_id, reason=reason, path=path))
+            raise ContractError(reason, path)
 
     async def _at_hub(self, run_id: str) -> RunRecord | None:
         """The hub's record of `run_id` (live or archived), None if the hub has none or

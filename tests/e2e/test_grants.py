@@ -211,6 +211,9 @@ async def test_jobs_submitted_at_a_cut_off_site_start_there_and_are_one_run_each
         run_id, answer = await client.submit(at_site, spec, 20, "lab1")
         assert isinstance(answer, Accepted) and not answer.duplicate, answer
         run_ids.append(run_id)
+    # The same job twice at the site: the same run (started and completed once, below).
+    again, answer = await client.submit(at_site, specs[1], 20, "lab1")
+    assert again == run_ids[1] and isinstance(answer, Accepted), answer
     # Bad input at the site: a clear answer, nothing run.
     _, answer = await client.submit(at_site, paced(40, pool="nope"), 20, "lab1")
     assert isinstance(answer, Rejected) and "no trainer of pool 'nope'" in answer.reason, answer
