@@ -25,10 +25,12 @@ hub:
                   cut-offs); dead-letter a notification a receiver refused
 
 None but the operator may delete or purge a stream; a trainer can publish neither a task nor
-a submission. At a site, the leaf node has its own users (trainer, checkpointer, submitter,
-operator), allowed only their site's subjects and the few hub APIs they use; and the leaf's
-own link to the hub is a user (`site-<name>`) allowed to carry only that traffic, so a site
-can touch neither another site's subjects nor the hub's streams beyond its work.
+a submission. At a site, the leaf node has its own users (trainer, checkpointer,
+dispatcher, submitter, operator), allowed only their site's subjects and the few hub APIs
+they use (the site's dispatcher reads any run record by key, to refuse running again a job
+the hub knows); and the leaf's own link to the hub is a user (`site-<name>`) allowed to
+carry only that traffic, so a site can touch neither another site's subjects nor the hub's
+streams beyond its work.
 
 Replies come back on a per-user inbox prefix (`_INBOX_<user>`), so no user can subscribe to
 another's replies. Passwords are generated, kept in files readable by their owner only,

@@ -74,16 +74,25 @@ def streams(
 @app.command()
 def sites(server: Server = DEFAULT, as_json: Json = False) -> None:
     """Sites the hub has heard from: link state, when the hub last heard each (its server's
-    clock: the reaper's and this host's may be off), and backlog (messages the hub has yet
-    to take from the site's outbox, as last measured)."""
+    clock: the reaper's and this host's may be off), backlog (messages the hub has yet to
+    take from the site's outbox, as last measured), and the live runs granted to each."""
     from rich.table import Table
 
     from baton.cli.errors import needs
     from shared.bus import sourcing as site_links
 
     async def go(nc: Any) -> list[site_links.SiteView]:
+        from collections import Counter
+
+        import msgspec
+
+        from baton.cli import client
+
         with needs("sites bucket"):
-            return await site_links.views(nc)
+            found = await site_links.views(nc)
+        live = await client.all_records(nc)
+        held = Counter(r.site for r in live if r.site and not r.state.terminal)
+        return [msgspec.structs.replace(v, held=held[v.site]) for v in found]
 
     found = run(lambda: with_nats(server, go))
     if as_json:
@@ -92,12 +101,12 @@ def sites(server: Server = DEFAULT, as_json: Json = False) -> None:
     if not found:
         err.print("no site has greeted this hub yet (`baton up --site NAME --hub URL`)")
         return
-    t = Table("site", "link", "last seen", "backlog", "links", "outbox last seq")
+    t = Table("site", "link", "last seen", "backlog", "links", "outbox last seq", "runs held")
     for v in found:
         link = "[green]up[/green]" if v.link == "up" else "[red]down[/red]"
         t.add_row(
             v.site, link, f"{v.last_seen_s:.1f}s ago", str(v.backlog), str(v.links),
-            str(v.outbox_last_seq),
+            str(v.outbox_last_seq), str(v.held),
         )  # fmt: skip
     out.print(t)
 

@@ -116,6 +116,8 @@ class SiteView(msgspec.Struct, frozen=True, kw_only=True):
     """Messages the hub has yet to source, summed over its streams, as last measured."""
     links: int
     outbox_last_seq: int
+    held: int = 0
+    """Live runs granted to the site (`baton sites` counts them; 0 where not counted)."""
 
 
 def view_of(r: SiteRecord, heard_at: float, now: float, backlog: int) -> SiteView:

@@ -38,6 +38,7 @@ from shared.contracts.events import (
 from shared.state.drains import Drains
 from shared.state.runs import Runs
 from tests.e2e.jobs import finished, history, paced, submit
+from tests.support.cli import as_json
 from tests.support.sites import Site
 from tests.support.stack import Stack, eventually
 
@@ -109,6 +110,9 @@ async def test_a_cut_off_site_starts_and_completes_its_granted_runs(hub: Stack, 
     running = await eventually(two_started, 60, "two runs to start at the site")
     queued = [r for r in run_ids if r not in running]
     site.proxy.sever()
+    # The hub's view, frozen by the cut: lab1 holds the four runs.
+    [view] = await as_json(hub, "sites")
+    assert view["site"] == "lab1" and view["held"] == 4, view
 
     async def done_at_site() -> bool:
         return all([await site_events(site, r, "completed") for r in run_ids])
@@ -152,10 +156,11 @@ async def test_a_site_silent_past_lost_after_loses_its_runs_to_another(
         lab1, lab2 = Site(hub, "lab1"), Site(hub, "lab2")
         await lab1.start(trainers=1)
         nc = await hub.client()
-        reference = await submit(nc, paced(200, pace=0.0))
+        reference = await submit(nc, paced(400, pace=0.0))
         want = (await finished(nc, reference, timeout=90)).digest
 
-        spec = paced(200, pace=0.08, disconnect={"lost_after_s": 8})
+        # Long enough that lab1 is still training when the hub takes the run back.
+        spec = paced(400, pace=0.08, disconnect={"lost_after_s": 8})
         run_id = await submit(nc, spec)
 
         async def committed_at_lab1() -> bool:
@@ -171,7 +176,7 @@ async def test_a_site_silent_past_lost_after_loses_its_runs_to_another(
 
         back = await eventually(taken_back, 60, "the hub to take the run back from lab1")
         assert back.site == "lab1" and "silent" in back.reason, back
-        record = await finished(nc, run_id, timeout=120)
+        record = await finished(nc, run_id, timeout=180)
         assert record.state is RunState.COMPLETED and record.digest == want, record
         last = of(await history(nc, run_id), Started)[-1]
         assert isinstance(last, Started) and last.worker == "lab2-trainer-1", last
