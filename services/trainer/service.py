@@ -141,7 +141,6 @@ class Trainer:
     async def _hand_over(self, claim: Claim) -> None:
         """This worker's predecessor died during an attempt: free its lease and make its task
         deliverable now, instead of after the lease TTL and the task's AckWait."""
-        runs = self.runs
         if claim.site and self.granted is not None:  # a run granted to this site
             lease = Lease(
                 self.js, claim.run_id, self.settings.worker_id, self.settings.lease_ttl_s,
@@ -150,6 +149,7 @@ class Trainer:
             )  # fmt: skip
             runs = self.granted.runs
         else:
+            runs = self.runs
             lease = Lease(
                 self.hub, claim.run_id, self.settings.worker_id, self.settings.lease_ttl_s,
                 api_prefix=self.settings.hub_api, key=claim.lease_key,

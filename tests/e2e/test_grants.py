@@ -31,6 +31,7 @@ from shared.contracts.events import (
     Delegated,
     Event,
     Fenced,
+    HandedOver,
     Rejected,
     Started,
     TakenBack,
@@ -280,6 +281,14 @@ async def test_a_site_trainer_killed_and_its_server_restarted_during_the_cut(
     await eventually(committed, 60, "a checkpoint of the victim's run")
     os.kill(hub.pid("lab1-trainer-3"), signal.SIGKILL)
     await site.nats.restart(kill=True)
+
+    async def handed_over() -> HandedOver | None:
+        sent = await site_events(site, victim.run_id, "handed_over")
+        return decode(sent[0], HandedOver) if sent else None
+
+    # Its restart, still cut off, finds the claim and hands the run over at once.
+    handed = await eventually(handed_over, 60, "the restarted trainer to hand the run over")
+    assert "successor" in handed.reason, handed
 
     async def done_at_site() -> bool:
         return all([await site_events(site, r, "completed") for r in run_ids])
