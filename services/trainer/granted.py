@@ -6,7 +6,7 @@ in its own domain (`shared.state.grants`). So a site trainer starts, leases, che
 and completes a granted run with the hub out of reach: every record change goes to the
 site's runs bucket (the same transitions as at the hub), every event to the site's outbox,
 every commit to the site's checkpointer. The hub sources the site's runs bucket and takes
-the records in once (`services/reaper/reconcile.py`).
+the records in once (`services/reaper/grants.py`).
 
 The first trainer to take a granted task seeds the site's record from the grant it carries
 (`Runs.adopt`, or `transitions.accept_grant` for a newer grant of a run the site held

@@ -26,7 +26,7 @@ ARCHIVE_STREAM = "BATON_ARCHIVE"
 OUTBOX_STREAM = "BATON_OUTBOX"
 
 # At the hub: the records of runs granted to sites, as each site's own runs bucket holds
-# them, sourced from the sites and taken in once by the reaper (`services/reaper/reconcile.py`).
+# them, sourced from the sites and taken in once by the reaper (`services/reaper/grants.py`).
 REPORTS_STREAM = "BATON_REPORTS"
 
 # JetStream domain of the hub, as sites address it.

@@ -54,7 +54,7 @@ SOURCED = {
 }
 """Hub stream → the kind of site message it takes in. `reports` are not in the outbox: they
 are the site's own runs bucket, the records of the runs granted to it, whose newest
-revision per run is what the hub takes in (`services/reaper/reconcile.py`)."""
+revision per run is what the hub takes in (`services/reaper/grants.py`)."""
 
 
 def api_of(site: str) -> str:

@@ -69,11 +69,11 @@ class Guard(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
 
 class Disconnect(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """What the hub does with a run granted to a site that falls silent (docs/sites.md,
-    "Disconnect policy"). While the site is silent its trainers go on with the run; once it
-    has been silent for `lost_after_s` the hub takes the run back — the store refuses the
-    site's copy from then on — and, with `replace`, queues it for any trainer of its pool.
-    At heal the site's copy is stopped (a `fenced` event says why) and its record is not
-    taken in: the hub's copy is the run."""
+    "Taking back: the disconnect policy"). While the site is silent its trainers go on with
+    the run; once it has been silent for `lost_after_s` the hub takes the run back — the
+    store refuses the site's copy from then on — and, with `replace`, queues it for any
+    trainer of its pool. At heal the site's copy is stopped (a `fenced` event says why) and
+    its record is not taken in: the hub's copy is the run."""
 
     lost_after_s: Annotated[float, Meta(ge=1, le=30 * 86400)] = 600.0
     replace: bool = True

@@ -6,7 +6,7 @@ hub *grants* queued runs to a site before its trainers need them
 its own JetStream domain (`names.site_runs_bucket`, `names.site_leases_bucket`), where a
 cut cannot reach them. The hub's record says which site holds the run (`RunRecord.site`);
 the site's records come back to the hub by sourcing, and the reaper takes them in
-(`services/reaper/reconcile.py`).
+(`services/reaper/grants.py`).
 
 **Why two authorities never collide.** Every grant and every taking back moves the run's
 `epoch` on, by a compare-and-swap on the hub's record, so exactly one side holds the run
