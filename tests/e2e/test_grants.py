@@ -338,6 +338,7 @@ async def _completed_once(nc: Client, run_id: str) -> bool:
     return len(found) == 1
 
 
+@pytest.mark.operations  # an operator's drain, in that tier with the other drain tests
 async def test_grants_a_drained_site_cannot_start_go_back_to_the_hub(tmp_path: Path) -> None:
     """lab1 is linked, but its only trainer is drained: the run it trained is handed back
     at its checkpoint and the one granted ahead never starts there. Past `lost_after` both
