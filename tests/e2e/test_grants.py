@@ -23,7 +23,7 @@ from baton.cli import client
 from shared.bus import names
 from shared.bus import sourcing as sites
 from shared.bus.connect import publish
-from shared.contracts import RunRecord, RunState, decode, encode
+from shared.contracts import JobSpec, RunRecord, RunState, decode, encode
 from shared.contracts.control import Drain
 from shared.contracts.events import (
     Accepted,
@@ -38,7 +38,7 @@ from shared.contracts.events import (
 )
 from shared.state.drains import Drains
 from shared.state.runs import Runs
-from tests.e2e.jobs import finished, history, paced, submit
+from tests.e2e.jobs import finished, history, job, paced, submit
 from tests.support.cli import as_json
 from tests.support.sites import Site
 from tests.support.stack import Stack, eventually
@@ -259,13 +259,14 @@ async def test_a_site_trainer_killed_and_its_server_restarted_during_the_cut(
 ) -> None:
     """SIGKILL of a site trainer mid-run and a restart of the site's nats-server (same
     disk), both during the cut: every granted run completes once, none is lost, and the
-    killed one resumes from its last checkpoint."""
+    killed one resumes from its last checkpoint. The runs are user-shaped: the character
+    model with a shuffling `ctx.data_loader`, AdamW, a cosine schedule, dropout."""
     nc = await hub.client()
-    reference = await submit(nc, paced(80, pace=0.0))
+    reference = await submit(nc, charlm(80, pace=0.0))
     want = (await finished(nc, reference, timeout=90)).digest
     await site.add_trainer("lab1-trainer-3", restart=True)
     await site.linked()
-    run_ids = [await submit(nc, paced(80, pace=0.06)) for _ in range(4)]
+    run_ids = [await submit(nc, charlm(80, pace=0.06)) for _ in range(4)]
 
     async def three_running() -> bool:
         rs = await records(nc, run_ids)
@@ -321,6 +322,15 @@ async def _site_shows_its_own(site: Site, run_ids: list[str]) -> None:
     assert {w["worker"] for w in json.loads(out)} == {"lab1-trainer-1", "lab1-trainer-2"}, out
     code, out, err = await site.cli("status", run_ids[-1])
     assert code == 0 and "COMPLETED" in out and "Traceback" not in err, (code, out, err)
+
+
+def charlm(total: int, pace: float) -> JobSpec:
+    """examples/charlm.py, small: its data loader keeps its position across a resume."""
+    return job(
+        name="charlm-site", entry_point="examples.charlm:train", total_steps=total, seed=23,
+        checkpoint={"every_steps": 20},
+        config={"data": "baton", "num_workers": 1, "hidden": 64, "pace": pace},
+    )  # fmt: skip
 
 
 async def _down(nc: Client, site: str) -> bool:
