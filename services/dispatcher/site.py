@@ -36,7 +36,7 @@ from shared.bus import names
 from shared.bus.answer import handle
 from shared.bus.connect import UNAVAILABLE, publish
 from shared.bus.service import pull_loop
-from shared.bus.streams import ensure_consumer, site_dispatcher_consumer
+from shared.bus.streams import dispatcher_consumer, ensure_consumer
 from shared.config import Settings
 from shared.contracts import JobSpec, RunRecord, RunState, Task, decode, encode, spec_hash
 from shared.contracts.events import Accepted, Event, Rejected, kind_of
@@ -71,7 +71,7 @@ class SiteDispatcher:
 
     async def start(self) -> None:
         async def declare() -> None:
-            await ensure_consumer(self.js, names.SUBMIT_STREAM, site_dispatcher_consumer(self.site))
+            await ensure_consumer(self.js, names.SUBMIT_STREAM, dispatcher_consumer(self.site))
             self.runs = await Runs.open(self.js, bucket=names.site_runs_bucket(self.site))
 
         # The site's checkpointer declares the site's streams and buckets: until it has,

@@ -64,16 +64,19 @@ class Reconciler:
                 f"site {site} reported a record of {reported.run_id!r} granted to "
                 f"{reported.site or 'the hub'!r}"
             )
-        # Submitted at the site, unknown here: the hub's record is the site's, once — for a
-        # run id the site's own users may make (an operator's, or a `<site>-` submitter's).
-        unknown = await self.runs.find(reported.run_id) is None
-        owner = reported.run_id.rpartition(".")[0]
-        if unknown and owner and not owner.startswith(f"{site}-"):
-            raise ContractError(f"site {site} reported a run of {owner!r}, which it cannot own")
-        if unknown and await self.runs.create(reported):
-            log.info("%s: submitted at site %s; taken in", reported.run_id, site)
-            return
-        new = await self.runs.update(reported.run_id, transitions.reconcile(site, reported))
+        change = transitions.reconcile(site, reported)
+        new = await self.runs.update(reported.run_id, change)
+        if new is None and await self.runs.find(reported.run_id) is None:
+            # Submitted at the site, unknown here (nor archived): the hub's record is the
+            # site's, once — for a run id the site's own users may make (an operator's, or
+            # a `<site>-` submitter's).
+            owner = reported.run_id.rpartition(".")[0]
+            if owner and not owner.startswith(f"{site}-"):
+                raise ContractError(f"site {site} reported a run of {owner!r}, which it cannot own")
+            if await self.runs.create(reported):
+                log.info("%s: submitted at site %s; taken in", reported.run_id, site)
+                return
+            new = await self.runs.update(reported.run_id, change)  # created meanwhile
         if new is not None and new.state.terminal:
             log.info("%s: %s at site %s; taken in", new.run_id, new.state.value, site)
 

@@ -32,7 +32,7 @@ from nats.js import JetStreamContext
 from services.trainer.verdicts import Scope
 from shared.bus import names
 from shared.bus.answer import dead_letter
-from shared.bus.streams import ensure_consumer, site_trainer_consumer
+from shared.bus.streams import ensure_consumer, trainer_consumer
 from shared.checkpoint import commit
 from shared.checkpoint.store import Store
 from shared.config import Settings
@@ -70,8 +70,8 @@ class Granted:
 
     async def open(self) -> None:
         """The site's queue and buckets, which the site's checkpointer declares."""
-        consumer = site_trainer_consumer(
-            self.site, self.settings.pool, self.settings.ack_wait_s, self.settings.max_deliver
+        consumer = trainer_consumer(
+            self.settings.pool, self.settings.ack_wait_s, self.settings.max_deliver, self.site
         )
         await ensure_consumer(self.js, names.TASKS_STREAM, consumer)
         self.runs = await Runs.open(self.js, bucket=names.site_runs_bucket(self.site))

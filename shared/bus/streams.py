@@ -212,10 +212,12 @@ def kv_configs() -> list[KeyValueConfig]:
     ]
 
 
-def dispatcher_consumer() -> ConsumerConfig:
+def dispatcher_consumer(site: str = "") -> ConsumerConfig:
+    """The dispatcher's: the hub's submissions, or at `site` the jobs submitted there
+    (`services/dispatcher/site.py`)."""
     return ConsumerConfig(
         durable_name=names.DISPATCHER_CONSUMER,
-        filter_subject=names.SUBMIT_ALL,
+        filter_subject=names.site_root(site, "submit") if site else names.SUBMIT_ALL,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=30.0,
@@ -236,44 +238,25 @@ def checkpointer_consumer(site: str = "") -> ConsumerConfig:
     )
 
 
-def trainer_consumer(pool: str, ack_wait_s: float, max_deliver: int) -> ConsumerConfig:
+def trainer_consumer(
+    pool: str, ack_wait_s: float, max_deliver: int, site: str = ""
+) -> ConsumerConfig:
+    """A trainer's consumer of its pool's work queue: the hub's (tasks and calls for ranks),
+    or with `site` that site's own queue of the runs granted to it, in its domain."""
     # Failures of user code are counted in the run record (max_retries), and kills, cuts
     # and preemptions must not use up a run's tries; so `max_deliver` is high and only
     # catches a task that keeps taking trainers down with it (the reaper dead-letters it).
+    # At the hub, tasks and calls for ranks share one consumer: a trainer holds one thing
+    # at a time, and an idle one takes whichever comes first.
+    hub = [names.tasks_of_pool(pool), names.calls_of_pool(pool)]
     return ConsumerConfig(
         durable_name=names.trainer_consumer(pool),
-        # Tasks and calls for ranks on one consumer: a trainer holds one thing at a time,
-        # and an idle one takes whichever comes first.
-        filter_subjects=[names.tasks_of_pool(pool), names.calls_of_pool(pool)],
+        filter_subject=names.site_tasks_of_pool(site, pool) if site else None,
+        filter_subjects=None if site else hub,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=ack_wait_s,
         max_deliver=max_deliver,
-    )
-
-
-def site_trainer_consumer(
-    site: str, pool: str, ack_wait_s: float, max_deliver: int
-) -> ConsumerConfig:
-    """A site trainer's consumer of the tasks delegated to its site, in the site's domain."""
-    return ConsumerConfig(
-        durable_name=names.trainer_consumer(pool),
-        filter_subject=names.site_tasks_of_pool(site, pool),
-        ack_policy=AckPolicy.EXPLICIT,
-        deliver_policy=DeliverPolicy.ALL,
-        ack_wait=ack_wait_s,
-        max_deliver=max_deliver,
-    )
-
-
-def site_dispatcher_consumer(site: str) -> ConsumerConfig:
-    return ConsumerConfig(
-        durable_name=names.DISPATCHER_CONSUMER,
-        filter_subject=names.site_root(site, "submit"),
-        ack_policy=AckPolicy.EXPLICIT,
-        deliver_policy=DeliverPolicy.ALL,
-        ack_wait=30.0,
-        max_deliver=10,
     )
 
 

@@ -40,6 +40,7 @@ from shared.state.runs import Change
 __all__ = [
     "Change",
     "Spent",
+    "accept_grant",
     "advance_step",
     "announced",
     "book_time",
@@ -48,9 +49,12 @@ __all__ = [
     "cancel_unowned",
     "complete",
     "count_failure",
+    "delegate",
     "drop_rollback",
     "end",
     "fail",
+    "forward_requests",
+    "grantable",
     "hand_over",
     "mark_ending",
     "mark_running",
@@ -59,12 +63,14 @@ __all__ = [
     "pause",
     "pause_attempt",
     "pause_unowned",
+    "reconcile",
     "redispatch",
     "release",
     "resume",
     "retoken",
     "rewound",
     "roll_back",
+    "take_back",
     "unchanged",
     "wait",
     "warn",
@@ -463,14 +469,18 @@ def announced(r: RunRecord) -> RunRecord | None:
 # -- grants to sites (`shared.state.grants`) --------------------------------------------
 
 
+def grantable(r: RunRecord) -> bool:
+    """A QUEUED run of one rank that the hub holds, asked nothing: one `delegate` applies to."""
+    asked = r.cancel_requested or r.pause_requested or r.rollback_to is not None
+    return r.state is RunState.QUEUED and not r.site and r.spec.max_ranks == 1 and not asked
+
+
 def delegate(site: str) -> Change:
-    """A QUEUED run of one rank that the hub holds, asked nothing: granted to `site` under
-    the next epoch (the site starts it, also while cut off)."""
+    """A `grantable` run: granted to `site` under the next epoch (the site starts it, also
+    while cut off)."""
 
     def change(r: RunRecord) -> RunRecord | None:
-        if r.state is not RunState.QUEUED or r.site or r.spec.max_ranks > 1:
-            return None
-        if r.cancel_requested or r.pause_requested or r.rollback_to is not None:
+        if not grantable(r):
             return None
         return _replace(r, site=site, epoch=r.epoch + 1, worker=None, delivery=None, group=[])
 
