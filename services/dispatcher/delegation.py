@@ -54,6 +54,11 @@ class Delegation:
         self.settings = settings
         self._sent: set[tuple[str, int]] = set()
         """(run, epoch) of the grants a site acknowledged, by this process."""
+        self.now = asyncio.Event()
+        """Set to look again at once: a run went to the hub's queue while some site was
+        counted (its room may have grown since the last round, a trainer joining)."""
+        self._sites = False
+        """The last round counted some site with trainers."""
         self._free: dict[tuple[str, str], int] = {}
         """(site, pool) → runs the site may still be granted, as the last round counted;
         what a submission is granted from at once (`place`)."""
@@ -64,7 +69,8 @@ class Delegation:
                 await self.round()
             except Exception as exc:  # the hub restarting, a link going: look again soon
                 log.warning("delegating to sites failed (%s); again in %.0fs", exc, ROUND_S)
-            await wait_set(stop, ROUND_S)
+            await wait_set(self.now, ROUND_S)
+            self.now.clear()
 
     async def room(self) -> Counter[tuple[str, str]]:
         """(site, pool) → runs the site may hold: per live trainer, one and its ahead. Only
@@ -83,6 +89,7 @@ class Delegation:
     async def round(self) -> int:
         """Grant what each site has room for; returns how many runs were granted."""
         room = await self.room()
+        self._sites = bool(room)
         if not room:
             self._free = {}
             return 0
@@ -97,7 +104,7 @@ class Delegation:
                 unsent = r.state is RunState.QUEUED and (r.run_id, r.epoch) not in self._sent
                 if unsent and r.site in linked:
                     await self._send(r)  # granted, but its site may not have it yet
-            elif transitions.delegate("any")(r) is not None:  # one that may be granted
+            elif transitions.grantable(r):
                 queued.setdefault(r.spec.pool, []).append(r)
         granted = 0
         for (site, pool), free in sorted(room.items()):
@@ -114,12 +121,13 @@ class Delegation:
         """A new run, as it is dispatched: granted at once to a site with room, as the last
         round counted it. False: it goes to the hub's queue (a later round may still grant
         it)."""
-        if not self._free or transitions.delegate("any")(record) is None:
+        if not self._sites or not transitions.grantable(record):
             return False
         for (site, pool), free in self._free.items():
             if pool == record.spec.pool and free > 0:
                 self._free[(site, pool)] = free - 1
                 return await self._grant(record, site)
+        self.now.set()  # no room as last counted: count again now, not in a second
         return False
 
     async def _grant(self, seen: RunRecord, site: str, *, queued_at_hub: bool = False) -> bool:
