@@ -420,22 +420,30 @@ def report(
 ) -> None:
     """Draw a run's history (loss per attempt, interruptions, resumes, commits) as a PNG and
     a self-contained HTML page, and print their paths."""
-    from baton.cli import client
+    from baton.cli import client, rounds
+    from baton.cli.errors import CliError
     from baton.cli.report import on_hub_clock, render
 
-    async def go(nc: Any) -> tuple[Any, Any]:
-        return await client.record(nc, run_id), await on_hub_clock(nc, run_id)
+    async def go(nc: Any) -> list[tuple[Any, Any]]:
+        try:
+            return [(await client.record(nc, run_id), await on_hub_clock(nc, run_id))]
+        except CliError:  # a replicated run: a report of each replica
+            if (found := await rounds.replicated(nc, run_id)) is None:
+                raise
+            return [(r, await on_hub_clock(nc, r.run_id)) for r in found.records]
 
-    record, events = run(lambda: with_nats(server, go))
-    try:  # drawing needs no connection: it runs after NATS is closed
-        png, page = render(record, events, out_dir)
-    except OSError as exc:
-        err.print(f"[red]error:[/red] cannot write the report into {out_dir}: {exc.strerror}")
-        raise typer.Exit(1) from None
+    drawn = []
+    for record, events in run(lambda: with_nats(server, go)):
+        try:  # drawing needs no connection: it runs after NATS is closed
+            drawn.append((record.run_id, *render(record, events, out_dir)))
+        except OSError as exc:
+            err.print(f"[red]error:[/red] cannot write the report into {out_dir}: {exc.strerror}")
+            raise typer.Exit(1) from None
     if as_json:
-        print_json({"run_id": run_id, "png": str(png), "html": str(page)})
+        reports = [{"run_id": r, "png": str(png), "html": str(page)} for r, png, page in drawn]
+        print_json(reports[0] if len(reports) == 1 else {"run_id": run_id, "replicas": reports})
     else:
-        out.print(f"{png}\n{page}")
+        out.print("\n".join(f"{png}\n{page}" for _, png, page in drawn))
 
 
 Opt = str | None
@@ -474,6 +482,7 @@ from baton.cli import lineage as _lineage  # noqa: E402, F401  (rollback and for
 from baton.cli import operate as _operate  # noqa: E402, F401  (drain, undrain, checkpoint)
 from baton.cli import ops  # noqa: E402, F401  (registers the operator commands)
 from baton.cli import pull as _pull  # noqa: E402, F401  (registers its command)
+from baton.cli import rounds as _rounds  # noqa: E402, F401  (a replicated run's rounds)
 from baton.cli import status as _status  # noqa: E402, F401  (one run's record and health)
 
 

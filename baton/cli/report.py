@@ -335,6 +335,28 @@ def _value(key: str, v: Any) -> str:
     return "-" if v is None else v if isinstance(v, str) else json.dumps(v)
 
 
+def _rounds(record: RunRecord, events: list[Event]) -> str:
+    """A replica's outer rounds (docs/diloco.md): each round its change joined, with the
+    replicas in it, who committed it, the stragglers, the bytes and its wait; each boundary
+    where its change was discarded or the store out of reach."""
+    if record.spec.replica is None:
+        return ""
+    esc, rows = html.escape, []
+    for e in (e for e in events if isinstance(e, ev.Round)):
+        n = e.note
+        mb = f"{(n.sent_bytes + n.received_bytes) / 1e6:.3f}"
+        cells = [n.step, n.outcome, n.round, n.base, ",".join(map(str, n.replicas)),
+                 n.closed_by if n.outcome == "joined" else "", ",".join(map(str, n.stragglers)),
+                 mb, f"{n.waited_s:.2f} s", n.detail]  # fmt: skip
+        rows.append("<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in cells) + "</tr>")
+    head = ["step", "outcome", "round", "from round", "replicas", "committed by", "stragglers",
+            "MB", "waited", "detail"]  # fmt: skip
+    return (
+        f"<h2>Rounds (replica {record.spec.replica} of {record.spec.max_replicas})</h2><table>"
+        f"<tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{''.join(rows)}</table>"
+    )
+
+
 def _html(record: RunRecord, events: list[Event], image: bytes) -> str:
     esc = html.escape  # every string below may carry user data: names, reasons, details
     data: dict[str, Any] = msgspec.to_builtins(record)
@@ -357,14 +379,21 @@ def _html(record: RunRecord, events: list[Event], image: bytes) -> str:
         rows.append(f'<tr class="{esc(kind_of(e))}">{tds}</tr>')
     title = esc(f"{record.run_id} · {record.spec.name} · {record.state.value}")
     spent = goodput(events)
-    shares = "".join(
-        f"<tr><th>{esc(c)}</th><td>{v:.2f} s</td><td>{100 * v / spent.wall_s:.1f} %</td></tr>"
-        for c, v in spent.seconds().items()
-    ) if spent and spent.wall_s > 0 else ""
+    shares = (
+        "".join(
+            f"<tr><th>{esc(c)}</th><td>{v:.2f} s</td><td>{100 * v / spent.wall_s:.1f} %</td></tr>"
+            for c, v in spent.seconds().items()
+        )
+        if spent and spent.wall_s > 0
+        else ""
+    )
     summary = (
         f"<h2>Goodput {100 * spent.goodput:.1f} % of {spent.wall_s:.1f} s "
-        f"({spent.steps_redone} steps redone)</h2><table>{shares}</table>" if spent else ""
+        f"({spent.steps_redone} steps redone)</h2><table>{shares}</table>"
+        if spent
+        else ""
     )
+    summary += _rounds(record, events)
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Baton report {title}</title>
 <style>body {{ font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1450px; }}

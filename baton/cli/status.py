@@ -23,17 +23,25 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
     import msgspec
     from rich.table import Table
 
-    from baton.cli import client
+    from baton.cli import client, rounds
+    from baton.cli.errors import CliError
     from baton.cli.goodput import describe
     from baton.cli.watch import divergence
     from shared.contracts.events import Diverged
     from shared.history.goodput import goodput as spent_of
 
-    async def get(nc: Any) -> tuple[RunRecord, list[Event] | None]:
-        return await client.record(nc, run_id), await client.readable_history(nc, run_id)
+    async def get(nc: Any) -> tuple[RunRecord | rounds.Replicated, list[Event] | None]:
+        try:
+            return await client.record(nc, run_id), await client.readable_history(nc, run_id)
+        except CliError:  # no such run: perhaps a replicated one, whose replicas are runs
+            if (replicated := await rounds.replicated(nc, run_id)) is None:
+                raise
+            return replicated, None
 
     # At a site its operator reads the record from the hub, not the run's events (None).
     record, found = run(lambda: with_nats(server, get))
+    if isinstance(record, rounds.Replicated):
+        return rounds.show(record, as_json)
     events = found or []
     diverged = [e for e in events if isinstance(e, Diverged)]
     spent = spent_of(events)
@@ -60,6 +68,11 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
         ("token", str(record.token or "-")),
         ("site", f"{record.site} (granted, epoch {record.epoch})" if record.site else "-"),
         *_group_rows(record, events),
+        *(
+            [("replica", f"{record.spec.replica} of {record.spec.max_replicas} (`baton rounds`)")]
+            if record.spec.replica is not None
+            else []
+        ),
         *_lineage_rows(record),
         *_health_rows(record, events),
         ("loss", fmt(record.metrics.get("loss"))),

@@ -46,6 +46,7 @@ from torch.utils.data import Dataset
 from baton.runtime import guard, witness
 from baton.runtime.checkpoints import Checkpoints
 from baton.runtime.data import Batches
+from baton.runtime.replica import Replica
 from baton.runtime.slots import slots_for
 from baton.runtime.snapshot import Snapshot
 from shared.checkpoint import commit
@@ -86,6 +87,10 @@ class RunContext:
         self.local_rank = group.local_rank if group else 0
         """This rank's index among the group's ranks on its host."""
         self.device = _device(self.local_rank)
+        self.replica = task.spec.replica or 0
+        """This replica's index in a replicated run (`spec.replicas`; docs/diloco.md)."""
+        self.replicas = task.spec.max_replicas
+        self._replica = Replica(task, store_url, send, group) if task.spec.replicated else None
         self.step = 0
         """Steps completed so far; the next step to run."""
         self.cursor: dict[str, Any] = {}
@@ -129,6 +134,8 @@ class RunContext:
         registered = {**state, **{n: b for n, b in self._loaders.items() if n not in state}}
         if not registered:
             raise ValueError("restore() needs at least one object, e.g. restore(model=model)")
+        if self._replica is not None:  # its outer state, checkpointed with the rest
+            registered["baton_outer"] = self._replica
         if self._checkpoints.slots:
             raise RuntimeError("restore() registers state once per run; call it once")
         seen: dict[int, str] = {}
@@ -151,6 +158,8 @@ class RunContext:
                       f" {self.world_size}; rank {self.rank} read {read} bytes of shards; not"
                       " bitwise the run at the old size from here", file=sys.stderr)  # fmt: skip
         self._skip_rolled_back()
+        if self._replica is not None:
+            self._replica.attach(next(iter(state.values()), None))
         took = time.monotonic() - began
         self._witness.resumed(self.step, rows)
         setup = max(0.0, began - self._launched_at)
@@ -204,8 +213,8 @@ class RunContext:
             num_workers=num_workers,
             drop_last=drop_last,
             collate_fn=collate_fn,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=self.replica * self.world_size + self.rank,  # each replica its own share too
+            world_size=self.replicas * self.world_size,
             **loader_options,
         )
         self._loaders[name] = batches
@@ -258,6 +267,8 @@ class RunContext:
             yield self.step
             self.step += 1
             self._after_step()
+        if self._replica is not None:
+            self._replica.finished(self.step)
         self._save(final=True)
 
     def report(self, **metrics: float) -> None:
@@ -298,6 +309,10 @@ class RunContext:
 
     def _after_step(self) -> None:
         self._check_step()
+        last = self.step == self.total_steps
+        if self._replica is not None and self._replica.due(self.step, last):
+            self._progress(True)  # the step's report goes out before the round's wait
+            self._replica.boundary(self.step, self.token, last, lambda: self._want_stop)
         if self._boundary():
             self._save(final=False)
 

@@ -12,6 +12,8 @@ how it happened the events'.
     stalls          each stall warned of, and whether the run stepped again
     at_risk         what a failure now would lose (the running attempt's last report)
     interruptions   each time the run went without progress, by cause, with its cost
+    rounds          a replica's outer rounds: who took part in each, who committed it,
+                    stragglers, bytes, its waits; its boundaries without the store
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def vitals(record: RunRecord, events: list[Event]) -> dict[str, Any]:
         "stalls": stalls(events),
         "at_risk": at_risk(record, events),
         "interruptions": interruptions(events),
+        "rounds": rounds(record, events),
     }
 
 
@@ -126,6 +129,24 @@ def interruptions(events: list[Event]) -> dict[str, Any]:
             {"cause": cause, "count": count, "mean_s": mean}
             for cause, (count, mean) in by_cause(found).items()
         ],
+    }
+
+
+def rounds(record: RunRecord, events: list[Event]) -> dict[str, Any] | None:
+    """A replica of a replicated run (docs/diloco.md): each round its change joined, and
+    each boundary where it was discarded or skipped (the store out of reach)."""
+    if record.spec.replica is None:
+        return None
+    notes = [(e.at, e.note) for e in events if isinstance(e, ev.Round)]
+    return {
+        "replica": record.spec.replica,
+        "replicas": record.spec.max_replicas,
+        "inner_steps": record.spec.outer.inner_steps,
+        "each": [
+            {"at": at, **msgspec.to_builtins(n), "bytes": n.sent_bytes + n.received_bytes}
+            for at, n in notes
+        ],
+        "waited_s": sum(n.waited_s for _, n in notes),
     }
 
 

@@ -62,6 +62,9 @@ class Delegation:
         self._free: dict[tuple[str, str], int] = {}
         """(site, pool) → runs the site may still be granted, as the last round counted;
         what a submission is granted from at once (`place`)."""
+        self._spare: Counter[tuple[str, str]] = Counter()
+        """(site, pool) → the part of its room that is ahead of need (`BATON_DELEGATE_AHEAD`
+        per trainer): a replica of a replicated run is never granted into it (`_fits`)."""
 
     async def serve(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -76,6 +79,7 @@ class Delegation:
         """(site, pool) → runs the site may hold: per live trainer, one and its ahead. Only
         sites that greet the hub now: a trainer's heartbeat outlives a cut by its TTL."""
         room: Counter[tuple[str, str]] = Counter()
+        self._spare = Counter()
         workers = [w for w in await live_workers(self.js) if w.site and not w.drained]
         if not workers:
             return room
@@ -84,6 +88,7 @@ class Delegation:
             ahead = self.settings.ahead(w.site)
             if w.site in up and ahead > 0:  # 0: grants off for this site
                 room[(w.site, w.pool)] += 1 + ahead
+                self._spare[(w.site, w.pool)] += ahead
         return room
 
     async def round(self) -> int:
@@ -107,14 +112,23 @@ class Delegation:
             elif transitions.grantable(r):
                 queued.setdefault(r.spec.pool, []).append(r)
         granted = 0
-        for (site, pool), free in sorted(room.items()):
-            waiting = sorted(queued.get(pool, []), key=lambda r: r.created_at)
-            for r in waiting[: max(0, free)]:
-                if await self._grant(r, site, queued_at_hub=True):
-                    granted += 1
-                    room[(site, pool)] -= 1
-                queued[pool].remove(r)
+        for site, pool in sorted(room):
+            granted += await self._grant_queued(site, pool, room, queued.get(pool, []))
         self._free = {k: v for k, v in room.items() if v > 0}
+        return granted
+
+    async def _grant_queued(
+        self, site: str, pool: str, room: Counter[tuple[str, str]], queued: list[RunRecord]
+    ) -> int:
+        """Grant `site` the oldest of `queued` that fit its room (taking them off `queued`)."""
+        granted = 0
+        for r in sorted(queued, key=lambda r: r.created_at):
+            if not self._fits(r, (site, pool), room[(site, pool)]):
+                continue
+            if await self._grant(r, site, queued_at_hub=True):
+                granted += 1
+                room[(site, pool)] -= 1
+            queued.remove(r)
         return granted
 
     async def place(self, record: RunRecord) -> bool:
@@ -124,11 +138,17 @@ class Delegation:
         if not self._sites or not transitions.grantable(record):
             return False
         for (site, pool), free in self._free.items():
-            if pool == record.spec.pool and free > 0:
+            if pool == record.spec.pool and self._fits(record, (site, pool), free):
                 self._free[(site, pool)] = free - 1
                 return await self._grant(record, site)
         self.now.set()  # no room as last counted: count again now, not in a second
         return False
+
+    def _fits(self, record: RunRecord, at: tuple[str, str], free: int) -> bool:
+        """Whether a site with `free` room left may be granted `record`. A replica only goes
+        where a trainer is free for it now: held ahead at a site, it would wait while a
+        trainer elsewhere could train it, and its rounds would wait for it."""
+        return free > (self._spare[at] if record.spec.replicated else 0)
 
     async def _grant(self, seen: RunRecord, site: str, *, queued_at_hub: bool = False) -> bool:
         record = await self.runs.update(seen.run_id, transitions.delegate(site))

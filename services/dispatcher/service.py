@@ -19,6 +19,7 @@ import json
 import logging
 import time
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -52,6 +53,7 @@ from shared.contracts import (
 from shared.contracts.control import CancelRequest, Command
 from shared.contracts.events import Accepted, Rejected
 from shared.contracts.jobs import MAX_SPEC_BYTES
+from shared.contracts.records import replica_run_id
 from shared.credentials import lease_secret
 from shared.errors import ContractError
 from shared.state import transitions
@@ -143,6 +145,36 @@ class Dispatcher:
         trace.get_current_span().set_attributes(
             {telemetry.RUN_ID: run_id, telemetry.POOL: spec.pool}
         )
+        if spec.replica is not None:
+            reason = "replica is set by the dispatcher on each replica's run, not by a submitter"
+            await emit(self.js, Rejected(run_id=run_id, reason=reason, path="$.replica"))
+            raise ContractError(reason, "$.replica")
+        if not spec.replicated:
+            duplicate = await self._dispatch_run(run_id, spec)
+        else:  # each replica its own run, placed wherever its pool has a trainer
+            for i in range(spec.max_replicas):
+                one = msgspec.structs.replace(spec, replica=i)
+                duplicate = await self._dispatch_run(replica_run_id(run_id, i), one)
+        await emit(
+            self.js,
+            Accepted(
+                run_id=run_id,
+                name=spec.name,
+                pool=spec.pool,
+                total_steps=spec.total_steps,
+                duplicate=duplicate,
+            ),
+            msg_id=f"accepted.{run_id}" if not duplicate else None,
+        )
+        verb = "re-accepted" if duplicate else "accepted"
+        trace.get_current_span().set_attribute(telemetry.OUTCOME, verb)
+        # One line per new run would be most of the log at thousands of submissions a
+        # second (and a sixth of the dispatcher's time): new runs at DEBUG, repeats at INFO.
+        level = logging.INFO if duplicate else logging.DEBUG
+        log.log(level, "%s %s (%s) on pool %s", verb, run_id, spec.name, spec.pool)
+
+    async def _dispatch_run(self, run_id: str, spec: JobSpec) -> bool:
+        """The run's record and task (or grant); whether the record was there already."""
         now = time.time()
         estimate, hard_s = await self._budget(run_id, spec)
         soft_s = spec.limits.soft_timeout_s
@@ -174,23 +206,14 @@ class Dispatcher:
         queued = record.state is RunState.QUEUED and not record.site
         if queued and not await self.delegation.place(record):
             await publish_task(self.js, record, self.lease_secret, telemetry.inject())
-        await emit(
-            self.js,
-            Accepted(
-                run_id=run_id,
-                name=spec.name,
-                pool=spec.pool,
-                total_steps=spec.total_steps,
-                duplicate=duplicate,
-            ),
-            msg_id=f"accepted.{run_id}" if not duplicate else None,
-        )
-        verb = "re-accepted" if duplicate else "accepted"
-        trace.get_current_span().set_attribute(telemetry.OUTCOME, verb)
-        # One line per new run would be most of the log at thousands of submissions a
-        # second (and a sixth of the dispatcher's time): new runs at DEBUG, repeats at INFO.
-        level = logging.INFO if duplicate else logging.DEBUG
-        log.log(level, "%s %s (%s) on pool %s", verb, run_id, spec.name, spec.pool)
+        if spec.replicated:
+            await emit(
+                self.js,
+                Accepted(run_id=run_id, name=spec.name, pool=spec.pool,
+                         total_steps=spec.total_steps, duplicate=duplicate),
+                msg_id=f"accepted.{run_id}" if not duplicate else None,
+            )  # fmt: skip
+        return duplicate
 
     async def _budget(self, run_id: str, spec: JobSpec) -> tuple[float | None, float | None]:
         """The estimated cost, and the hard timeout the budget allows (docs/architecture.md,

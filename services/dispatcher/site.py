@@ -98,6 +98,8 @@ class SiteDispatcher:
                 raise ContractError(f"pool {spec.pool!r} differs from the subject's {pool!r}")
             if spec.max_ranks > 1:
                 raise ContractError("a run of several ranks is submitted at the hub", "$.ranks")
+            if spec.replicated or spec.replica is not None:
+                raise ContractError("a replicated run is submitted at the hub", "$.replicas")
             if not await self._serves(pool):
                 raise ContractError(
                     f"no trainer of pool {pool!r} at site {self.site}: submit it at the hub",

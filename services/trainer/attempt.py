@@ -60,6 +60,7 @@ from shared.contracts.child import (
     Listening,
     Loaded,
     Rendezvous,
+    RoundReached,
     StepDone,
     Tripped,
 )
@@ -386,6 +387,9 @@ class Attempt:
                 self.last_checkpoint = msg
             elif isinstance(msg, Divergence):
                 await self.reports.diverged(msg)
+            elif isinstance(msg, RoundReached):
+                self.stall.hold(msg.note.outcome == "waiting")  # a round's wait is no stall
+                await self.reports.round(msg.note)
             elif isinstance(msg, Tripped):
                 self.tripped = msg
             elif isinstance(msg, Listening) and self.group is not None:

@@ -25,9 +25,11 @@ from shared.contracts.events import (
     Guarded,
     Progress,
     Restored,
+    Round,
     RunWarning,
     StallRecovered,
 )
+from shared.contracts.rounds import RoundNote
 
 log = logging.getLogger("baton.trainer")
 
@@ -84,6 +86,15 @@ class Reports:
             step=msg.step, metric=msg.metric, expected=msg.expected, got=msg.got,
         )  # fmt: skip
         await self.emit(diverged)
+
+    async def round(self, note: RoundNote) -> None:
+        """A replica's round boundary (`baton.runtime.replica`), as a `round` event."""
+        if note.outcome == "waiting":
+            return  # the outcome follows; the wait is told by its `waited_s`
+        if note.outcome != "joined":
+            log.info("%s: round boundary at step %d: %s %s", self.run_id, note.step,
+                     note.outcome, note.detail)  # fmt: skip
+        await self.emit(Round(run_id=self.run_id, worker=self.worker, note=note))
 
     async def stalled(self, quiet_s: float, step: int, bound_s: float) -> None:
         detail = (

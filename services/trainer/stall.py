@@ -61,6 +61,7 @@ class StallWatch:
         self._moved = asyncio.Event()
         self.warned = False
         self.done = False
+        self.held = False
 
     def bound(self) -> float:
         """Seconds without a step that make a stall, as of now."""
@@ -82,6 +83,13 @@ class StallWatch:
         if last:
             self.finish()
 
+    def hold(self, on: bool) -> None:
+        """While `on`, the training process waits on others (a replicated run's outer round,
+        bounded by its deadline), which is no stall; the quiet time restarts when it ends."""
+        self.held = on
+        self.last = self.clock()
+        self._moved.set()
+
     def finish(self) -> None:
         """Nothing more to watch: the last step is done, or the attempt is stopping."""
         self.done = True
@@ -98,6 +106,10 @@ class StallWatch:
         it did not in time (then the watch ends)."""
         warned_at = self.last
         while not self.done:
+            if self.held:
+                self._moved.clear()
+                await self._moved.wait()
+                continue
             quiet = self.clock() - self.last
             bound = self.bound()
             step = self.step or 0

@@ -9,6 +9,7 @@ import msgspec
 
 from shared.contracts.checkpoints import FileRef
 from shared.contracts.records import Skip
+from shared.contracts.rounds import RoundNote
 from shared.contracts.tasks import Task
 
 EXIT_BAD_LAUNCH = 2
@@ -140,6 +141,12 @@ class Listening(_Msg, tag="listening", frozen=True):
     port: int
 
 
+class RoundReached(_Msg, tag="round", frozen=True):
+    """A replica's round boundary (`baton.runtime.replica`): what became of its change."""
+
+    note: RoundNote
+
+
 class Finished(_Msg, tag="finished", frozen=True):
     step: int
     stopped: bool
@@ -147,4 +154,8 @@ class Finished(_Msg, tag="finished", frozen=True):
 
 
 ToChild = Launch | Control
-FromChild = Loaded | StepDone | CheckpointReady | Divergence | Tripped | Listening | Finished
+
+
+FromChild = (
+    Loaded | StepDone | CheckpointReady | Divergence | Tripped | Listening | Finished | RoundReached
+)

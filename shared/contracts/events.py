@@ -8,6 +8,8 @@ import time
 
 import msgspec
 
+from shared.contracts.rounds import RoundNote
+
 
 class _Event(
     msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"
@@ -277,6 +279,14 @@ class Forked(_Event, tag="forked", frozen=True):
     digest: str = ""
 
 
+class Round(_Event, tag="round", frozen=True):
+    """A replica of a replicated run at an outer round's boundary (docs/diloco.md): its
+    change joined a round, was discarded, or waits for a store it cannot reach."""
+
+    worker: str
+    note: RoundNote
+
+
 Event = (
     Accepted
     | Rejected
@@ -306,6 +316,7 @@ Event = (
     | Resumed
     | RolledBack
     | Forked
+    | Round
 )
 
 

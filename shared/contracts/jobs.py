@@ -108,6 +108,45 @@ class RankRange(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
             raise ValueError(f"ranks: min ({self.min}) is more than max ({self.max})")
 
 
+class ReplicaRange(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A replicated run's replicas: `max` of them are queued, each its own run placed
+    wherever its pool has a trainer; a round is committed at its deadline only if at least
+    `min` replicas' changes are in it (docs/diloco.md)."""
+
+    min: RankCount = 1
+    max: RankCount
+
+    def __post_init__(self) -> None:
+        if self.min > self.max:
+            raise ValueError(f"replicas: min ({self.min}) is more than max ({self.max})")
+
+
+class Outer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How a replicated run's replicas meet (docs/diloco.md): DiLoCo — each replica takes
+    `inner_steps` steps of its own optimizer, then its change since the last committed
+    outer state is averaged with the others' in a round and applied by an outer SGD step
+    with (Nesterov) momentum."""
+
+    algorithm: Literal["diloco"] = "diloco"
+    inner_steps: Annotated[int, Meta(ge=1, le=10**6)] = 100
+    """H: inner steps between two rounds."""
+    lr: Annotated[float, Meta(gt=0, le=10)] = 0.7
+    momentum: Annotated[float, Meta(ge=0, lt=1)] = 0.5
+    """Outer Nesterov momentum. The paper's 0.9 (for LLMs over hundreds of rounds)
+    overshoots on the small models measured here, where 0.5 came within 1-3 % of
+    synchronous data parallelism (docs/benchmarks.md, "Replicated runs")."""
+    nesterov: bool = True
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """What a change is sent in: `bf16`/`fp16` halve the bytes of a round; the outer step
+    itself is always taken in fp32."""
+    round_deadline_s: Seconds = 60.0
+    """How long a replica that has sent its change waits for the others before it commits
+    the round with the changes there (at least `replicas.min` of them)."""
+    max_staleness: Annotated[int, Meta(ge=0, le=10**6)] = 4
+    """A change made from outer state `b` joins round `k` only if `k - 1 - b` is at most
+    this; a staler one is discarded, with a `change_discarded` event."""
+
+
 class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """A training job. Its identity is the run id derived from `idempotency_key`."""
 
@@ -143,6 +182,22 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     disconnect: Disconnect | None = None
     """How long the hub waits for a silent site holding this run before it takes the run
     back (`Disconnect`); unset, its pool's (`[pools.<name>.disconnect]`), else 600 s."""
+    replicas: RankCount | ReplicaRange = 1
+    """Replicas of the model trained at once, each its own run (`<run>-replica-<i>`, of
+    `ranks` ranks) placed wherever the pool has trainers, hub or site; they never share a
+    collective group and meet only through the store, in the rounds `outer` says. A round
+    waits for every replica still training until its deadline, then commits with the
+    changes there: at least one, or `min` of a range (`{min = 2, max = 4}`)."""
+    outer: Outer = Outer()
+    """The outer algorithm of a replicated run (`replicas` above 1); unused otherwise."""
+    replica: Annotated[int, Meta(ge=0, le=63)] | None = None
+    """Set by the dispatcher on each replica's run (a submission setting it is rejected)."""
+
+    def __post_init__(self) -> None:
+        if self.max_replicas > 1 and self.elastic:
+            raise ValueError("replicas: a replicated run's ranks must be a number, not a range")
+        if self.replica is not None and self.replica >= self.max_replicas:
+            raise ValueError(f"replica {self.replica} is not below replicas {self.max_replicas}")
 
     @property
     def min_ranks(self) -> int:
@@ -151,6 +206,21 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     @property
     def max_ranks(self) -> int:
         return self.ranks.max if isinstance(self.ranks, RankRange) else self.ranks
+
+    @property
+    def min_replicas(self) -> int:
+        """The fewest changes a round is committed with at its deadline (1 unless a range
+        says more)."""
+        return self.replicas.min if isinstance(self.replicas, ReplicaRange) else 1
+
+    @property
+    def max_replicas(self) -> int:
+        return self.replicas.max if isinstance(self.replicas, ReplicaRange) else self.replicas
+
+    @property
+    def replicated(self) -> bool:
+        """Whether the run is trained by several replicas meeting in outer rounds."""
+        return self.max_replicas > 1
 
     @property
     def elastic(self) -> bool:

@@ -8,7 +8,7 @@ import hashlib
 import msgspec
 
 from shared.contracts.codec import encode
-from shared.contracts.jobs import Guard, JobSpec, OnFailure
+from shared.contracts.jobs import Guard, JobSpec, OnFailure, Outer
 
 
 class RunState(enum.StrEnum):
@@ -152,6 +152,21 @@ def run_id_for(idempotency_key: str, owner: str = "") -> str:
     return f"{owner}.{run}" if owner else run
 
 
+REPLICA_MARK = "-replica-"
+
+
+def replica_run_id(run_id: str, replica: int) -> str:
+    """The run of replica `replica` of the replicated run `run_id` (`JobSpec.replicas`)."""
+    return f"{run_id}{REPLICA_MARK}{replica}"
+
+
+def replica_of(run_id: str) -> tuple[str, int] | None:
+    """The replicated run and replica index a replica's run id names; None for any other
+    run (run ids made from keys never hold the mark: `run_id_for`)."""
+    parent, mark, index = run_id.rpartition(REPLICA_MARK)
+    return (parent, int(index)) if mark and parent and index.isdigit() else None
+
+
 _ADDED_LATER: dict[str, object] = {
     "ranks": 1,
     "collective_timeout_s": 60.0,
@@ -159,6 +174,9 @@ _ADDED_LATER: dict[str, object] = {
     "guard": msgspec.to_builtins(Guard()),
     "fork": None,
     "disconnect": None,
+    "replicas": 1,
+    "outer": msgspec.to_builtins(Outer()),
+    "replica": None,
 }
 """Spec fields added after checkpoints were first written, with their defaults: left out of
 the hash while at their default, so a run's checkpoints keep matching its spec across

@@ -18,6 +18,8 @@ event is where it should be). Against Google's ml-goodput-measurement:
                  attempt got past the commit the next one resumed)   DISRUPTION
     recovery     an attempt's last sign of life -> the next attempt  INFRASTRUCTURE_RECOVERY_
                  started (noticing the death, handing over)          FROM_DISRUPTION
+    rounds       a replica's steps standing still for its run's     (DiLoCo's communication
+                 outer rounds (`round` events' `waited_s`)           time)
 
 Steps are timed by the attempt's own progress events: an attempt's step time is the time
 between its restore and its last progress, less its checkpoint stalls, over the steps it
@@ -43,7 +45,8 @@ from shared.contracts.events import Event
 from shared.history.timeline import Attempt, attempts_of
 
 CATEGORIES = (
-    "queued", "startup", "restore", "productive", "checkpoint", "wasted", "recovery", "other",
+    "queued", "startup", "restore", "productive", "checkpoint", "wasted", "recovery", "rounds",
+    "other",
 )  # fmt: skip
 
 
@@ -56,6 +59,7 @@ class Goodput(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint_s: float = 0.0
     wasted_s: float = 0.0
     recovery_s: float = 0.0
+    rounds_s: float = 0.0
     other_s: float = 0.0
     steps_redone: int = 0
     attempts: int = 0
@@ -114,6 +118,10 @@ def goodput(events: list[Event], now: float | None = None) -> Goodput | None:
         redone += _account(a, following, until, parts, live=ending is None and nxt is None)
         if nxt is not None:
             parts["recovery"] += max(0.0, nxt - until)
+    # A round's wait is inside an attempt's steps: taken out of what they produced.
+    waited = sum(e.note.waited_s for e in events if isinstance(e, ev.Round))
+    parts["rounds"] = min(waited, parts["productive"])
+    parts["productive"] -= parts["rounds"]
     parts["other"] = wall - sum(parts.values())
     return Goodput(
         wall_s=wall, **{f"{c}_s": v for c, v in parts.items()}, steps_redone=redone,

@@ -36,9 +36,12 @@ SOURCED = "Nats-Stream-Source"
 
 
 class Site:
-    def __init__(self, hub: Stack, name: str, *, direct: bool = False) -> None:
+    def __init__(
+        self, hub: Stack, name: str, *, direct: bool = False, env: dict[str, str] | None = None
+    ) -> None:
         """`direct`: the leaf dials every node of the hub itself, with no proxy between (a
-        clustered hub's test loses nodes, not the link)."""
+        clustered hub's test loses nodes, not the link); `env`: the site's processes' own
+        (an S3 endpoint of its own, behind a proxy the test cuts with the link)."""
         self.hub = hub
         self.name = name
         self.root = hub.root / "sites" / name
@@ -47,6 +50,7 @@ class Site:
         self.opts = msgspec.structs.replace(
             hub.opts, data_dir=self.root, site=name, store=hub.store_url, trainers=0, port=0,
             hub_auth=str(hub.root / "auth" / f"site-{name}.env"),
+            extra_env={**hub.opts.extra_env, **(env or {})},
         )  # fmt: skip
         self._nats: NatsServer | None = None
         self.trainers: list[str] = []

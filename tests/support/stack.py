@@ -77,7 +77,8 @@ class Stack:
 
     @property
     def store_url(self) -> str:
-        return f"file://{self.root / 'store'}"
+        """The services' store: `BATON_STORE` of the stack's `env`, else its own directory."""
+        return self.opts.extra_env.get("BATON_STORE") or f"file://{self.root / 'store'}"
 
     def lease_key(self, run_id: str) -> str:
         """Where the run's lease lives (the stack's lease secret keys it)."""

@@ -102,7 +102,8 @@ function drawEnding(box, view) {
 
 const GOODPUT_COLOURS = {
   productive: "#2ca02c", queued: "#9ca3af", startup: "#60a5fa", restore: "#a78bfa",
-  checkpoint: "#fbbf24", wasted: "#ef4444", recovery: "#f97316", other: "#e5e7eb",
+  checkpoint: "#fbbf24", wasted: "#ef4444", recovery: "#f97316", rounds: "#14b8a6",
+  other: "#e5e7eb",
 };
 
 function breakdown(g) {
@@ -431,6 +432,20 @@ function drawVitals(box, view) {
       table(["cause", "times", "mean recovery"], i.by_cause.map((c) => h("tr", { dataset: { cause: c.cause } },
         h("td", {}, c.cause), h("td", { class: "num" }, c.count), h("td", { class: "num" }, dur(c.mean_s))))),
       h("div", { class: "muted" }, i.each.map((r) => `${r.cause} at step ${r.from_step}, resumed at ${r.to_step}: ${dur(r.seconds)}`).join(" · "))));
+  }
+  const r = v.rounds;
+  if (r) {
+    const joined = r.each.filter((n) => n.outcome === "joined");
+    const other = r.each.filter((n) => n.outcome !== "joined");
+    parts.push(card("run-rounds", `Rounds · replica ${r.replica} of ${r.replicas}, H=${r.inner_steps}`,
+      h("div", { class: "muted" }, `${joined.length} round(s) joined; ${dur(r.waited_s)} waiting for rounds`),
+      table(["round", "step", "from round", "replicas", "committed by", "stragglers", "MB", "waited"],
+        joined.slice(-20).map((n) => h("tr", { class: "round", dataset: { round: n.round, deadline: n.deadline } },
+          h("td", { class: "num" }, n.round), h("td", { class: "num" }, n.step), h("td", { class: "num" }, n.base),
+          h("td", {}, n.replicas.join(", ")), h("td", { class: "num" }, n.closed_by),
+          h("td", {}, n.stragglers.join(", ") + (n.deadline ? " (deadline)" : "")),
+          h("td", { class: "num" }, (n.bytes / 1e6).toFixed(2)), h("td", { class: "num" }, dur(n.waited_s))))),
+      other.map((n) => h("div", { class: `round-${n.outcome}` }, `step ${n.step}: ${n.outcome} — ${n.detail}`, when(n.at)))));
   }
   box.replaceChildren(...parts);
 }

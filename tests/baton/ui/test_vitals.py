@@ -23,11 +23,13 @@ from shared.contracts.events import (
     Progress,
     Restored,
     RolledBack,
+    Round,
     RunWarning,
     StallRecovered,
     Started,
 )
 from shared.contracts.records import Rewind, Skip
+from shared.contracts.rounds import RoundNote
 
 HUB0 = 1_800_000_000.0
 SKEW = 300.0
@@ -184,3 +186,25 @@ def test_the_page_marks_what_operators_did_and_the_guards_stops() -> None:
     kinds = [m["kind"] for m in view["marks"]]
     assert kinds[-2:] == ["guarded", "paused"], kinds
     assert view["vitals"]["hold"]["paused"] and view["vitals"]["at_risk"] is None
+
+
+def test_a_replicas_page_shows_its_rounds_and_boundaries_without_the_store() -> None:
+    replica = msgspec.structs.replace(record(RunState.RUNNING), spec=spec(replicas=3, replica=1))
+    notes = [
+        RoundNote(outcome="joined", replica=1, step=10, base=0, round=1, replicas=[0, 1, 2],
+                  closed_by=2, waited_s=0.5, sent_bytes=100, received_bytes=200),
+        RoundNote(outcome="skipped", replica=1, step=20, base=1, round=1, detail="out of reach"),
+        RoundNote(outcome="joined", replica=1, step=30, base=1, round=4, replicas=[0, 1],
+                  stragglers=[2], deadline=True, closed_by=0, waited_s=3.0, sent_bytes=100),
+    ]  # fmt: skip
+    events: list[Event] = [Round(run_id="r1", at=HUB0 + i, worker="t", note=n)
+                           for i, n in enumerate(notes)]  # fmt: skip
+    found = vitals(replica, events)["rounds"]
+    assert found["replica"] == 1 and found["replicas"] == 3 and found["waited_s"] == 3.5
+    assert [(n["outcome"], n["round"], n["bytes"]) for n in found["each"]] == [
+        ("joined", 1, 300),
+        ("skipped", 1, 0),
+        ("joined", 4, 100),
+    ]
+    assert found["each"][2]["stragglers"] == [2] and found["each"][2]["deadline"]
+    assert vitals(record(RunState.RUNNING), [])["rounds"] is None

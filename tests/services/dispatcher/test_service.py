@@ -15,6 +15,7 @@ from shared.bus.streams import ensure
 from shared.contracts import decode, run_id_for
 from shared.contracts.events import Accepted, Event, Rejected
 from shared.contracts.letters import DeadLetter
+from shared.contracts.records import replica_run_id
 from shared.state.runs import Runs
 from tests.support.stack import eventually
 
@@ -85,6 +86,18 @@ BAD = [
         json.dumps({**GOOD, "entry_point": "os.system"}).encode(),
         "Expected `str` matching",
         "$.entry_point",
+    ),
+    (
+        "replica-set-by-submitter",
+        json.dumps({**GOOD, "replicas": 2, "replica": 0}).encode(),
+        "set by the dispatcher",
+        "$.replica",
+    ),
+    (
+        "elastic-replicas",
+        json.dumps({**GOOD, "replicas": 2, "ranks": {"min": 1, "max": 2}}).encode(),
+        "ranks must be a number",
+        "$",
     ),
     (
         "pool-mismatch",
@@ -223,3 +236,33 @@ async def test_one_batch_handled_at_once_keeps_every_guarantee(nc: Client) -> No
 async def _answers(nc: Client, run_id: str, count: int) -> list[Event] | None:
     evs = [e for e in await events_of(nc, run_id) if isinstance(e, Accepted | Rejected)]
     return evs if len(evs) >= count else None
+
+
+async def test_a_replicated_job_is_one_run_per_replica_each_queued_once(nc: Client) -> None:
+    """`replicas = 3`: runs `<run>-replica-0..2`, each its spec with `replica` set and one
+    task; accepted under the replicated run's own id too; a resubmission adds nothing."""
+    stop, tasks = await start_dispatchers(nc)
+    runs = await Runs.open(nc.jetstream())
+    spec = json.dumps({**GOOD, "replicas": 3, "idempotency_key": "rep"}).encode()
+    await submit(nc, spec, "r1")
+    run_id = run_id_for("rep")
+    ids = [replica_run_id(run_id, i) for i in range(3)]
+
+    async def accepted() -> bool:
+        return any(isinstance(e, Accepted) for e in await events_of(nc, run_id))
+
+    await eventually(accepted, 10, "the replicated run accepted")
+    for i, rid in enumerate(ids):
+        found = await runs.get(rid)
+        assert found is not None and found[0].spec.replica == i, (rid, found)
+        assert found[0].spec.replicated and await tasks_for(nc, rid) == 1
+    assert await runs.get(run_id) is None  # no record stands for the replicated run
+    await submit(nc, spec, "r2")
+
+    async def twice() -> bool:
+        return sum(isinstance(e, Accepted) for e in await events_of(nc, run_id)) == 2
+
+    await eventually(twice, 10, "the resubmission answered")
+    assert all([await tasks_for(nc, rid) == 1 for rid in ids]) and len(await runs.all()) == 3
+    stop.set()
+    await asyncio.gather(*tasks)

@@ -97,3 +97,42 @@ async def test_a_slow_but_steady_run_is_never_flagged(step_s: float) -> None:
     assert said == []
     assert watch.bound() == max(5.0, 10 * step_s)
     assert STOP_AFTER > 1
+
+
+async def test_a_replica_waiting_for_a_round_is_not_stalled() -> None:
+    """A replicated run's replica standing still for an outer round (`hold`) is no stall,
+    however long the round takes; the quiet time counts again from the end of the wait."""
+    clock = Clock()
+    watch = StallWatch(BOUNDS, clock)
+    events = [(0.0, 0), *((1.0, s) for s in range(1, 8))]  # 1 s steps: bound 10 s
+    said: list[str] = []
+
+    async def warn(quiet: float, step: int) -> None:
+        said.append(f"warn {step}")
+
+    async def recovered(quiet: float, step: int) -> None:
+        said.append(f"recovered {step}")
+
+    def stop(quiet: float, step: int) -> None:
+        said.append(f"stop {step}")
+
+    running = asyncio.create_task(watch.watch(warn, recovered, stop))
+    for seconds, step in events:
+        clock.now += seconds
+        watch.stepped(step)
+        await asyncio.sleep(0)
+    watch.hold(True)
+    for _ in range(10):  # a 100 s round
+        clock.now += 10.0
+        watch._moved.set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+    watch.hold(False)
+    clock.now += 9.0  # under the bound since the wait ended
+    watch._moved.set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    watch.stepped(8)
+    watch.finish()
+    await asyncio.wait_for(running, 5)
+    assert said == []
