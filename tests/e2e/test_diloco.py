@@ -30,7 +30,7 @@ from shared.contracts.events import Restored, Round
 from shared.contracts.records import replica_run_id
 from shared.contracts.rounds import RoundManifest, RoundNote
 from tests.e2e.jobs import finished, history, job, submit
-from tests.support.cli import as_json
+from tests.support.cli import as_json, baton
 from tests.support.dashboard import browser, served
 from tests.support.proxy import Proxy
 from tests.support.seaweed import SeaweedS3
@@ -201,6 +201,11 @@ async def shown(hub: Stack, run_id: str, rounds: int) -> None:
     assert all(r["bytes"] > 0 for r in status["rounds"])
     shown = await as_json(hub, "rounds", run_id, "--replay")
     assert shown["replay"]["rounds"] == rounds, shown
+    code, out, err = await baton(hub, "status", run_id)
+    assert code == 0 and f"{rounds} committed" in out and "exchanged per round" in out, err
+    reports = await as_json(hub, "report", run_id, "--out", str(hub.root / "reports"))
+    pages = [Path(r["html"]) for r in reports["replicas"]]
+    assert len(pages) == 3 and all("Rounds (replica" in p.read_text() for p in pages), reports
     nc = await hub.client()
     async with served(nc, hub.store_url) as url, browser() as b:
         page = await b.new_page()
