@@ -72,11 +72,11 @@ replica's, of the same base, went in instead."""
 REACH_S = 5.0
 """How long a boundary tries to read the round log before the replica trains on without."""
 POLL_S = (0.05, 1.0)
+"""The wait for a round polls the store this often, doubling from the first to the second."""
 LOOK_S = 30.0
 """A bound on one look at the log while waiting for a round (what it read is kept)."""
 UNREACHABLE = (StoreUnavailable, OSError, TimeoutError)
 """What a store out of reach raises (a permanent error, a damaged change, is not one)."""
-"""The wait for a round polls the store this often, doubling from the first to the second."""
 
 
 class Replica:
@@ -298,7 +298,7 @@ class Replica:
         enough = len(sent) >= min(self.spec.min_replicas, self.spec.max_replicas - len(done))
         # Complete: the first of the replicas in it commits (one closer, not a race of
         # them); late: any, so that a closer gone quiet holds nothing up.
-        first = not missing and self.index == min(sent)
+        first = bool(sent) and not missing and self.index == min(sent)
         if enough and (first or late):
             await self._fenced(log.store, token)
             stragglers = sorted(set(range(self.spec.max_replicas)) - done - sent)

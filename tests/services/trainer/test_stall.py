@@ -43,9 +43,13 @@ def test_the_bound_follows_the_median_step_with_a_floor() -> None:
     assert explicit.bound() == 7.0
 
 
+HOLD, RELEASE = -2, -3
+"""Steps for `drive` that begin and end a wait for a round (`StallWatch.hold`)."""
+
+
 async def drive(watch: StallWatch, clock: Clock, steps: list[tuple[float, int]]) -> list[str]:
     """Run the watch while the clock moves by each (seconds, step) — a step of -1 reports
-    nothing — and return what it said."""
+    nothing, `HOLD`/`RELEASE` begin and end a wait for a round — and return what it said."""
     said: list[str] = []
 
     async def warn(quiet: float, step: int) -> None:
@@ -63,6 +67,8 @@ async def drive(watch: StallWatch, clock: Clock, steps: list[tuple[float, int]])
         clock.now += seconds
         if step >= 0:
             watch.stepped(step)
+        elif step in (HOLD, RELEASE):
+            watch.hold(step == HOLD)
         else:
             watch._moved.set()  # wake it to look at the clock, as its timer would
         for _ in range(5):
@@ -104,35 +110,7 @@ async def test_a_replica_waiting_for_a_round_is_not_stalled() -> None:
     however long the round takes; the quiet time counts again from the end of the wait."""
     clock = Clock()
     watch = StallWatch(BOUNDS, clock)
-    events = [(0.0, 0), *((1.0, s) for s in range(1, 8))]  # 1 s steps: bound 10 s
-    said: list[str] = []
-
-    async def warn(quiet: float, step: int) -> None:
-        said.append(f"warn {step}")
-
-    async def recovered(quiet: float, step: int) -> None:
-        said.append(f"recovered {step}")
-
-    def stop(quiet: float, step: int) -> None:
-        said.append(f"stop {step}")
-
-    running = asyncio.create_task(watch.watch(warn, recovered, stop))
-    for seconds, step in events:
-        clock.now += seconds
-        watch.stepped(step)
-        await asyncio.sleep(0)
-    watch.hold(True)
-    for _ in range(10):  # a 100 s round
-        clock.now += 10.0
-        watch._moved.set()
-        for _ in range(5):
-            await asyncio.sleep(0)
-    watch.hold(False)
-    clock.now += 9.0  # under the bound since the wait ended
-    watch._moved.set()
-    for _ in range(5):
-        await asyncio.sleep(0)
-    watch.stepped(8)
-    watch.finish()
-    await asyncio.wait_for(running, 5)
+    steady = [(1.0, s) for s in range(1, 8)]  # 1 s steps: bound 10 s
+    a_round = [(0.0, HOLD), *[(10.0, -1)] * 10, (0.0, RELEASE)]  # 100 s without a step
+    said = await drive(watch, clock, [(0, 0), *steady, *a_round, (9.0, -1), (0.5, 8)])
     assert said == []
