@@ -140,11 +140,12 @@ class Outer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     """What a change is sent in: `bf16`/`fp16` halve the bytes of a round; the outer step
     itself is always taken in fp32."""
     round_deadline_s: Seconds = 60.0
-    """How long a replica that has sent its change waits for the others before it commits
-    the round with the changes there (at least `replicas.min` of them)."""
+    """How long a replica that has sent its change waits for the others (those still
+    training that were in the last round) before it commits the round with the changes
+    there (at least `replicas.min` of them)."""
     max_staleness: Annotated[int, Meta(ge=0, le=10**6)] = 4
     """A change made from outer state `b` joins round `k` only if `k - 1 - b` is at most
-    this; a staler one is discarded, with a `change_discarded` event."""
+    this; a staler one is discarded, with a `round` event saying so."""
 
 
 class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -186,8 +187,9 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     """Replicas of the model trained at once, each its own run (`<run>-replica-<i>`, of
     `ranks` ranks) placed wherever the pool has trainers, hub or site; they never share a
     collective group and meet only through the store, in the rounds `outer` says. A round
-    waits for every replica still training until its deadline, then commits with the
-    changes there: at least one, or `min` of a range (`{min = 2, max = 4}`)."""
+    waits for the replicas still training that were in the last round until its deadline,
+    then commits with the changes there: at least one, or `min` of a range
+    (`{min = 2, max = 4}`)."""
     outer: Outer = Outer()
     """The outer algorithm of a replicated run (`replicas` above 1); unused otherwise."""
     replica: Annotated[int, Meta(ge=0, le=63)] | None = None
