@@ -74,7 +74,11 @@ REACH_S = 5.0
 POLL_S = (0.05, 1.0)
 """The wait for a round polls the store this often, doubling from the first to the second."""
 LOOK_S = 30.0
-"""A bound on one look at the log while waiting for a round (what it read is kept)."""
+"""A bound on one store operation or one look at the log, beyond the time its bytes take at
+`SLOWEST_BPS`: a reply that never comes is no reply (what a look read is kept)."""
+SLOWEST_BPS = 1e6
+"""The slowest link to the store a replica's looks allow for: a look may read a mean per
+round it catches up, each as large as the model in fp32."""
 UNREACHABLE = (StoreUnavailable, OSError, TimeoutError)
 """What a store out of reach raises (a permanent error, a damaged change, is not one)."""
 
@@ -240,7 +244,7 @@ class Replica:
         delay, told = POLL_S[0], False
         while True:
             try:
-                async with asyncio.timeout(bound or LOOK_S):
+                async with asyncio.timeout(bound or self._bound()):
                     return await op()
             except UNREACHABLE as exc:
                 if not final:
@@ -251,6 +255,12 @@ class Replica:
                 told = True
             await asyncio.sleep(delay)
             delay = min(POLL_S[1], delay * 2)
+
+    def _bound(self) -> float:
+        """`LOOK_S`, and the time to read a mean for every round to catch up, plus one."""
+        rounds_behind = max(0, self._log.head - self.base) + 1
+        size = sum(t.numel() * 4 for t in self.params.values())
+        return LOOK_S + rounds_behind * size / SLOWEST_BPS
 
     async def _wait(self, log: Log, key: str, token: int, final: bool) -> Fate:
         """Until the change `key` is in a committed round ("joined"), or too stale to be
