@@ -173,7 +173,9 @@ async def test_a_three_replica_run_across_hub_and_site_trains_and_replays(
     loss falls, every round's manifest is complete, and the log replays to its weights."""
     nc = await hub.client()
     await hub.add_trainer("trainer-1")
-    spec = lm(60)
+    # Nobody is cut off here: rounds wait for all three however loaded the machine (a
+    # replica slow to start must not turn a round into one of two at a short deadline).
+    spec = lm(60, round_deadline_s=120.0)
     run_id = await submit(nc, spec)
     done = await all_finished(nc, run_id, 3, timeout=300)
     assert all(r.state is RunState.COMPLETED for r in done), done
