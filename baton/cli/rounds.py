@@ -152,11 +152,13 @@ def rounds(
     replay: Annotated[
         bool, typer.Option("--replay", help="Recompute every round from the store's round log.")
     ] = False,
+    store: Annotated[str | None, typer.Option(envvar="BATON_STORE", help="Store URL.")] = None,
 ) -> None:
     """Show a replicated run's outer rounds: the replicas each took, who committed it, at the
     deadline or not, stragglers, bytes exchanged, the longest wait."""
     from rich.table import Table
 
+    from baton.cli import client
     from baton.cli.errors import CliError
 
     async def get(nc: Any) -> Replicated:
@@ -167,7 +169,7 @@ def rounds(
 
     rep = run(lambda: with_nats(server, get))
     rows = rep.rounds()
-    checked = run(lambda: _replay(rep)) if replay else None
+    checked = run(lambda: _replay(rep, client.store_url(store))) if replay else None
     if as_json:
         print_json({"run_id": run_id, "rounds": rows, "replay": checked})
         return
@@ -182,18 +184,11 @@ def rounds(
                   f"match its manifest; outer weights {checked['digest'][:16]}…")  # fmt: skip
 
 
-async def _replay(rep: Replicated) -> dict[str, Any]:
-    import os
-
+async def _replay(rep: Replicated, url: str) -> dict[str, Any]:
     from shared.checkpoint import rounds as log
     from shared.checkpoint.digest import weights_digest
     from shared.checkpoint.store import open_store
 
-    url = os.environ.get("BATON_STORE")
-    if not url:
-        from baton.cli.errors import CliError
-
-        raise CliError("--replay reads the store: set BATON_STORE", 2)
     async with open_store(url) as store:
         params, count = await log.replay(store, rep.run_id, rep.records[0].spec.outer)
     return {"rounds": count, "digest": weights_digest(params)}

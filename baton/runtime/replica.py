@@ -193,8 +193,7 @@ class Replica:
         log = self._log
         await self._persist(final, log.refresh, REACH_S)
         base, began, sent, received = self.base, time.monotonic(), -log.sent, log.received
-        pending = base
-        """The base of the replica's change to look for in the log."""
+        pending = base  # the base of the replica's change to look for in the log
         while True:
             taken = log.taken.get((self.index, pending))
             if taken is not None:
@@ -289,7 +288,7 @@ class Replica:
         """One look at the log: the change's fate if known, or "closed" if this replica
         committed the open round (or raced another to it); when the open round opened."""
         await self._catch_up(log, log.head, model=False)
-        base = self._based_on(key)
+        base = rounds.parse_change(key)[0]
         for manifest in await log.refresh():
             await self._apply(log, manifest)
             opened = time.monotonic()
@@ -301,7 +300,7 @@ class Replica:
             return "discarded", opened
         keys = await log.candidates(self.outer.max_staleness)
         done = await log.done()
-        sent = {rounds.replica_of_change(k) for k in keys}
+        sent = {rounds.parse_change(k)[1] for k in keys}
         missing = log.live(done, self.spec.max_replicas) - sent
         waited = time.monotonic() - opened
         late = waited >= self.outer.round_deadline_s
@@ -356,9 +355,6 @@ class Replica:
                 await self._catch_up(self._log, upto)
 
         asyncio.run(go())
-
-    def _based_on(self, key: str) -> int:
-        return int(key.rsplit("/", 2)[1])
 
     def _stale(self, base: int, head: int) -> str:
         return (

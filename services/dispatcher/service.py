@@ -155,17 +155,8 @@ class Dispatcher:
             for i in range(spec.max_replicas):
                 one = msgspec.structs.replace(spec, replica=i)
                 duplicate = await self._dispatch_run(replica_run_id(run_id, i), one)
-        await emit(
-            self.js,
-            Accepted(
-                run_id=run_id,
-                name=spec.name,
-                pool=spec.pool,
-                total_steps=spec.total_steps,
-                duplicate=duplicate,
-            ),
-            msg_id=f"accepted.{run_id}" if not duplicate else None,
-        )
+                await self._accepted(replica_run_id(run_id, i), one, duplicate)
+        await self._accepted(run_id, spec, duplicate)
         verb = "re-accepted" if duplicate else "accepted"
         trace.get_current_span().set_attribute(telemetry.OUTCOME, verb)
         # One line per new run would be most of the log at thousands of submissions a
@@ -206,14 +197,14 @@ class Dispatcher:
         queued = record.state is RunState.QUEUED and not record.site
         if queued and not await self.delegation.place(record):
             await publish_task(self.js, record, self.lease_secret, telemetry.inject())
-        if spec.replicated:
-            await emit(
-                self.js,
-                Accepted(run_id=run_id, name=spec.name, pool=spec.pool,
-                         total_steps=spec.total_steps, duplicate=duplicate),
-                msg_id=f"accepted.{run_id}" if not duplicate else None,
-            )  # fmt: skip
         return duplicate
+
+    async def _accepted(self, run_id: str, spec: JobSpec, duplicate: bool) -> None:
+        accepted = Accepted(
+            run_id=run_id, name=spec.name, pool=spec.pool, total_steps=spec.total_steps,
+            duplicate=duplicate,
+        )  # fmt: skip
+        await emit(self.js, accepted, msg_id=f"accepted.{run_id}" if not duplicate else None)
 
     async def _budget(self, run_id: str, spec: JobSpec) -> tuple[float | None, float | None]:
         """The estimated cost, and the hard timeout the budget allows (docs/architecture.md,

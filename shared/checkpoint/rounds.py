@@ -80,11 +80,7 @@ def done_key(run_id: str, replica: int) -> str:
     return prefix(run_id) + f"done/{replica:04d}.json"
 
 
-def replica_of_change(key: str) -> int:
-    return _parse_change(key)[1]
-
-
-def _parse_change(key: str) -> tuple[int, int, int, int]:
+def parse_change(key: str) -> tuple[int, int, int, int]:
     """(base, replica, token, step) of a change's key."""
     base = int(key.rsplit("/", 2)[1])
     replica, token, step = key.rsplit("/", 1)[1].removesuffix(".safetensors").split("-")
@@ -205,7 +201,7 @@ class Log:
         else:  # one listing of them all, however many bases the staleness allows
             keys = await self.store.list(changes)
         for key in keys:
-            b, replica, token, step = _parse_change(key)
+            b, replica, token, step = parse_change(key)
             if b < low or (replica, b) in self.taken:
                 continue
             rank = (b, token, step)
@@ -257,7 +253,7 @@ class Log:
         changes, tensors = [], []
         for key in keys:
             data = await self.change(key)
-            base, replica, tok, step = _parse_change(key)
+            base, replica, tok, step = parse_change(key)
             precision = _precision_of(data)
             changes.append(Change(
                 replica=replica, base=base, step=step, token=tok, key=key, size=len(data),

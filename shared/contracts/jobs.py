@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
@@ -94,31 +94,33 @@ class ForkOf(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 RankCount = Annotated[int, Meta(ge=1, le=64)]
 
 
-class RankRange(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class _Counts(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A range of counts, `min` to `max`, named in its errors by the field it is."""
+
+    field: ClassVar[str]
+    min: RankCount = 1
+    max: RankCount
+
+    def __post_init__(self) -> None:
+        if self.min > self.max:
+            raise ValueError(f"{self.field}: min ({self.min}) is more than max ({self.max})")
+
+
+class RankRange(_Counts, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """An elastic run's group size: it starts with as many ranks as it can get within the
     range (never fewer than `min`), continues with fewer after losing one when no spare is
     free, and grows back when trainers of its pool are free — each resize at a step
     boundary, from a committed checkpoint, under a new epoch."""
 
-    min: RankCount = 1
-    max: RankCount
-
-    def __post_init__(self) -> None:
-        if self.min > self.max:
-            raise ValueError(f"ranks: min ({self.min}) is more than max ({self.max})")
+    field: ClassVar[str] = "ranks"
 
 
-class ReplicaRange(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class ReplicaRange(_Counts, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """A replicated run's replicas: `max` of them are queued, each its own run placed
     wherever its pool has a trainer; a round is committed at its deadline only if at least
     `min` replicas' changes are in it (docs/diloco.md)."""
 
-    min: RankCount = 1
-    max: RankCount
-
-    def __post_init__(self) -> None:
-        if self.min > self.max:
-            raise ValueError(f"replicas: min ({self.min}) is more than max ({self.max})")
+    field: ClassVar[str] = "replicas"
 
 
 class Outer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

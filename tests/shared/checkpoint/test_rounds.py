@@ -80,7 +80,7 @@ async def test_a_round_is_committed_once_and_replays_bitwise(store: Store) -> No
         await a.refresh()
         await b.refresh()
         keys = await a.candidates(max_staleness=2)
-        assert [rounds._parse_change(key)[1] for key in keys] == [0, 1, 2]
+        assert [rounds.parse_change(key)[1] for key in keys] == [0, 1, 2]
         won = await close(a, keys, params, momentum, closer=0, token=1)
         lost = await close(b, keys, params, momentum, closer=1, token=1)
         assert won is not None and lost is None and not won.deadline
@@ -98,7 +98,7 @@ async def test_a_round_takes_each_replicas_newest_change_once(store: Store) -> N
     log = rounds.Log(store, RUN)
     await log.refresh()
     keys = await log.candidates(max_staleness=4)
-    assert [rounds._parse_change(k)[:3] for k in keys] == [(0, 0, 2), (0, 1, 1)]
+    assert [rounds.parse_change(k)[:3] for k in keys] == [(0, 0, 2), (0, 1, 1)]
     p, m = weights(0), {n: torch.zeros_like(t) for n, t in weights(0).items()}
     manifest = await close(log, keys, p, m, closer=0, token=2, stragglers=(2,))
     assert manifest is not None and manifest.deadline  # two of three, at the deadline
