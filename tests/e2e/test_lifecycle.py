@@ -194,10 +194,14 @@ async def test_cancel_a_queued_and_a_running_run(tmp_path: Path) -> None:
         assert record.state is RunState.CANCELLED and record.reason == "changed my mind"
         assert log.of(CheckpointCommitted), "a running run checkpoints before it stops"
         await log.wait_for(lambda e: isinstance(e, Cancelled), 10, "the cancelled event")
-        consumer = await nc.jetstream().consumer_info(
-            names.TASKS_STREAM, names.trainer_consumer("default")
-        )
-        assert consumer.num_ack_pending == 0 and consumer.num_pending == 0  # the task was acked
+
+        async def acked() -> bool:  # the trainer acks the task once it has marked the run
+            consumer = await nc.jetstream().consumer_info(
+                names.TASKS_STREAM, names.trainer_consumer("default")
+            )
+            return consumer.num_ack_pending == 0 and consumer.num_pending == 0
+
+        await eventually(acked, 30, "the cancelled run's task to be acked")
         log.close()
     finally:
         await s.stop()
