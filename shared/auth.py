@@ -6,13 +6,17 @@ hub:
 
     operator      everything (the CLI's admin commands, `baton up`'s own checks)
     submitter     submit jobs, and cancel, pause, resume, roll back or checkpoint runs as
-                  itself; read its own runs' records, events and logs (each submitter
-                  user owns the runs it submits)
+                  itself; read its own runs' records, events and logs, and its own
+                  credits (each submitter user owns the runs it submits); ask for a
+                  pool's queue
     dispatcher    take submissions, cancels and steering requests; write run records;
-                  publish tasks, and grant runs to sites (into each site's work queue)
+                  publish tasks, and grant runs to sites (into each site's work queue);
+                  hold credits; answer for each pool's queue (the scheduler); apply the
+                  pools' table
     checkpointer  take commit requests; publish commit outcomes
     reaper        read everything it sweeps; write run records; re-publish tasks; link sites;
-                  take in sites' records of the runs granted to them
+                  take in sites' records of the runs granted to them; settle ended
+                  runs' credits
     trainer       take tasks (its consumer only); write the leases of the runs it was
                   handed, run records and heartbeats; publish events, logs, commit requests;
                   read drain keys by key (whether it is drained)
@@ -68,6 +72,9 @@ SITE_ROLES = ("operator", "submitter", "checkpointer", "dispatcher", "trainer")
 class Permissions(msgspec.Struct, frozen=True):
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
+    responses: bool = False
+    """May answer the requests it receives (a reply to the asker's inbox, once each), which
+    its publish list does not name: the dispatcher answering for a pool's queue."""
 
 
 def owner_of(user: str) -> str:
@@ -122,13 +129,28 @@ def _write_kv(prefix: str, *buckets: str) -> list[str]:
     return [f"{prefix}$KV.{b}.>" for b in buckets]
 
 
+def _read_ledger(api: str, owner: str = "*") -> list[str]:
+    """Read ledger entries: one by its subject (a direct get), or an owner's in order (an
+    ordered consumer filtered in the API subject on `owner`'s entries; `*`: anyone's)."""
+    stream = names.LEDGER_STREAM
+    if owner == "*":
+        return [
+            f"{api}.STREAM.INFO.{stream}", f"{api}.DIRECT.GET.{stream}.>",
+            *_create_consumer(api, stream), f"{api}.CONSUMER.DELETE.{stream}.>",
+        ]  # fmt: skip
+    return [
+        f"{api}.CONSUMER.CREATE.{stream}.*.{names.ledger_of(owner)}",
+        f"{api}.CONSUMER.DELETE.{stream}.*",
+    ]
+
+
 _DECLARE = [f"{API}.INFO", f"{API}.STREAM.INFO.*", f"{API}.STREAM.CREATE.*"]
 """Declaring streams and buckets at start (`shared.bus.streams.ensure`): create, never delete."""
 _FLOW = ["$JS.FC.>"]
 """Flow-control replies of push consumers (ordered consumers, `keys()`)."""
 _ALL_KV = (
     names.RUNS_BUCKET, names.LEASES_BUCKET, names.WORKERS_BUCKET, names.POOLS_BUCKET,
-    names.SITES_BUCKET, names.LIVE_BUCKET, names.GROUPS_BUCKET,
+    names.SITES_BUCKET, names.LIVE_BUCKET, names.GROUPS_BUCKET, names.POLICY_BUCKET,
 )  # fmt: skip
 _GET_ARCHIVED = f"{API}.DIRECT.GET.{names.ARCHIVE_STREAM}.>"
 """Reading an ended run's record by its run id (`shared.state.archive`)."""
@@ -147,8 +169,17 @@ def hub_permissions(role: str) -> Permissions | None:
             publish=(
                 *_DECLARE, f"{API}.STREAM.UPDATE.*", *_FLOW,
                 *_consume(API, names.SUBMIT_STREAM), *_consume(API, names.CANCEL_STREAM),
-                *_read_kv(API, *_ALL_KV), *_write_kv("", names.RUNS_BUCKET, names.LIVE_BUCKET),
+                *_read_kv(API, *_ALL_KV),
+                # Run records; the pools' table it applies from its file; the scheduler's
+                # usage, kept across restarts (`services/dispatcher/scheduler.py`).
+                *_write_kv(
+                    "", names.RUNS_BUCKET, names.LIVE_BUCKET, names.POLICY_BUCKET,
+                    names.POOLS_BUCKET,
+                ),
                 _GET_ARCHIVED,
+                # Holds credits as runs are accepted and resumed, reading the balances it
+                # checks them against (`shared.ledger`).
+                f"{p}.ledger.*.hold.>", *_read_ledger(API),
                 f"{API}.STREAM.MSG.GET.{names.TASKS_STREAM}",
                 f"{API}.STREAM.MSG.DELETE.{names.TASKS_STREAM}",
                 f"{p}.tasks.>", f"{p}.events.>", f"{p}.dlq.>", f"{p}.control.>",
@@ -156,7 +187,9 @@ def hub_permissions(role: str) -> Permissions | None:
                 # (`services/dispatcher/delegation.py`).
                 f"{p}.site.*.tasks.>",
             ),
-            subscribe=(inbox,),
+            # Answers for each pool's queue (`baton queue`, the dashboard).
+            subscribe=(inbox, names.QUEUE_ALL),
+            responses=True,
         )  # fmt: skip
     if role == "checkpointer":
         return Permissions(
@@ -178,6 +211,8 @@ def hub_permissions(role: str) -> Permissions | None:
                 *_consume(API, names.REPORTS_STREAM),
                 *_read_kv(API, *_ALL_KV),
                 *_write_kv("", names.RUNS_BUCKET, names.SITES_BUCKET, names.LIVE_BUCKET),
+                # Settles ended runs' holds, once each (`services/reaper/billing.py`).
+                f"{p}.ledger.*.settle.>", *_read_ledger(API),
                 # Retires ended runs into the archive (`shared.state.runs`).
                 _GET_ARCHIVED, f"{p}.archive.>",
                 *(f"{API}.STREAM.MSG.GET.{s}" for s in (*work_queues, names.EVENTS_STREAM)),
@@ -264,6 +299,8 @@ def dashboard_permissions() -> Permissions:
             names.STEER_ALL,
             *_get_by_key(api, names.DRAINS_BUCKET),
             *_write_kv("", names.DRAINS_BUCKET),
+            # The queue page: the scheduler's answer, the pools' table, the credits.
+            names.QUEUE_ALL, *_get_by_key(api, names.POLICY_BUCKET), *_read_ledger(api),
         ),
         subscribe=(f"{inbox_prefix('dashboard')}.>",),
     )
@@ -279,7 +316,10 @@ def submitter_permissions(user: str, site: str = "") -> Permissions:
     submit, cancel = f"{p}.submit.*.{user}", f"{p}.cancel.{user}.>"
     steer: tuple[str, ...] = (f"{p}.steer.{user}.>",)
     local: tuple[str, ...] = ()
+    # Its credits (`baton credits`) and its pools' queues (`baton queue`), at the hub.
+    hub_only: tuple[str, ...] = (*_read_ledger(api, user), names.QUEUE_ALL)
     if site:
+        hub_only = ()
         # Steering is carried out at the hub, where the runs' records are: a site's
         # submitter reaches it through the operator there.
         submit, cancel, steer = names.at_site(submit, site), names.at_site(cancel, site), ()
@@ -297,7 +337,7 @@ def submitter_permissions(user: str, site: str = "") -> Permissions:
             f"{api}.CONSUMER.CREATE.{names.EVENTS_STREAM}.*.{own_events}",
             f"{api}.CONSUMER.DELETE.{names.EVENTS_STREAM}.*",
             f"{api}.CONSUMER.CREATE.{names.LOGS_STREAM}.*.{own_logs}",
-            f"{api}.CONSUMER.DELETE.{names.LOGS_STREAM}.*", *local,
+            f"{api}.CONSUMER.DELETE.{names.LOGS_STREAM}.*", *local, *hub_only,
         ),
         subscribe=(f"{inbox_prefix(user.replace('-', '_'))}.>",),
     )  # fmt: skip
@@ -313,6 +353,8 @@ def _trainer_publish(api: str, kv_prefix: str, site: str) -> tuple[str, ...]:
         f"{api}.INFO", *_FLOW, *_consume(api, names.TASKS_STREAM),
         *_read_kv(api, names.RUNS_BUCKET, names.POOLS_BUCKET, names.GROUPS_BUCKET),
         *_get_by_key(api, names.LEASES_BUCKET),
+        # The pools' table in force (`shared.state.policy`).
+        *_get_by_key(api, names.POLICY_BUCKET),
         # Whether it is drained (`services/trainer/drain.py`); only operators write it.
         *_get_by_key(api, names.DRAINS_BUCKET),
         *_write_kv(
@@ -428,6 +470,8 @@ def authorization(users: list[tuple[Credentials, Permissions | None]]) -> str:
                 "publish": {"allow": list(perms.publish)},
                 "subscribe": {"allow": list(perms.subscribe)},
             }
+            if perms.responses:
+                entry["permissions"]["allow_responses"] = True
         entries.append(entry)
     return "authorization " + json.dumps({"users": entries}, indent=2)
 
@@ -437,14 +481,17 @@ def env_name(user: str) -> str:
     return "BATON_PW_" + user.upper().replace("-", "_")
 
 
-def deployment_config(site: str | None, sites: tuple[str, ...] = ()) -> str:
-    """The `authorization` block of the hub (`site` None, admitting `sites`) or of a site's
-    leaf node, with every password an environment variable (`env_name`): the committed
-    files in deploy/nats hold no secret, and the servers read the passwords at start."""
+def deployment_config(
+    site: str | None, sites: tuple[str, ...] = (), submitters: tuple[str, ...] = ()
+) -> str:
+    """The `authorization` block of the hub (`site` None, admitting `sites` and a submitter
+    user for each of `submitters`, its people) or of a site's leaf node, with every password
+    a NATS variable (`env_name`): the committed files in deploy/nats hold no secret."""
     if site:
         users = [(f"{site}-{r}", site_permissions(r, site)) for r in SITE_ROLES]
     else:
         users = [(r, hub_permissions(r)) for r in HUB_ROLES]
+        users += [(u, submitter_permissions(u)) for u in submitters]
         users += [(f"site-{s}", site_link(s)) for s in sites]
     block = authorization([(Credentials(u, f"${env_name(u)}"), p) for u, p in users])
     for user, _ in users:  # a NATS variable is a bare `$NAME`, never inside quotes

@@ -149,6 +149,36 @@ RUN_GOODPUT = _meter.create_histogram(
     description="Each finished run's goodput: productive seconds over its wall time.",
     explicit_bucket_boundaries_advisory=[0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0],
 )
+OWNER = "baton.owner"
+PREEMPTIONS = _meter.create_counter(
+    "baton.scheduler.preemptions",
+    unit="{preemption}",
+    description="Runs the scheduler asked to make room for another, by rule (`baton.kind`:"
+    " priority, quota, fair_share) and by the owner whose run made room (`baton.owner`); the"
+    " owner it was made for is `baton.for_owner`.",
+)
+OWNER_HOLDING = _meter.create_gauge(
+    "baton.owner.trainers",
+    unit="{trainer}",
+    description="Trainers each owner's runs hold in a pool (`baton.owner`, `baton.pool`),"
+    " beside `baton.owner.entitled`: the fair share of the pool's trainers it is entitled to.",
+)
+OWNER_ENTITLED = _meter.create_gauge(
+    "baton.owner.entitled",
+    unit="{trainer}",
+    description="Each owner's fair share of a pool's trainers now, among the owners active"
+    " there (`baton.owner`, `baton.pool`).",
+)
+OWNER_USAGE = _meter.create_gauge(
+    "baton.owner.usage",
+    unit="s",
+    description="Each owner's decayed trainer-seconds in a pool (the fair share's usage).",
+)
+CREDITS_CHARGED = _meter.create_counter(
+    "baton.credits.charged",
+    unit="{credit}",
+    description="Credits charged as runs are settled, by owner (`baton.owner`) and pool.",
+)
 _installed: tuple[TracerProvider, MeterProvider] | None = None
 _exporting = False
 """Whether spans go anywhere: an exporter or an in-process sink was set up."""

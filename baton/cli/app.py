@@ -91,6 +91,14 @@ def up(
         str,
         typer.Option(help="At the hub, with auth: comma-separated sites allowed to join."),
     ] = "",
+    submitter: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="At the hub, with auth: a person, its own submitter user (repeatable, or "
+            "a,b), kept with the stack's people (`baton people`); its credentials in "
+            "DATA_DIR/auth/NAME.env."
+        ),
+    ] = None,
     hub_auth: Annotated[
         Path | None,
         typer.Option(
@@ -132,6 +140,7 @@ def up(
     Ctrl-C or SIGTERM stops everything it started."""
     import asyncio
 
+    from baton.cli.people import submitters_for_up
     from baton.stack.embedded import StackOptions, run_stack
     from shared.config import load
 
@@ -153,6 +162,7 @@ def up(
             load({"BATON_SITE": name})
         except Exception as exc:
             fail(f"--sites: {exc}", code=2)
+    people = submitters_for_up(submitter or [], site, auth, data_dir)
     opts = StackOptions(
         data_dir=data_dir,
         port=port if port is not None else (4223 if site else 4222),
@@ -165,6 +175,7 @@ def up(
         store=store or "",
         auth=auth,
         sites=joining,
+        submitters=people,
         hub_auth=str(hub_auth or ""),
         hub_nodes=hub_nodes,
         replicas=replicas,
@@ -477,11 +488,15 @@ def connection(
     Connection.tls_cert, Connection.tls_key = tlscert, tlskey
 
 
+from baton.cli import credits as _credits  # noqa: E402, F401  (balances, holds, top-ups)
 from baton.cli import goodput as _goodput  # noqa: E402, F401  (registers its command)
 from baton.cli import lineage as _lineage  # noqa: E402, F401  (rollback and fork)
 from baton.cli import operate as _operate  # noqa: E402, F401  (drain, undrain, checkpoint)
 from baton.cli import ops  # noqa: E402, F401  (registers the operator commands)
+from baton.cli import people as _people  # noqa: E402, F401  (add, remove, list)
+from baton.cli import pools as _pools  # noqa: E402, F401  (the pools' table in force)
 from baton.cli import pull as _pull  # noqa: E402, F401  (registers its command)
+from baton.cli import queue as _queue  # noqa: E402, F401  (a pool's queue, in order)
 from baton.cli import rounds as _rounds  # noqa: E402, F401  (a replicated run's rounds)
 from baton.cli import status as _status  # noqa: E402, F401  (one run's record and health)
 

@@ -37,15 +37,25 @@ class StreamReader:
     whatever a replacement delivers twice is dropped by sequence."""
 
     def __init__(
-        self, nc: Client, sub: Subscription, stream: str, config: ConsumerConfig, domain: str | None
+        self,
+        nc: Client,
+        sub: Subscription,
+        stream: str,
+        config: ConsumerConfig,
+        domain: str | None,
+        after: int = 0,
     ):
         self._nc = nc
         self._sub = sub
         self._stream = stream
         self._config = config
         self._domain = domain
-        self._last = 0
+        self._last = after
+        """The stream sequence of the last message delivered (or of the stream's last, for a
+        reader of new messages only): a renewal goes on after it."""
         self._heard = asyncio.get_running_loop().time()
+        self.pending: int | None = None
+        """Messages on the slice when the consumer was made (None: not known)."""
 
     async def next_msg(self, timeout: float) -> Msg:
         """The next message; `TimeoutError` when none came within `timeout` seconds."""
@@ -99,27 +109,33 @@ class StreamReader:
             )
 
 
-async def read(nc: Client, stream: str, subject: str, domain: str | None = None) -> StreamReader:
-    """Every message of `stream` on `subject`, from the first; `NotFoundError` if the
-    stream does not exist."""
+async def read(
+    nc: Client, stream: str, subject: str, domain: str | None = None, new: bool = False
+) -> StreamReader:
+    """Every message of `stream` on `subject`, from the first — or with `new`, only those
+    stored after this call made its consumer (also across a renewal: it goes on from the
+    stream's last sequence then); `NotFoundError` if the stream does not exist."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     config = ConsumerConfig(
         name=f"read-{uuid.uuid4().hex[:16]}",
         filter_subject=subject,
         deliver_subject=inbox,
-        deliver_policy=DeliverPolicy.ALL,
+        deliver_policy=DeliverPolicy.NEW if new else DeliverPolicy.ALL,
         ack_policy=AckPolicy.NONE,
         inactive_threshold=INACTIVE_S,
         idle_heartbeat=HEARTBEAT_S,
         mem_storage=True,
     )
     try:
-        await nc.jetstream(domain=domain).add_consumer(stream, config)
+        info = await nc.jetstream(domain=domain).add_consumer(stream, config)
     except BaseException:
         await sub.unsubscribe()
         raise
-    return StreamReader(nc, sub, stream, config, domain)
+    after = (info.delivered.stream_seq or 0) if new and info.delivered is not None else 0
+    reader = StreamReader(nc, sub, stream, config, domain, after)
+    reader.pending = info.num_pending
+    return reader
 
 
 async def first(

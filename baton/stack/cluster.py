@@ -146,6 +146,16 @@ class HubCluster:
             await asyncio.gather(*tasks, return_exceptions=True)
         return next((e for t in done if (e := t.exception()) is not None), None)
 
+    async def reload(self, extra_config: str) -> None:
+        """Every node's `NatsServer.reload` at once — each decides on its own connections,
+        so a person let in or out is so at every node — then the first node's failure, if
+        any, once all were tried (a node down meanwhile starts with `extra_config`)."""
+        done = await asyncio.gather(
+            *(n.reload(extra_config) for n in self.nodes), return_exceptions=True
+        )
+        if failed := [e for e in done if isinstance(e, BaseException)]:
+            raise failed[0]
+
     async def stop(self, timeout_s: float | None = None) -> None:
         await asyncio.gather(*(n.stop(timeout_s) for n in self.nodes))
 

@@ -26,6 +26,7 @@ import fcntl
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -37,6 +38,7 @@ import msgspec
 from baton.stack.cluster import ROUTE_PORT_OFFSET, HubCluster, data_dir
 from baton.stack.natsconf import hub_fragment, leaf_fragment
 from baton.stack.natsserver import ClusterRoutes, NatsServer, NatsServerError
+from baton.stack.people import People
 from baton.stack.procs import (
     SERVICE_GRACE_S,
     TRAINER_GRACE_S,
@@ -108,7 +110,9 @@ class StackOptions(msgspec.Struct, kw_only=True):
     sites: tuple[str, ...] = ()
     """At the hub, with auth: the sites allowed to join (each gets a link user)."""
     submitters: tuple[str, ...] = ()
-    """At the hub, with auth: submitter users besides `submitter`, each owning its runs."""
+    """At the hub, with auth: submitter users besides `submitter`, each owning its runs —
+    the stack's people (`baton.stack.people`): `run_stack` adds these to
+    `<data_dir>/auth/people.json` and runs with everyone listed there."""
     hub_auth: str = ""
     """At a site, with auth: the file holding the site's link credentials, which the hub
     generated (`<hub data>/auth/site-<name>.env`)."""
@@ -259,6 +263,11 @@ def _authorization(opts: StackOptions, v: Vault) -> str:
     return authorization(users)
 
 
+def _hub_config(opts: StackOptions, v: Vault | None) -> str:
+    """What every hub node's config adds to the server's own settings."""
+    return hub_fragment() + "\n" + (_authorization(opts, v) if v else "")
+
+
 def nats_server(
     opts: StackOptions,
     stop_timeout_s: float = 10.0,
@@ -271,9 +280,9 @@ def nats_server(
     `http_port` turns monitoring on."""
     data = opts.data_dir.absolute()
     v = vault(opts)
-    auth = _authorization(opts, v) if v else ""
     probe = operator_options(opts)
     if opts.site:
+        auth = _authorization(opts, v) if v else ""
         hub_urls = [u.strip() for u in opts.hub_url.split(",") if u.strip()]
         if v is not None:
             link = read_env_file(Path(opts.hub_auth))
@@ -286,13 +295,13 @@ def nats_server(
     if routes is None:
         return NatsServer(
             data / "nats", port=opts.port, domain=names.HUB_DOMAIN, ws_port=opts.hub_ws_port,
-            extra_config=hub_fragment() + "\n" + auth, stop_timeout_s=stop_timeout_s,
+            extra_config=_hub_config(opts, v), stop_timeout_s=stop_timeout_s,
             http_port=http_port, probe=probe,
         )  # fmt: skip
     return NatsServer(
         data_dir(data / "nats", node), port=_nth(opts.port, node), server_name=f"hub-{node + 1}",
         domain=names.HUB_DOMAIN, ws_port=_nth(opts.hub_ws_port, node), cluster=routes,
-        extra_config=hub_fragment() + "\n" + auth, stop_timeout_s=stop_timeout_s,
+        extra_config=_hub_config(opts, v), stop_timeout_s=stop_timeout_s,
         http_port=http_port, probe=probe,
     )  # fmt: skip
 
@@ -312,6 +321,53 @@ def hub(
         # Whether or not its clients need credentials: a route sees every message.
         auth=RouteAuth.in_vault(opts.data_dir.absolute() / "auth") if nodes > 1 else None,
     )
+
+
+def has_people(opts: StackOptions) -> bool:
+    """Only the hub with auth has people: a site has none, a stack without auth no users."""
+    return opts.auth and not opts.site
+
+
+async def reload_people(opts: StackOptions, server: HubCluster) -> StackOptions:
+    """Build the hub's authorization again from the people there are now, and have every
+    node reload it (a node down now starts with it); returns the options it was built
+    from. The servers close a removed person's connections themselves. Names and
+    credentials are read under the people's lock: none is half added or half removed."""
+    people = People(opts.data_dir)
+    with people.locked():
+        opts = msgspec.structs.replace(opts, submitters=tuple(people.names()))
+        config = _hub_config(opts, vault(opts))
+    await server.reload(config)
+    return opts
+
+
+def _with_people(opts: StackOptions) -> StackOptions:
+    """At start: `opts.submitters` added to the people, and the stack run with them all."""
+    if not has_people(opts):
+        return opts
+    return msgspec.structs.replace(opts, submitters=People(opts.data_dir).adding(opts.submitters))
+
+
+def _catch_up(opts: StackOptions, reload: asyncio.Event) -> None:
+    """Once `stack.json` tells `baton people` whom to signal: a reload if the people changed
+    while the stack started, when no one knew it."""
+    if has_people(opts) and People(opts.data_dir).changed_from(opts.submitters):
+        reload.set()
+
+
+async def _on_sighup(opts: StackOptions, server: HubCluster) -> StackOptions:
+    """`reload_people`, saying what came of it on stderr (the stack goes on either way)."""
+    if not has_people(opts):
+        print("SIGHUP: this stack has no people to reload", file=sys.stderr, flush=True)
+        return opts
+    try:
+        opts = await reload_people(opts, server)
+    except (ValueError, OSError, NatsServerError) as exc:
+        print(f"error: the people were not reloaded: {exc}", file=sys.stderr, flush=True)
+        return opts
+    people = ", ".join(opts.submitters) or "none"
+    print(f"people: {people} (every hub node reloaded)", file=sys.stderr, flush=True)
+    return opts
 
 
 def _nth(port: int, node: int) -> int:
@@ -352,11 +408,13 @@ async def run_stack(
     hurry: asyncio.Event | None = None,
     build_specs: SpecBuilder = service_specs,
     out: IO[str] | None = None,
+    reload: asyncio.Event | None = None,
 ) -> int:
     """Run the stack until SIGINT/SIGTERM, or until `stop` is set when one is given (then no
-    signal handlers are installed and `hurry` plays the second signal). A second signal
-    skips the grace periods. Returns the exit status for the CLI: 0 after a clean stop, 1
-    when the stack could not start or lost its NATS server for good."""
+    signal handlers are installed, `hurry` plays the second signal and `reload` SIGHUP). A
+    second signal skips the grace periods. SIGHUP reloads the people (`reload_people`).
+    Returns the exit status for the CLI: 0 after a clean stop, 1 when the stack could not
+    start or lost its NATS server for good."""
     out = out if out is not None else sys.stdout
     # Ask nvidia-smi once: the trainers' specs and the banner both need the GPUs.
     opts = msgspec.structs.replace(opts, gpus=devices(opts))
@@ -368,16 +426,29 @@ async def run_stack(
     except BlockingIOError:
         print(f"error: a stack is already running on {data}", file=sys.stderr, flush=True)
         return 1
+    try:
+        opts = _with_people(opts)
+    except (ValueError, OSError) as exc:
+        lock.close()
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
 
     loop = asyncio.get_running_loop()
     hurry = hurry if hurry is not None else asyncio.Event()
+    reload = reload if reload is not None else asyncio.Event()
     own_signals = stop is None
     stop = stop if stop is not None else asyncio.Event()
     if own_signals:
         install_stop_signals(loop, stop, hurry)
+        loop.add_signal_handler(signal.SIGHUP, reload.set)  # only state, as for the others
 
     server = hub(opts, NATS_STOP_TIMEOUT_S)
     supervisor = Supervisor(data / "logs", data / "run")
+
+    async def reloading() -> None:
+        nonlocal opts
+        opts = await _on_sighup(opts, server)
+
     specs: list[ServiceSpec] = []
     stack_json = data / "run" / "stack.json"
     try:
@@ -397,6 +468,7 @@ async def run_stack(
             {
                 "nats_url": server.url,
                 "site": opts.site,
+                "auth": opts.auth,
                 "sites_url": sites_url,
                 "store_url": store_url(opts),
                 "pids": {"supervisor": os.getpid(), **server.pids, **supervisor.pids()},
@@ -405,8 +477,9 @@ async def run_stack(
         )
         _banner(opts, server, sites_url, out)
         print(f"logs: {data / 'logs'}", file=out, flush=True)
+        _catch_up(opts, reload)
         try:
-            await _serve(server, stop)
+            await _serve(server, stop, reload, reloading)
             print(
                 "stopping: trainers first, to let them checkpoint (signal again to skip)",
                 file=sys.stderr,
@@ -422,6 +495,7 @@ async def run_stack(
             stack_json.unlink()
         if own_signals:
             remove_stop_signals(loop)
+            loop.remove_signal_handler(signal.SIGHUP)
         lock.close()
 
 
@@ -475,18 +549,34 @@ def _banner(opts: StackOptions, server: HubCluster, sites_url: str, out: IO[str]
         print(f"auth: on; credentials in {v.root} (the CLI's: operator.env{ui})", file=out)
 
 
-async def _serve(server: HubCluster, stop: asyncio.Event) -> None:
+async def _serve(
+    server: HubCluster,
+    stop: asyncio.Event,
+    reload: asyncio.Event | None = None,
+    reloading: Callable[[], Coroutine[Any, Any, None]] | None = None,
+) -> None:
     """Wait for the stop request; bring a server back if it dies meanwhile, since the
     services only reconnect to it, they cannot replace it. (A node of a cluster comes back
-    on its store and catches up from its peers.)"""
+    on its store and catches up from its peers.) When `reload` is set, `reloading()` —
+    here, between restarts, never during one: a server sent SIGHUP before it has set up its
+    own signal handling would die of it."""
+    reload = reload if reload is not None else asyncio.Event()
     stopping = asyncio.create_task(stop.wait())
     try:
         while not stop.is_set():
             died = asyncio.create_task(server.wait_any())
-            await asyncio.wait([stopping, died], return_when=asyncio.FIRST_COMPLETED)
-            if stop.is_set():
+            asked = asyncio.create_task(reload.wait())
+            await asyncio.wait([stopping, died, asked], return_when=asyncio.FIRST_COMPLETED)
+            asked.cancel()
+            if stop.is_set() or reload.is_set():
                 died.cancel()
+            if stop.is_set():
                 break
+            if reload.is_set():
+                reload.clear()  # before the reload reads: a later request is not lost
+                if reloading is not None:
+                    await reloading()
+                continue
             node = died.result()
             log.warning(
                 "nats-server %s exited with %s; restarting it", node.server_name, node.returncode

@@ -34,6 +34,7 @@ log = logging.getLogger("baton.natsserver")
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
+RELOAD_TIMEOUT_S = 10.0
 _POLL_S = 0.05
 
 
@@ -139,6 +140,8 @@ class NatsServer:
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self._proc: asyncio.subprocess.Process | None = None
+        self._started_with = ""
+        """The config file as the running process was started from, but `extra_config`."""
         self.ports: dict[str, list[str]] = {}
 
     # -- paths and addresses ----------------------------------------------------------
@@ -187,6 +190,10 @@ class NatsServer:
         return None if self._proc is None else self._proc.returncode
 
     def config_text(self) -> str:
+        """The config file: the server's own settings, then `extra_config`."""
+        return self._settings() + _appended(self.extra_config)
+
+    def _settings(self) -> str:
         # Strings are JSON-quoted: the NATS config syntax accepts them, and it keeps a path
         # with spaces or a '#' from being read as something else.
         lines = [
@@ -211,9 +218,7 @@ class NatsServer:
             lines.append("jetstream {\n  " + "\n  ".join(js) + "\n}")
         if self.cluster is not None:
             lines.append(cluster_block(self.cluster))
-        if self.extra_config:
-            lines.append(self.extra_config)
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines)
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -223,6 +228,7 @@ class NatsServer:
             return
         binary = self._binary or find_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._started_with = self._settings()
         _write_private(self.config_path, self.config_text())
         with open_log(self.log_path) as out:
             self._proc = await asyncio.create_subprocess_exec(
@@ -345,6 +351,35 @@ class NatsServer:
             await self.stop()
         await self.start()
 
+    async def reload(self, extra_config: str, timeout_s: float = RELOAD_TIMEOUT_S) -> None:
+        """The running server goes on with `extra_config` (its users) in place of its own,
+        without a restart, and so does every later start; returns once the server's log
+        says it reloaded. Its file is rewritten as the process started from, only
+        `extra_config` changed: a listener once given as "any port" must stay so (`-1`), or
+        the server refuses the whole reload (`config reload not supported for HTTPPort:
+        old=-1, new=…`). On SIGHUP the server re-reads its file and closes every connection
+        its new users no longer authorize (docs/architecture.md, "Security")."""
+        self.extra_config = extra_config
+        proc = self._proc
+        if proc is None or not self.running:
+            return
+        mark = self.log_path.stat().st_size  # where the server's next lines will start
+        _write_private(self.config_path, self._started_with + _appended(extra_config))
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGHUP)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while proc.returncode is None and asyncio.get_running_loop().time() < deadline:
+            said = self._log_since(mark)
+            if "Reloaded server configuration" in said:
+                return
+            if failed := [s for s in said.splitlines() if "Failed to reload" in s]:
+                raise NatsServerError(f"nats-server {self.server_name}: {failed[0]}")
+            await asyncio.sleep(_POLL_S)
+        raise NatsServerError(
+            f"nats-server {self.server_name} did not reload within {timeout_s:g} s:\n"
+            + self.log_tail()
+        )
+
     async def wait(self) -> int:
         """Until the server process exits, for whatever reason."""
         if self._proc is None:
@@ -359,6 +394,11 @@ class NatsServer:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
         self.ports = {}
+
+    def _log_since(self, offset: int) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -394,6 +434,10 @@ def cluster_block(c: ClusterRoutes) -> str:
     routes = ", ".join(json.dumps(f"nats-route://{creds}{HOST}:{p}") for p in c.ports)
     lines.append(f"  routes: [{routes}]")
     return "cluster {\n" + "\n".join(lines) + "\n}"
+
+
+def _appended(extra_config: str) -> str:
+    return ("\n" + extra_config if extra_config else "") + "\n"
 
 
 def _write_private(path: Path, text: str) -> None:

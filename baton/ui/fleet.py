@@ -26,9 +26,10 @@ from nats.js.kv import KeyValue
 
 from baton.cli.errors import CliError
 from baton.cli.inspect import as_json
-from baton.ui.live import Following, sse
+from baton.ui.live import sse
 from baton.ui.views import Reads
 from shared.bus import names, sourcing
+from shared.bus.follow import Following
 from shared.contracts import decode
 from shared.contracts.sites import SiteRecord
 from shared.errors import BatonError, ContractError

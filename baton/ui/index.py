@@ -21,8 +21,9 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from baton.cli.inspect import as_json
-from baton.ui.live import Fanout, Following
+from baton.ui.live import Fanout
 from shared.bus import names
+from shared.bus.follow import Following
 from shared.contracts import RunRecord, RunState, decode
 from shared.errors import ContractError
 from shared.state.clock import ServerClock, created

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from nats.js import JetStreamContext
@@ -20,6 +20,7 @@ from nats.js.kv import KeyValue
 
 from baton.cli.inspect import as_json
 from shared.bus import names
+from shared.bus.follow import Following
 from shared.contracts import decode
 from shared.contracts.control import WorkerInfo
 from shared.errors import ContractError
@@ -109,43 +110,6 @@ class Fanout:
             yield q
         finally:
             self._queues.discard(q)
-
-
-class Following:
-    """A KV bucket followed from the values it holds on: `on_entry` gets each value as it is
-    written (deletions and expiries are skipped); `ready` is set once the values stored when
-    the watch began have all been handed over."""
-
-    def __init__(
-        self, js: JetStreamContext, bucket: str, on_entry: Callable[[KeyValue.Entry], None]
-    ) -> None:
-        self.js = js
-        self.bucket = bucket
-        self.on_entry = on_entry
-        self.ready = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        kv = await self.js.key_value(self.bucket)
-        watcher = await kv.watchall()
-        self._task = asyncio.create_task(self._follow(watcher))
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
-        try:
-            async for entry in watcher:
-                if entry is None:  # the end of what was stored when the watch began
-                    self.ready.set()
-                elif entry.value and entry.revision is not None:
-                    self.on_entry(entry)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()  # type: ignore[no-untyped-call]
 
 
 def heard(info: WorkerInfo, stamped_at: float, now: float) -> dict[str, Any]:

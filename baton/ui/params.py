@@ -1,6 +1,7 @@
 """What the dashboard takes from a URL or an action's body. Invariant: a value that reaches
 NATS or the store is one the contracts allow — a run id matching `RUN_ID` (so never a
-subject wildcard such as `*` or `>`, which would read every run's subjects), a worker id
+subject wildcard such as `*` or `>`, which would read every run's subjects), a pool name
+matching `TOKEN`, a worker id
 that can be a KV key, an integer within its range, an action's body of the one shape
 `ActionBody` — and anything else is answered 400 with a JSON error before anything is read
 or written."""
@@ -18,7 +19,7 @@ from starlette.requests import Request
 
 from baton.cli.errors import CliError
 from shared.contracts import RunState
-from shared.contracts.jobs import RUN_ID
+from shared.contracts.jobs import RUN_ID, TOKEN
 from shared.errors import ContractError
 from shared.state.drains import check_worker
 
@@ -30,6 +31,7 @@ LETTERS_PAGE = 25
 """Dead letters on a page unless the page asks for another number (`limit`)."""
 MAX_LETTERS_PAGE = 100
 _RUN_ID = re.compile(RUN_ID)
+_TOKEN = re.compile(TOKEN)
 
 
 def bad(message: str) -> CliError:
@@ -40,6 +42,14 @@ def run_id(value: str) -> str:
     """`value` if it is a run id (`shared.contracts.jobs.RUN_ID`)."""
     if not _RUN_ID.fullmatch(value):
         raise bad(f"not a run id: {value[:100]!r}")
+    return value
+
+
+def pool(value: str) -> str:
+    """`value` if it can name a pool (`shared.contracts.jobs.TOKEN`: a subject token, so
+    never a wildcard)."""
+    if not _TOKEN.fullmatch(value):
+        raise bad(f"not a pool name: {value[:100]!r}")
     return value
 
 

@@ -6,7 +6,8 @@ server made for exactly that, with no framework or build step around them. The p
 one charting library (uPlot, `static/vendor/`) are served from the package, so it works
 offline and behind any firewall.
 
-Reads come from the streams and buckets Baton already has (`index`, `views`, `live`); the
+Reads come from the streams and buckets Baton already has (`index`, `views`, `live`) and
+the scheduler's answers for a pool's queue (`queue`); the
 only writes are an operator's actions — replaying a dead letter and pinning a checkpoint
 here, steering a run, forking it and draining a trainer in `actions` — each a POST route
 made by `guard.action`: it must come from the dashboard's own page
@@ -47,6 +48,7 @@ from baton.ui.actions import Actions
 from baton.ui.guard import Guard, Hosts, action
 from baton.ui.index import MAX_PAGE, Filter, RunIndex
 from baton.ui.live import Fanout, Heartbeats, sse, with_keepalive
+from baton.ui.queue import Queues
 from shared.auth import DASHBOARD_REPLAYS
 from shared.bus import names
 from shared.errors import BatonError
@@ -76,6 +78,7 @@ class Dashboard:
         self.index = RunIndex(nc.jetstream(), self.fanout, self.clock)
         self.beats = Heartbeats(nc.jetstream(), self.fanout, self.clock)
         self.sites_seen = fleet.SiteRecords(nc, self.clock, self.reads)
+        self.queues = Queues(nc, self.reads, lambda: {s.pool for s in self.index.runs.values()})
         self.actions = Actions(nc, store_url)
         self.guard: Guard | None = None
 
@@ -98,6 +101,7 @@ class Dashboard:
             ) from None
 
     async def stop(self) -> None:
+        await self.queues.stop()
         await self.sites_seen.following.stop()
         await self.beats.following.stop()
         await self.index.following.stop()
@@ -128,6 +132,7 @@ class Dashboard:
                 Route("/api/dlq", self.letters),
                 Route("/api/dlq/live", self.letters_live),
                 action("/api/dlq/{seq}/replay", self.replay, self.token),
+                *self.queues.routes(),  # a pool's queue, and its live stream
                 *self.actions.routes(self.token),  # steering runs, draining trainers
                 Mount("/static", StaticFiles(directory=str(STATIC)), name="static"),
             ],

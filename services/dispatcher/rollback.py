@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import logging
 
-from nats.js import JetStreamContext
-
 from shared import config
 from shared.checkpoint import lineage
 from shared.checkpoint.store import open_store
@@ -36,7 +34,6 @@ from shared.contracts.control import Rollback
 from shared.errors import ContractError, IntegrityError, TransientError
 from shared.state import transitions
 from shared.state.runs import Runs
-from shared.state.tasks import publish_task
 
 log = logging.getLogger("baton.dispatcher")
 
@@ -44,15 +41,10 @@ RETRY_S = 1.0
 
 
 async def order(
-    js: JetStreamContext,
-    runs: Runs,
-    lease_secret: bytes | None,
-    req: Rollback,
-    record: RunRecord,
-    store_url: str | None = None,
+    runs: Runs, req: Rollback, record: RunRecord, store_url: str | None = None
 ) -> RunRecord:
-    """Check `req` and write the order; the record as ordered. `store_url` defaults to the
-    service's (`BATON_STORE`)."""
+    """Check `req` and write the order; the record as ordered (a reopened run QUEUED, for
+    the scheduler to admit). `store_url` defaults to the service's (`BATON_STORE`)."""
     if record.state in (RunState.COMPLETED, RunState.CANCELLED):
         raise ContractError(
             f"run {req.run_id} is {record.state.value}: a run that is over does not go back; "
@@ -73,9 +65,6 @@ async def order(
             raise TransientError(f"run {req.run_id}'s failure is still being announced", RETRY_S)
         state = now.state.value if now else "gone"
         raise ContractError(f"rollback does not apply to run {req.run_id} ({state})", "$.run_id")
-    if ordered.state is RunState.QUEUED:
-        # A reopened run's task (and again on a redelivery: one id per dispatch).
-        await publish_task(js, ordered, lease_secret)
     log.info(
         "%s: rollback to step %d ordered (%s, %s)",
         req.run_id, req.step, ordered.state.value, reason,

@@ -27,7 +27,9 @@ from nats.js.errors import NotFoundError
 from opentelemetry import trace
 
 from services.dispatcher.delegation import Delegation
+from services.dispatcher.scheduler import Scheduler
 from services.dispatcher.steering import Steering
+from services.dispatcher.terms import Terms, resolve_priority
 from shared import telemetry
 from shared.bus import names
 from shared.bus.answer import handle
@@ -53,14 +55,17 @@ from shared.contracts import (
 from shared.contracts.control import CancelRequest, Command
 from shared.contracts.events import Accepted, Rejected
 from shared.contracts.jobs import MAX_SPEC_BYTES
+from shared.contracts.ledger import Hold
 from shared.contracts.records import replica_run_id
 from shared.credentials import lease_secret
 from shared.errors import ContractError
+from shared.ledger.holds import Holds, reckon
 from shared.state import transitions
 from shared.state.endings import settle
-from shared.state.pools import Pools, load_table
+from shared.state.policy import FRESH_S, Policy, PoolsFile, load_table
+from shared.state.pools import Pools
 from shared.state.runs import Runs
-from shared.state.tasks import publish_task
+from shared.waits import wait_set
 
 log = logging.getLogger("baton.dispatcher")
 
@@ -75,10 +80,10 @@ class Dispatcher:
         """Keys each run's lease (`shared.state.lease.lease_key`), handed out in its tasks."""
 
     async def on_reconnect(self) -> None:
-        return None  # pull consumers resume by themselves once NATS is back
+        self.scheduler.now.set()  # pull consumers resume by themselves once NATS is back
 
     async def close(self) -> None:
-        return None
+        await self.scheduler.stop()
 
     async def start(self) -> None:
         async def declare() -> None:
@@ -88,9 +93,18 @@ class Dispatcher:
 
         await declared(declare, log)
         self.runs = await Runs.open(self.js)
-        self.pools = Pools(self.js, load_table(self.settings.pools_file))
-        self.steering = Steering(self.nc, self.runs, self.lease_secret)
+        self.policy = Policy(self.js, load_table(self.settings.pools_file))
+        self.pools_file = PoolsFile(self.settings.pools_file, self.policy)
+        await self.pools_file.check()
+        self.pools = Pools(self.js, self.policy)
+        self.holds = Holds(self.nc)
+        self.steering = Steering(self.nc, self.runs, self.pools, self.holds)
         self.delegation = Delegation(self.nc, self.runs, self.settings)
+        self.scheduler = Scheduler(
+            self.nc, self.runs, self.policy, self.delegation, self.lease_secret, self.settings
+        )
+        self.steering.scheduler = self.scheduler
+        await self.scheduler.start()
 
     async def serve(self, stop: asyncio.Event) -> None:
         await asyncio.gather(
@@ -114,8 +128,16 @@ class Dispatcher:
                 stop,
                 lambda msg: handle(self.js, msg, "dispatcher", self.on_request),
             ),
-            self.delegation.serve(stop),
+            self.scheduler.serve(stop),
+            self._follow_pools_file(stop),
         )
+
+    async def _follow_pools_file(self, stop: asyncio.Event) -> None:
+        """`BATON_POOLS_FILE` applied again whenever it changes (`shared.state.policy`)."""
+        while not stop.is_set():
+            await wait_set(stop, FRESH_S)
+            with contextlib.suppress(Exception):  # the hub electing a leader: next time
+                await self.pools_file.check()
 
     async def on_submission(self, msg: Msg) -> None:
         # A rejection propagates out of the span, which records it as an error.
@@ -149,13 +171,21 @@ class Dispatcher:
             reason = "replica is set by the dispatcher on each replica's run, not by a submitter"
             await emit(self.js, Rejected(run_id=run_id, reason=reason, path="$.replica"))
             raise ContractError(reason, "$.replica")
-        if not spec.replicated:
-            duplicate = await self._dispatch_run(run_id, spec)
-        else:  # each replica its own run, placed wherever its pool has a trainer
-            for i in range(spec.max_replicas):
-                one = msgspec.structs.replace(spec, replica=i)
-                duplicate = await self._dispatch_run(replica_run_id(run_id, i), one)
-                await self._accepted(replica_run_id(run_id, i), one, duplicate)
+        runs = [(run_id, spec)]
+        if spec.replicated:  # each replica its own run, placed wherever its pool has a trainer
+            runs = [
+                (replica_run_id(run_id, i), msgspec.structs.replace(spec, replica=i))
+                for i in range(spec.max_replicas)
+            ]
+        try:
+            terms = await self._terms(spec, owner, runs)
+        except ContractError as exc:
+            await emit(self.js, Rejected(run_id=run_id, reason=exc.reason, path=exc.path))
+            raise
+        for one_id, one in runs:
+            duplicate = await self._dispatch_run(one_id, one, terms)
+            if spec.replicated:
+                await self._accepted(one_id, one, duplicate)
         await self._accepted(run_id, spec, duplicate)
         verb = "re-accepted" if duplicate else "accepted"
         trace.get_current_span().set_attribute(telemetry.OUTCOME, verb)
@@ -164,8 +194,24 @@ class Dispatcher:
         level = logging.INFO if duplicate else logging.DEBUG
         log.log(level, "%s %s (%s) on pool %s", verb, run_id, spec.name, spec.pool)
 
-    async def _dispatch_run(self, run_id: str, spec: JobSpec) -> bool:
-        """The run's record and task (or grant); whether the record was there already."""
+    async def _terms(self, spec: JobSpec, owner: str, runs: list[tuple[str, JobSpec]]) -> Terms:
+        """What the pool's table makes of the job as `owner` submits it: its priority and,
+        for a pool with a price, its credits held (each run's, all or none). A priority the
+        owner may not use, or a balance short of the holds, refuses the whole job."""
+        pool = (await self.policy.current()).pool(spec.pool)
+        priority = resolve_priority(spec, pool, owner)
+        if not owner or not pool.priced():
+            return Terms(priority=priority)
+        estimate = await reckon(self.pools, spec, pool, spec.total_steps)
+        wanted = [
+            Hold(owner=owner, run_id=one_id, n=0, amount=estimate.amount, estimate=estimate.how)
+            for one_id, _ in runs
+        ]
+        await self.holds.take(owner, wanted)
+        return Terms(priority=priority, price=dict(pool.price), hold=estimate.amount)
+
+    async def _dispatch_run(self, run_id: str, spec: JobSpec, terms: Terms) -> bool:
+        """The run's record, for the scheduler to admit; whether it was there already."""
         now = time.time()
         estimate, hard_s = await self._budget(run_id, spec)
         soft_s = spec.limits.soft_timeout_s
@@ -178,9 +224,15 @@ class Dispatcher:
             estimated_cost=estimate,
             deadline_at=now + hard_s if hard_s else None,
             soft_deadline_at=now + soft_s if soft_s else None,
-            on_failure=spec.on_failure or self.pools.policy(spec.pool),
+            on_failure=spec.on_failure or self.pools.on_failure(spec.pool),
+            priority=terms.priority,
+            admitted=False,
+            trace=telemetry.inject(),
+            price=terms.price,
+            holds=[terms.hold] if terms.price else [],
         )
-        duplicate = not await self.runs.create(record)
+        revision = await self.runs.create(record)
+        duplicate = revision is None
         if duplicate:
             found = await self.runs.find(run_id)
             # A record leaves the runs bucket only after it is in the archive.
@@ -191,12 +243,10 @@ class Dispatcher:
                 rejected = Rejected(run_id=run_id, reason=reason, path="$.idempotency_key")
                 await emit(self.js, rejected)
                 raise ContractError(reason, "$.idempotency_key")
-        # Also on a duplicate: the first submission may have died before this publish. The
-        # current span is `dispatch` (none when called outside on_submission). A site with
-        # room is granted the run instead (`delegation.py`).
-        queued = record.state is RunState.QUEUED and not record.site
-        if queued and not await self.delegation.place(record):
-            await publish_task(self.js, record, self.lease_secret, telemetry.inject())
+        # The scheduler admits it — publishes its task, or grants it to a site — when its
+        # pool has room (also a duplicate's, whose first submission may have died before).
+        if record.state is RunState.QUEUED:
+            self.scheduler.observe(record, revision or 0)
         return duplicate
 
     async def _accepted(self, run_id: str, spec: JobSpec, duplicate: bool) -> None:
@@ -209,7 +259,7 @@ class Dispatcher:
     async def _budget(self, run_id: str, spec: JobSpec) -> tuple[float | None, float | None]:
         """The estimated cost, and the hard timeout the budget allows (docs/architecture.md,
         "Retention and budgets")."""
-        rate = self.pools.rate(spec.pool)
+        rate = self.pools.rate(spec.pool)  # the table in force, read by `_terms` just now
         per_step = await self.pools.seconds_per_step(spec.pool)
         estimate = spec.total_steps * per_step * rate / 3600 if per_step is not None else None
         limit = spec.limits.max_cost

@@ -10,7 +10,8 @@ a submitter publish on); a body naming another run is refused the same way.
     request      record change                                  then
     pause        QUEUED: PAUSED; RUNNING: pause_requested        its trainer checkpoints
                                                                  and stops: PAUSED
-    resume       PAUSED: QUEUED at the next dispatch             its task queued again
+    resume       PAUSED: QUEUED at the next dispatch (priced:    the scheduler admits it
+                 a new hold first)
     checkpoint   none                                           its trainer is told
     rollback     see `services/dispatcher/rollback.py`
 """
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -30,21 +33,30 @@ from shared.bus import names
 from shared.bus.emit import emit
 from shared.contracts import RunRecord, RunState, decode, encode
 from shared.contracts.control import Command, Pause, Resume, Rollback, Steer, TakeCheckpoint
-from shared.contracts.events import Paused, Resumed
+from shared.contracts.events import Paused, Resumed, RunWarning
+from shared.contracts.ledger import Hold
 from shared.errors import ContractError
+from shared.ledger.holds import Holds, reckon
 from shared.state import transitions
+from shared.state.pools import Pools
 from shared.state.runs import Change, Runs
-from shared.state.tasks import publish_task
+
+if TYPE_CHECKING:
+    from services.dispatcher.scheduler import Scheduler
 
 log = logging.getLogger("baton.dispatcher")
 
 
 class Steering:
-    def __init__(self, nc: Client, runs: Runs, lease_secret: bytes | None) -> None:
+    def __init__(self, nc: Client, runs: Runs, pools: Pools, holds: Holds) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.runs = runs
-        self.lease_secret = lease_secret
+        self.pools = pools
+        self.holds = holds
+        self.scheduler: Scheduler | None = None
+        """Told of every run queued again here (a resume, a reopening rollback): it admits
+        them when their pool has room."""
 
     async def on_request(self, msg: Msg) -> None:
         req = decode(msg.data, Steer)
@@ -59,7 +71,7 @@ class Steering:
         if isinstance(req, Pause):
             await self._pause(req)
         elif isinstance(req, Resume):
-            await self._resume(req)
+            await self._resume(req, record)
         elif isinstance(req, TakeCheckpoint):
             await self._checkpoint(req, record)
         else:
@@ -90,11 +102,37 @@ class Steering:
         paused = Paused(run_id=req.run_id, reason=record.pause_requested or "", step=record.step)
         await emit(self.js, paused, msg_id=f"paused.{req.run_id}.{record.dispatch}.queued")
 
-    async def _resume(self, req: Resume) -> None:
-        record = await self._change(req, transitions.resume())
-        await publish_task(self.js, record, self.lease_secret)
+    async def _resume(self, req: Resume, paused: RunRecord) -> None:
+        """A paused run is queued again; one whose credits are held takes a new hold first,
+        for the steps it still has to train (a balance short of it refuses the resume)."""
+        hold: tuple[int, int] | None = None
+        if paused.price and paused.owner:
+            try:
+                hold = await self._hold_again(paused)
+            except ContractError as exc:
+                refused = RunWarning(run_id=req.run_id, kind="resume_refused", detail=exc.reason)
+                await emit(self.js, refused)
+                raise
+        record = await self._change(req, transitions.resume(hold))
+        self._queued(record)
         resumed = Resumed(run_id=req.run_id, reason=req.reason or "resumed by an operator")
         await emit(self.js, resumed, msg_id=f"resumed.{req.run_id}.{record.dispatch}")
+
+    async def _hold_again(self, r: RunRecord) -> tuple[int, int]:
+        """The run's next hold (its number, its units), taken in the ledger."""
+        pool = (await self.pools.policy.current()).pool(r.spec.pool)
+        priced = msgspec.structs.replace(pool, price=r.price)  # what it was accepted at
+        steps = max(1, r.spec.total_steps - r.step)
+        estimate = await reckon(self.pools, r.spec, priced, steps)
+        n = len(r.holds)
+        wanted = Hold(owner=r.owner, run_id=r.run_id, n=n, amount=estimate.amount,
+                      estimate=estimate.how)  # fmt: skip
+        await self.holds.take(r.owner, [wanted])
+        return n, estimate.amount
+
+    def _queued(self, record: RunRecord) -> None:
+        if self.scheduler is not None and record.state is RunState.QUEUED:
+            self.scheduler.observe(record)
 
     async def _checkpoint(self, req: TakeCheckpoint, record: RunRecord) -> None:
         """Nothing in the record changes: the trainer running the run (a group's leader) is
@@ -113,7 +151,8 @@ class Steering:
         log.info("%s: checkpoint asked of %s (%s)", req.run_id, record.worker, reason)
 
     async def _rollback(self, req: Rollback, record: RunRecord) -> None:
-        ordered = await rollback.order(self.js, self.runs, self.lease_secret, req, record)
+        ordered = await rollback.order(self.runs, req, record)
+        self._queued(ordered)
         await self._wake(ordered, req.reason or "rolled back")
 
     async def _wake(self, record: RunRecord, reason: str) -> None:

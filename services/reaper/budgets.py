@@ -5,12 +5,12 @@ share of its budget.
 Invariant: a run's spend is what its trainers booked (`RunRecord.actual_cost`: each ended
 attempt's seconds at its pool's rate, on the trainer's clock) plus the attempt running now,
 as a trainer books it (`services/trainer/attempt.py`, `spent`): its seconds so far at the
-pool's rate (`BATON_POOLS_FILE`). Those seconds are the hub server's now less its stamp of
-that attempt's `started` event (the one naming the record's token) — two readings of one
-clock; an attempt whose `started` is not stored (yet) counts nothing until it is. At a
-site, `started` is stamped when the hub sourced it, so a running attempt's seconds may be
-counted short after a cut, never long. A pool without a rate costs nothing, and its runs
-are never warned.
+pool's rate (the pools' table in force, `shared.state.policy`). Those seconds are the hub
+server's now less its stamp of that attempt's `started` event (the one naming the record's
+token) — two readings of one clock; an attempt whose `started` is not stored (yet) counts
+nothing until it is. At a site, `started` is stamped when the hub sourced it, so a running
+attempt's seconds may be counted short after a cut, never long. A pool without a rate costs
+nothing, and its runs are never warned.
 
 The warnings are a notice, not a limit: the budget itself is enforced by the hard timeout
 the dispatcher derives from it (the seconds `max_cost` buys at the rate), so `budget_100`
@@ -20,7 +20,6 @@ not warned of it.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 from nats.js import JetStreamContext
@@ -29,9 +28,8 @@ from nats.js.errors import NotFoundError
 from shared.bus import names
 from shared.contracts import RunRecord, decode
 from shared.contracts.events import Started
-from shared.errors import ConfigError, ContractError
+from shared.errors import ContractError
 from shared.state.clock import stamp
-from shared.state.pools import PoolTable, load_table
 
 log = logging.getLogger("baton.reaper")
 
@@ -51,24 +49,6 @@ def spend(booked: float, running_s: float, rate_per_hour: float) -> float:
     """What a run has cost: `booked` by its ended attempts, plus `running_s` of the running
     one at the pool's rate."""
     return booked + max(0.0, running_s) * rate_per_hour / 3600
-
-
-@functools.cache
-def _table(path: str) -> PoolTable:
-    """Read once. A file that cannot be read costs the budget warnings, never a sweep (the
-    dispatcher, which reads it too, refuses to start on it)."""
-    try:
-        return load_table(path)
-    except ConfigError as exc:
-        log.warning("no budget warnings: %s", exc)
-        return PoolTable()
-
-
-def rate(pools_file: str, pool: str) -> float:
-    """The pool's rate per hour in `pools_file` (read once; what the dispatcher and the
-    trainers read), 0 when it has none."""
-    found = _table(pools_file).pools.get(pool)
-    return found.rate_per_hour if found is not None else 0.0
 
 
 async def started_at(js: JetStreamContext, r: RunRecord) -> float | None:

@@ -42,9 +42,8 @@ from shared.contracts.control import WorkerInfo
 from shared.contracts.events import TakenBack
 from shared.errors import ContractError
 from shared.state import grants, transitions
-from shared.state.pools import PoolTable, disconnect_of
+from shared.state.policy import Policy, disconnect_of
 from shared.state.runs import Runs
-from shared.state.tasks import publish_task
 
 log = logging.getLogger("baton.reaper")
 
@@ -83,15 +82,13 @@ class Reconciler:
 
 class TakeBack:
     def __init__(
-        self, nc: Client, js: JetStreamContext, runs: Runs, store: Store, table: PoolTable,
-        lease_secret: bytes | None,
-    ) -> None:  # fmt: skip
+        self, nc: Client, js: JetStreamContext, runs: Runs, store: Store, policy: Policy
+    ) -> None:
         self.nc = nc
         self.js = js
         self.runs = runs
         self.store = store
-        self.table = table
-        self.lease_secret = lease_secret
+        self.policy = policy
         self._unserved_since: dict[tuple[str, str], float] = {}
         """(site, pool) → when a linked site was first seen without an undrained trainer of
         the pool (this reaper's monotonic clock)."""
@@ -111,7 +108,7 @@ class TakeBack:
         silent = {v.site: v.last_seen_s for v in await sites.views(self.nc)}
         taken = []
         for r in granted:
-            policy = disconnect_of(r.spec, self.table)
+            policy = disconnect_of(r.spec, self.policy.table)
             quiet, why = silent.get(r.site), "silent"
             if quiet is not None and quiet < sites.SILENCE_S:
                 if r.worker is not None or (r.site, r.spec.pool) in serving:
@@ -137,7 +134,7 @@ class TakeBack:
         record = await self.runs.update(r.run_id, transitions.take_back(r.site, r.epoch))
         if record is None:
             return False  # it ended, or moved on, meanwhile
-        await publish_task(self.js, record, self.lease_secret)
+        # QUEUED for the hub's scheduler, which admits it in its turn (`shared.scheduling`).
         event = TakenBack(run_id=r.run_id, site=r.site, epoch=record.epoch, reason=why)
         await emit(self.js, event, msg_id=f"taken_back.{r.run_id}.{record.epoch}")
         log.warning("%s: taken back: %s; queued again under epoch %d", r.run_id, why, epoch)

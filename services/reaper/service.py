@@ -25,6 +25,8 @@ when a run is given up.
     retire       a run over for `BATON_GC_AGE`, its event stored: its last garbage
                  collected, its record archived, out of the live index (`shared.state.runs`)
     goodput      a run seen running that has ended: its goodput exported (`accounts.py`)
+    credits      an ended run with a price: charged once, the rest of its holds given
+                 back (`billing.py`); retired only once settled
 
     taken back   a run granted to a site silent past its `lost_after`: fenced in the
                  store, queued again at the hub (`grants.py`)
@@ -47,6 +49,7 @@ from nats.js.errors import NotFoundError
 
 from services.reaper import budgets
 from services.reaper.accounts import Accounts
+from services.reaper.billing import Billing, billable
 from services.reaper.clock import HubClock
 from services.reaper.deliveries import on_advisory
 from services.reaper.grants import Reconciler, TakeBack
@@ -74,7 +77,7 @@ from shared.state import transitions
 from shared.state.endings import repair, settle
 from shared.state.lease import holder as lease_holder
 from shared.state.lease import lease_key
-from shared.state.pools import load_table
+from shared.state.policy import Policy, load_table
 from shared.state.runs import Runs, Stamped
 from shared.state.tasks import publish_task
 from shared.state.workers import live_workers
@@ -100,6 +103,8 @@ class Reaper:
         self.sites = SiteWatch(nc, self.js)
         self.lease_secret = lease_secret()
         self.accounts = Accounts(self.js)
+        self.policy = Policy(self.js, load_table(settings.pools_file))
+        """The pools' table in force (rates, disconnect policies), read again each sweep."""
 
     async def on_reconnect(self) -> None:
         # Pull consumers resume by themselves once NATS is back. The hub's sources may not:
@@ -118,10 +123,8 @@ class Reaper:
         await declared(declare, log)
         self.runs = await Runs.open(self.js)
         self.reconciler = Reconciler(self.runs)
-        self.take_back = TakeBack(
-            self.nc, self.js, self.runs, self.store, load_table(self.settings.pools_file),
-            self.lease_secret,
-        )  # fmt: skip
+        self.billing = Billing(self.js, self.runs, self.sites)
+        self.take_back = TakeBack(self.nc, self.js, self.runs, self.store, self.policy)
         self.lapses = Lapses(self.nc, self.js, self.runs, self.lease_secret)
         await self.lapses.start()
         await self.sites.start()
@@ -162,6 +165,7 @@ class Reaper:
         """One pass over every live run; returns the runs dispatched again. Reads the live
         index (`Runs.live_stamped`), never the history: its cost follows the live runs."""
         self.clock.tick()
+        await self.policy.current()
         live = await self.runs.live_stamped()
         records = [found.record for _, found in live if found is not None]
         running = [r for r in records if not r.state.terminal]
@@ -182,6 +186,7 @@ class Reaper:
         await self._announce([r for r in records if r.state.terminal and r.announce_pending])
         await self._garbage(records)
         await self.accounts.sweep(records)
+        await self.billing.sweep(records)
         await self._retire(live)
         alive = {r.run_id for r in running}
         for table in (self._unowned_since,):
@@ -291,7 +296,7 @@ class Reaper:
                 continue
             self._recordless_since.pop(run_id, None)
             record, revision, written = found
-            if not record.state.terminal or record.announce_pending:
+            if not record.state.terminal or record.announce_pending or billable(record):
                 continue
             if await self.clock.now() - written < self.settings.gc_age_s:
                 continue
@@ -343,7 +348,7 @@ class Reaper:
         limit = r.spec.limits.max_cost
         if limit is None or all(kind in r.warned for kind in budgets.KINDS):
             return
-        rate = budgets.rate(self.settings.pools_file, r.spec.pool)
+        rate = self.policy.table.pool(r.spec.pool).rate_per_hour
         running_s = 0.0
         if r.state is RunState.RUNNING and rate > 0:
             started = await budgets.started_at(self.js, r)

@@ -41,11 +41,13 @@ from services.trainer.child_proc import FINISH_GRACE_S, OUTPUT_DRAIN_S, Child
 from services.trainer.commits import Commits
 from services.trainer.group import Leader
 from services.trainer.keeper import Keeper, Order
+from services.trainer.meter import Meter
 from services.trainer.reports import Reports
 from services.trainer.stall import Bounds, StallWatch
 from services.trainer.verdicts import Outcome, Scope, Verdict, apply
 from shared import telemetry
 from shared.bus import names
+from shared.bus.emit import emit
 from shared.checkpoint import commit
 from shared.checkpoint.store import Store
 from shared.config import Settings
@@ -66,6 +68,7 @@ from shared.contracts.child import (
 )
 from shared.contracts.events import (
     Event,
+    RunWarning,
     Started,
 )
 from shared.state import transitions
@@ -74,6 +77,9 @@ from shared.state.pools import Pools
 from shared.state.runs import Runs
 
 log = logging.getLogger("baton.trainer")
+
+CHECKPOINT_FIRST = (None, Order.PREEMPT, Order.PAUSE, Order.CANCEL)
+"""What an attempt stops for with a checkpoint first (None: a SIGTERM or a drain)."""
 
 
 class Attempt:
@@ -91,6 +97,8 @@ class Attempt:
         beat_now: asyncio.Event,
         group: Leader | None = None,
         grant: Callable[[], Awaitable[str | None]] | None = None,
+        *,
+        device: str = "cpu",
     ) -> None:
         """`runs` holds the run's record: the hub's, or a site's own for a run granted to
         it, whose `grant` the keeper checks with the hub while it can (`granted.py`)."""
@@ -113,8 +121,11 @@ class Attempt:
         # under a new token would leave them writing under the old one, so it is fenced.
         self.keeper = Keeper(
             task.run_id, lease, runs, store, beat_now, child.send, may_retake=group is None,
-            grant=grant,
+            grant=grant, on_record=group.allow if group is not None else None,
         )  # fmt: skip
+        self.device = device.partition(":")[0]
+        """The kind of device its training processes use (`cpu`, `cuda`): what it is
+        priced at."""
         self.orders = self.keeper.orders
         self.site = settings.site
         self.commits = Commits(
@@ -151,6 +162,8 @@ class Attempt:
         self.skips: list[Skip] = []
         """The run's rolled-back data, as its record said when the attempt started."""
         self._grow = group.grow if group is not None else asyncio.Event()
+        self.meter: Meter | None = None
+        """The run's credits as it trains (`meter.py`), once its record is read."""
 
     @property
     def token(self) -> int:
@@ -199,9 +212,12 @@ class Attempt:
         self.skips = [s for s in record.skips if s.after <= self.step]
         span.set_attributes({telemetry.ATTEMPT: record.attempts, telemetry.START_STEP: self.step})
         self.reports.recovering = record.attempts > 1
+        ranks = self.group.ranks if self.group is not None else 1
+        self.meter = meter = Meter(record, self.device, ranks)
         started = Started(
             run_id=self.run_id, worker=self.worker, token=token,
-            attempt=record.attempts, start_step=self.step,
+            attempt=record.attempts, start_step=self.step, device=self.device,
+            ranks=self.group.ranks if self.group is not None else 1,
         )  # fmt: skip
         await self._emit(started)
         if self.group is not None and (resized := self.group.resized(self.step)) is not None:
@@ -233,7 +249,8 @@ class Attempt:
         stalling = asyncio.create_task(
             self.stall.watch(self._stalled, self.reports.stall_recovered, self._stopped_stalling)
         )
-        background = [keeping, copying, stalling]
+        metering = asyncio.create_task(meter.watch(self._out_of_credits, self._short_of_credits))
+        background = [keeping, copying, stalling, metering]
         try:
             verdict = await self._follow()
             self.keeper.settling()
@@ -314,7 +331,7 @@ class Attempt:
             await _first(reader, self.orders.changed, self.stop, self._broken, self._grow)
             if self._broken.is_set() and self.orders.given is None:
                 return await verdicts.group_broke(self, reader)
-            if not reader.done() and self.orders.given in (None, Order.PAUSE, Order.CANCEL):
+            if not reader.done() and self.orders.given in CHECKPOINT_FIRST:
                 given = self.orders.given
                 why = "preempted" if given is None else given.name.lower()
                 if self.growing:
@@ -328,7 +345,7 @@ class Attempt:
                     reader, self.orders.changed, self.hurry, self._broken,
                     timeout=self.settings.grace_s,
                 )  # fmt: skip
-                if self._broken.is_set() and self.orders.given in (None, Order.PAUSE, Order.CANCEL):
+                if self._broken.is_set() and self.orders.given in CHECKPOINT_FIRST:
                     return await verdicts.group_broke(self, reader)
             if self.orders.given is Order.ROLLBACK:  # no checkpoint: it would be abandoned
                 return rewind.handed_back(self)
@@ -372,10 +389,7 @@ class Attempt:
     async def _read(self) -> Finished | None:
         async for msg in self.child.messages():
             if isinstance(msg, Loaded):
-                self.step = msg.step
-                self.stall.stepped(msg.step)
-                self.commits.resumed(msg.step)
-                await self.reports.restored(msg)
+                await self._loaded(msg)
             elif isinstance(msg, StepDone):
                 self.step = msg.step
                 self.stall.stepped(msg.step, last=msg.step >= self.task.spec.total_steps)
@@ -398,6 +412,15 @@ class Attempt:
                 return msg
         return None
 
+    async def _loaded(self, msg: Loaded) -> None:
+        """The training process restored its checkpoint (step 0: none): it trains from here."""
+        if self.meter is not None:
+            self.meter.start()
+        self.step = msg.step
+        self.stall.stepped(msg.step)
+        self.commits.resumed(msg.step)
+        await self.reports.restored(msg)
+
     # -- helpers -------------------------------------------------------------------------
 
     async def _sample_speed(self) -> None:
@@ -406,14 +429,29 @@ class Attempt:
             return
         elapsed = time.monotonic() - self._began
         with contextlib.suppress(Exception):  # a speed sample is not worth failing over
-            await self.pools.record(self.task.spec.pool, elapsed / (final.step - self.start_step))
+            speed = elapsed / (final.step - self.start_step)
+            await self.pools.record(self.task.spec.pool, speed, self.task.spec.name)
 
-    def spent(self) -> transitions.Spent:
+    def spent(self, *, own_failure: bool = False) -> transitions.Spent:
         """This attempt's time and cost so far, and its token: what its verdict's record
-        change books (`transitions.book_time`), only while the record still names it."""
+        change books (`transitions.book_time`), only while the record still names it. Its
+        metered trainer-seconds are those it trained, or all of it for a failure of the
+        run's own code (`meter.py`)."""
         elapsed = time.monotonic() - self._began
         cost = elapsed * self.pools.rate(self.task.spec.pool) / 3600
-        return transitions.Spent(self.lease.token, elapsed, cost)
+        meter = self.meter
+        ranks = meter.ranks if meter is not None else 1
+        metered = elapsed * ranks if own_failure else (meter.trained_s() if meter else 0.0)
+        return transitions.Spent(self.lease.token, elapsed, cost, metered)
+
+    def _out_of_credits(self, reason: str) -> None:
+        log.warning("%s: %s; pausing at the next checkpoint", self.run_id, reason)
+        self.orders.give(Order.PAUSE, reason)
+
+    async def _short_of_credits(self, detail: str) -> None:
+        warning = RunWarning(run_id=self.run_id, kind="credits_80", detail=detail)
+        msg_id = f"warning.{self.run_id}.credits_80.{self.token}"
+        await emit(self.js, warning, site=self.site, msg_id=msg_id)
 
 
 async def _first(

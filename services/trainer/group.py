@@ -111,7 +111,10 @@ class Leader:
         self.lease = lease
         self.worker = worker
         self.site = site
-        self.ranks = task.spec.max_ranks
+        self.cap = min(task.spec.max_ranks, record.ranks_cap or task.spec.max_ranks)
+        """The most ranks the scheduler lets an elastic run hold now (its `max` otherwise):
+        what it calls for while forming and grows up to (`allow`)."""
+        self.ranks = self.cap
         """The group's size: the most it may have while forming, what it has once formed."""
         self.min_ranks = task.spec.min_ranks
         self.prior = record
@@ -141,6 +144,7 @@ class Leader:
         the newer group's key."""
         self._tries = 1
         """Deliveries of the run's task so far (`form` gives it back this often)."""
+        self._growing: asyncio.Task[None] | None = None
 
     @property
     def epoch(self) -> int:
@@ -282,11 +286,26 @@ class Leader:
         await emit(self.js, formed, site=self.site)
         log.info("%s: group of %d formed, epoch %d: %s", self.task.run_id, self.ranks,
                  self.epoch, ", ".join(self.key.members))  # fmt: skip
-        if self.ranks < self.task.spec.max_ranks:
-            # One offer at a time, taken only by a trainer no other work wants (`rank.py`).
-            held = {m.rank for m in self.members}
-            self.grow_slot = min(r for r in range(1, self.task.spec.max_ranks) if r not in held)
-            await self._call(self.grow_slot, grow=True)
+        await self._offer_growth()
+
+    async def _offer_growth(self) -> None:
+        """A group training below its cap offers one more slot: a growth call, taken only by
+        a trainer no other work wants (`rank.py`). One offer at a time."""
+        if self.ranks >= self.cap or self.grow_slot:
+            return
+        held = {m.rank for m in self.members}
+        self.grow_slot = min(r for r in range(1, self.task.spec.max_ranks) if r not in held)
+        await self._call(self.grow_slot, grow=True)
+
+    def allow(self, record: RunRecord) -> None:
+        """The run's record as the lease keeper read it: a cap the scheduler raised lets
+        the group grow now (a cap lowered is a shrink, which the record's `preempt` asks)."""
+        cap = min(self.task.spec.max_ranks, record.ranks_cap or self.task.spec.max_ranks)
+        if cap <= self.cap:
+            return
+        self.cap = cap
+        if self.key.port and not self.grow_slot:
+            self._growing = asyncio.create_task(self._offer_growth())
 
     def resized(self, step: int) -> Resized | None:
         """The event of an elastic group formed at another size than its run trained with

@@ -29,7 +29,9 @@ from collections.abc import Awaitable, Callable
 from shared import telemetry
 from shared.checkpoint import commit
 from shared.checkpoint.store import Store
+from shared.contracts import RunRecord
 from shared.contracts.child import Control
+from shared.contracts.records import Preemption
 from shared.logs import Condition
 from shared.state import transitions
 from shared.state.lease import Lease
@@ -45,10 +47,15 @@ class Order(enum.IntEnum):
     """What the run record (or the lease) tells an attempt, weakest first: a stronger order
     replaces a weaker one, never the reverse."""
 
+    PREEMPT = 0
+    """The scheduler makes room for another run (`RunRecord.preempt`): checkpoint, then
+    stop; the run is queued again, or its elastic group re-forms smaller. The weakest: any
+    other order asked too is carried out instead (a pause still checkpoints first)."""
     ROLLBACK = 1
     """The run is rolled back (`rollback_to`): stop at once without a checkpoint and give
-    the task back; the next attempt rewinds (`rewind.py`). The weakest, so a cancel or a
-    pause asked too is carried out (the rollback waits in the record)."""
+    the task back; the next attempt rewinds (`rewind.py`). Weaker than all but a
+    preemption, so a cancel or a pause asked too is carried out (the rollback waits in the
+    record)."""
     PAUSE = 2
     """The run is asked to pause: checkpoint, then stop; the run waits for a human."""
     CANCEL = 3
@@ -69,11 +76,18 @@ class Orders:
         self.given: Order | None = None
         self.reason = ""
         self.changed = asyncio.Event()
+        self.preemption: Preemption | None = None
+        """What the scheduler asked, with `Order.PREEMPT`: for whom, why, whole or smaller."""
 
     def give(self, order: Order, reason: str) -> None:
         if self.given is None or order > self.given:
             self.given, self.reason = order, reason
             self.changed.set()
+
+    def preempt(self, preemption: Preemption) -> None:
+        if self.given is None:
+            self.preemption = preemption
+        self.give(Order.PREEMPT, f"to make room for {preemption.by}: {preemption.reason}")
 
     def fence(self, reason: str) -> None:
         self.give(Order.FENCE, reason)
@@ -95,6 +109,7 @@ class Keeper:
         *,
         may_retake: bool = True,
         grant: Callable[[], Awaitable[str | None]] | None = None,
+        on_record: Callable[[RunRecord], None] | None = None,
     ) -> None:
         self.run_id = run_id
         self.lease = lease
@@ -111,6 +126,8 @@ class Keeper:
         """For a run granted to this trainer's site: why the hub no longer grants it, or
         None (`granted.py`); asked after each renewal, and a reason fences the attempt."""
         self.renewal = Condition(log, f"{run_id}: lease renewal", "training goes on")
+        self.on_record = on_record
+        """Told the record at every renewal (an elastic group reads its cap there)."""
         """Logs a run of failed renewals (a cut link) once as it starts and once as it ends."""
 
     def settling(self) -> None:
@@ -168,6 +185,10 @@ class Keeper:
             why = f"rolled back to step {r.rollback_to}"
             why += f": {r.rollback_reason}" if r.rollback_reason else ""
             self.orders.give(Order.ROLLBACK, why)
+        elif r.preempt is not None:
+            self.orders.preempt(r.preempt)
+        if self.on_record is not None:
+            self.on_record(r)
 
     async def _retake(self) -> bool:
         """After a lapse: take the lease again unless someone committed or moved the

@@ -61,13 +61,15 @@ from shared.state.grants import epoch_of
 from shared.state.groups import GroupStore, key_ttl
 from shared.state.handover import hand_over
 from shared.state.lease import Lease
-from shared.state.pools import Pools, load_table
+from shared.state.policy import Policy, load_table
+from shared.state.pools import Pools
 from shared.state.runs import Runs
 from shared.waits import wait_set
 
 log = logging.getLogger("baton.trainer")
 
 ATTEMPT_ERROR_DELAY_S = 5.0
+STALE_RECORD_S = 1.0
 NATS_SECRETS = ("NATS_PASSWORD", "NATS_PASSWORD_FILE", "NATS_AUTH_FILE", "NATS_CREDS", "NATS_NKEY")
 
 
@@ -83,7 +85,9 @@ class Trainer:
         self.signals = signals
         self.store: Store = open_store(settings.store_url)
         self.runs: Runs
-        self.pools = Pools(self.hub, load_table(settings.pools_file), settings.hub_api)
+        self.policy = Policy(self.hub, load_table(settings.pools_file), settings.hub_api)
+        """The pools' table in force (rates): read again as attempts start."""
+        self.pools = Pools(self.hub, self.policy, settings.hub_api)
         self.beat_now = asyncio.Event()
         self.beat = asyncio.Event()
         """Set to publish the heartbeat now (being drained changed, or the loop went idle)."""
@@ -250,6 +254,15 @@ class Trainer:
             await msg.term()
             return
         record = found[0]
+        if record.state is RunState.QUEUED and not record.admitted:
+            if task.dispatch >= record.dispatch:
+                # The scheduler admits a run before it publishes its task: a record that
+                # says otherwise of this dispatch is an older revision, read from a replica
+                # still catching up (a clustered hub's node just back). Look again soon.
+                await msg.nak(delay=STALE_RECORD_S)
+            else:  # a task of a run requeued since: the scheduler publishes a new one
+                await msg.ack()
+            return
         if record.state.terminal or record.state is RunState.PAUSED or record.site:
             # A duplicate of a run that is already over, or that waits for a human (whose
             # resume queues a task of its own), or one granted to a site, whose own queue
@@ -281,6 +294,9 @@ class Trainer:
             await apply(Verdict(Outcome.CANCELLED, change=transitions.cancel_unowned), scope)
         elif record.pause_requested is not None:  # likewise, asked to pause
             await apply(Verdict(Outcome.PAUSED, change=transitions.pause_unowned), scope)
+        elif record.preempt is not None and not record.preempt.to_ranks:
+            # Asked to make room, and its trainer went before it could: queued again.
+            await apply(Verdict(Outcome.REQUEUED, change=transitions.requeue_unowned), scope)
         elif task.spec.max_ranks > 1:
             await self._lead(task, lease, msg, scope, record)
         else:
@@ -370,9 +386,10 @@ class Trainer:
         check = None
         if task.grant is not None and self.granted is not None:
             check = self.granted.check(task.grant)
+        await self.policy.current()
         attempt = Attempt(
             self.nc, self.settings, self.store, scope.runs, self.pools, task, lease, child,
-            signals, self.beat_now, group, check,
+            signals, self.beat_now, group, check, device=self.device[0],
         )  # fmt: skip
         self.attempt = attempt
         try:

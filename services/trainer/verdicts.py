@@ -10,6 +10,8 @@ one order: the record change (retried through outages; a terminal one announces 
     CANCELLED  CANCELLED                           cancelled.<run>   released  ack
     STOPPED    none (the run ended elsewhere)      none              released  ack
     PREEMPTED  worker cleared, time booked         preempted         released  nak(0)
+    REQUEUED   QUEUED for the scheduler (it made   preempted         released  ack
+               room for another run)
     ROLLED_BACK  as PREEMPTED, data to leave out   (guarded)         released  nak(0)
     RETRY      retries + 1                         attempt_failed    released  nak(back-off)
     FAILED     FAILED (retries used up, or fail    failed.<run>      released  ack
@@ -51,6 +53,7 @@ from shared.checkpoint import commit
 from shared.contracts import RunRecord, RunState, Skip
 from shared.contracts.child import EXIT_BAD_LAUNCH, EXIT_GUARDED, Finished, Tripped
 from shared.contracts.events import AttemptFailed, Event, Fenced, Paused, Preempted, RankLost
+from shared.contracts.records import Preemption
 from shared.state import transitions
 from shared.state.endings import settle
 from shared.state.lease import Lease
@@ -71,6 +74,7 @@ class Outcome(enum.Enum):
     CANCELLED = "cancelled"
     STOPPED = "stopped"
     PREEMPTED = "preempted"
+    REQUEUED = "requeued"
     ROLLED_BACK = "rolled_back"
     RETRY = "retry"
     FAILED = "failed"
@@ -207,6 +211,8 @@ async def stopped_early(a: Attempt, ended: Finished | None) -> Verdict:
     if a.orders.given is Order.PAUSE:
         paused = transitions.pause_attempt(a.spent(), a.orders.reason, kept)
         return Verdict(Outcome.PAUSED, change=paused)
+    if a.orders.given is Order.PREEMPT and a.orders.preemption is not None:
+        return made_room(a, a.orders.preemption, last.step if last else 0, kept)
     step = last.step if last else 0
     why = ""
     if a.growing:
@@ -220,6 +226,24 @@ async def stopped_early(a: Attempt, ended: Finished | None) -> Verdict:
 
     released = transitions.release(a.spent(), kept)
     return Verdict(Outcome.PREEMPTED, change=released, event=preempted)
+
+
+def made_room(a: Attempt, p: Preemption, step: int, kept: int | None) -> Verdict:
+    """The scheduler asked the run to make room for run `p.by`, and it checkpointed: it is
+    queued again (its task acked: the scheduler publishes a new one when its turn comes),
+    or its elastic group re-forms at once with `p.to_ranks` ranks (its task back)."""
+    log.info("%s: made room for %s at step %d (%s)", a.run_id, p.by, step, p.reason)
+
+    def preempted(r: RunRecord) -> Event:
+        return Preempted(
+            run_id=a.run_id, worker=a.worker, step=step, reason=p.reason, by=p.by,
+            kind=p.kind, to_ranks=p.to_ranks,
+        )  # fmt: skip
+
+    if p.to_ranks:
+        released = transitions.release(a.spent(), kept)
+        return Verdict(Outcome.PREEMPTED, change=released, event=preempted)
+    return Verdict(Outcome.REQUEUED, change=transitions.requeue(a.spent(), kept), event=preempted)
 
 
 async def guarded(a: Attempt, t: Tripped) -> Verdict:
@@ -310,7 +334,7 @@ def child_failed(
     trace.get_current_span().set_status(trace.StatusCode.ERROR, reason)
     # The token as the change applies: a lapsed lease re-taken meanwhile moves it.
     count = transitions.count_failure(
-        lambda: a.lease.token, a.spent(), reason, fatal=code == EXIT_BAD_LAUNCH
+        lambda: a.lease.token, a.spent(own_failure=True), reason, fatal=code == EXIT_BAD_LAUNCH
     )
 
     def failed(r: RunRecord) -> Event:

@@ -29,6 +29,10 @@ OUTBOX_STREAM = "BATON_OUTBOX"
 # them, sourced from the sites and taken in once by the reaper (`services/reaper/grants.py`).
 REPORTS_STREAM = "BATON_REPORTS"
 
+# The credits ledger: one message per entry, each under its own subject, written once
+# (`shared.ledger`).
+LEDGER_STREAM = "BATON_LEDGER"
+
 # JetStream domain of the hub, as sites address it.
 HUB_DOMAIN = "hub"
 
@@ -50,6 +54,9 @@ DRAINS_BUCKET = "baton_drains"
 # What the notifier has sent, one key per notification and receiver, and each site's
 # cut-off episodes (`services/notifier`).
 ALERTS_BUCKET = "baton_alerts"
+# The pools' configuration in force, one key (`shared.state.policy`): priorities, owners'
+# weights and quotas, prices — read by every service, written by operators.
+POLICY_BUCKET = "baton_policy"
 
 # Durable consumers.
 DISPATCHER_CONSUMER = "dispatcher"
@@ -72,6 +79,10 @@ CANCEL_ALL = f"{PREFIX}.cancel.>"
 STEER_ALL = f"{PREFIX}.steer.>"
 LOGS_ALL = f"{PREFIX}.logs.>"
 ARCHIVE_ALL = f"{PREFIX}.archive.>"
+LEDGER_ALL = f"{PREFIX}.ledger.>"
+# Core NATS requests to the scheduler (in the dispatcher): a pool's queue, in order, each
+# run with why it waits (`baton queue`, the dashboard).
+QUEUE_ALL = f"{PREFIX}.queue.*"
 REPORTS_ALL = f"{PREFIX}.reports.>"
 # JetStream's own advisory when a message has used up its deliveries, for our work queues
 # (wildcards match whole tokens only, so each stream is named).
@@ -192,6 +203,27 @@ def archive_subject(run_id: str) -> str:
     return f"{PREFIX}.archive.{run_id}"
 
 
+def ledger_subject(owner: str, kind: str, entry: str) -> str:
+    """Where ledger entry `entry` (`hold.<run>.<n>`: its kind and identity) of `owner` is
+    written, once (`shared.ledger.book`)."""
+    return f"{PREFIX}.ledger.{owner}.{kind}.{entry}"
+
+
+def ledger_of(owner: str) -> str:
+    return f"{PREFIX}.ledger.{owner}.>"
+
+
+def queue_subject(pool: str) -> str:
+    """Where the scheduler answers for `pool`'s queue."""
+    return f"{PREFIX}.queue.{pool}"
+
+
+def usage_key(pool: str) -> str:
+    """The scheduler's decayed usage of `pool`, per owner, in the pools bucket (kept across
+    the dispatcher's restarts)."""
+    return f"usage.{pool}"
+
+
 def drain_key(worker_id: str) -> str:
     """A trainer's key in the drains bucket: there while it is drained."""
     return worker_id
@@ -214,6 +246,7 @@ ALL_STREAMS = (
     "BATON_ARCHIVE",
     "BATON_OUTBOX",
     "BATON_REPORTS",
+    "BATON_LEDGER",
 )
 
 

@@ -92,6 +92,25 @@ def _archive() -> StreamConfig:
     )
 
 
+def _ledger() -> StreamConfig:
+    # Append-only and write-once: one message per subject, a second refused (10077), so an
+    # entry is applied once whoever writes it and however often (`shared.ledger.book`). No
+    # age limit: a balance is the sum of every entry of its owner.
+    return StreamConfig(
+        name=names.LEDGER_STREAM,
+        description="Credits: top-ups, holds and settlements, each written once",
+        subjects=[names.LEDGER_ALL],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.NEW,
+        discard_new_per_subject=True,
+        max_msgs_per_subject=1,
+        max_msg_size=MAX_MSG_BYTES,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        allow_direct=True,
+    )
+
+
 def stream_configs() -> list[StreamConfig]:
     return [
         _work_queue(names.SUBMIT_STREAM, names.SUBMIT_ALL, "Job submissions, per pool"),
@@ -117,6 +136,7 @@ def stream_configs() -> list[StreamConfig]:
             "JetStream max-deliveries advisories for Baton's consumers",
         ),
         _archive(),
+        _ledger(),
         # Sourced from each site's runs bucket (`shared.bus.sourcing`), taken in by the
         # reaper's reconciler: a work queue, so each report is taken in once.
         _work_queue(
@@ -199,6 +219,10 @@ def kv_configs() -> list[KeyValueConfig]:
         # as its key gone (`services/trainer/group.py`). Direct gets for the members' reads.
         KeyValueConfig(
             bucket=names.GROUPS_BUCKET, history=1, description="Groups of ranks", direct=True
+        ),
+        # The pools' table in force, one key, read by key by every service (`shared.state.policy`).
+        KeyValueConfig(
+            bucket=names.POLICY_BUCKET, history=10, description="The pools' table", direct=True
         ),
         # Written by operators, read by key by the trainer each names (`shared.state.drains`).
         KeyValueConfig(

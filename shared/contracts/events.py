@@ -36,6 +36,11 @@ class Started(_Event, tag="started", frozen=True):
     token: int
     attempt: int
     start_step: int
+    device: str = ""
+    """The kind of device the attempt trains on (`cpu`, `cuda`): what its time is priced
+    at (`shared.ledger.charges`)."""
+    ranks: int = 1
+    """Trainers the attempt holds (a group's size): its trainer-seconds per second."""
 
 
 class Restored(_Event, tag="restored", frozen=True):
@@ -131,7 +136,15 @@ class Preempted(_Event, tag="preempted", frozen=True):
     worker: str
     step: int
     reason: str = ""
-    """Why, when not a preemption notice: an elastic group stopped to grow."""
+    """Why, when not a preemption notice: an elastic group stopped to grow, or the
+    scheduler made room for another run."""
+    by: str = ""
+    """The run the scheduler made room for (`kind` says by which rule), "" for any other
+    preemption (SIGTERM, a drain, growth)."""
+    kind: str = ""
+    """`priority`, `quota` or `fair_share` for the scheduler's; "" otherwise."""
+    to_ranks: int = 0
+    """An elastic group shrunk to this many ranks, rather than preempted whole."""
 
 
 class GroupFormed(_Event, tag="group_formed", frozen=True):

@@ -196,6 +196,20 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     """The outer algorithm of a replicated run (`replicas` above 1); unused otherwise."""
     replica: Annotated[int, Meta(ge=0, le=63)] | None = None
     """Set by the dispatcher on each replica's run (a submission setting it is rejected)."""
+    priority: (
+        Annotated[int, Meta(ge=-1000, le=1000)]
+        | Annotated[str, Meta(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")]
+        | None
+    ) = None
+    """How urgent the run is against the other runs of its pool: a number (higher first),
+    or a class its pool names (`[pools.<name>] priorities`, `"high"`); unset, the pool's
+    `default_priority`. A queued run that outranks a running one and finds no free trainer
+    preempts it — the victim checkpoints first and loses no step. Each owner may submit
+    up to its own highest priority (`max_priority`); above it the job is refused."""
+    estimate_s: Annotated[float, Meta(gt=0, le=365 * 86400)] | None = None
+    """How long the run will train, in seconds, for a pool with a price: what its hold is
+    reckoned from until earlier runs of the same name measured their step time
+    (docs/scheduling.md, "Credits")."""
 
     def __post_init__(self) -> None:
         if self.max_replicas > 1 and self.elastic:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from typing import Literal
 
 import msgspec
 
@@ -34,6 +35,17 @@ class Skip(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
 
     after: int
     batches: int
+
+
+class Preemption(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The scheduler's order to the attempt holding a run: make room for run `by`. The
+    attempt checkpoints, stops, and the run is QUEUED again (`to_ranks` 0), or an elastic
+    group re-forms with `to_ranks` ranks; either way no step is lost (`shared.scheduling`)."""
+
+    by: str
+    kind: Literal["priority", "quota", "fair_share"]
+    reason: str
+    to_ranks: int = 0
 
 
 class Rewind(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -129,6 +141,53 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     """The run's grant epoch, moved on by every grant and every taking back: each fencing
     token issued for the run, by the hub or a site, is `epoch << 32 | revision`
     (`shared.state.grants.token_of`), so the store orders every authority's tokens."""
+    priority: int = 0
+    """The run's priority in its pool, resolved once by the dispatcher from the job's
+    `priority` (a number, or a class its pool names) and the pool's default."""
+    admitted: bool = True
+    """False while a QUEUED run waits for the scheduler, with no task in any work queue: the
+    scheduler admits it — publishes its task, or grants it to a site — when its pool has
+    room for it (`shared.scheduling`). Records written before the scheduler read as
+    admitted: their task was published at submit."""
+    preempt: Preemption | None = None
+    """Set while the attempt holding the run is asked to make room for another run."""
+    ranks_cap: int | None = None
+    """The most ranks the scheduler lets an elastic run hold now (None: its `max`)."""
+    preemptions: int = 0
+    """Times the scheduler took the run off its trainers for another."""
+    price: dict[str, float] = {}
+    """Credits per trainer-second by device kind, its pool's when the run was accepted;
+    empty: the run costs no credits. Its holds were reckoned at it, and it is charged at
+    it (`shared.ledger`)."""
+    holds: list[int] = []
+    """The credits held for the run, in units (`shared.contracts.pools.units`), one per
+    hold: at submit, and at each resume."""
+    metered_s: float = 0.0
+    """Trainer-seconds its ended attempts trained (a failure of its own code: the whole
+    attempt), as their trainers measured them: the running attempt's meter adds its own
+    to this, against the holds, and pauses the run when they are spent. The settlement
+    charges what the run's events say (`shared.ledger.charges`)."""
+    settled: bool = False
+    """The run's holds are settled in the ledger (charged, the rest refunded), once."""
+    trace: dict[str, str] = {}
+    """The submission's trace context (W3C headers; empty when untraced): every task the
+    scheduler publishes for the run carries it, so a run is one trace however often it is
+    admitted."""
+
+    @property
+    def owner(self) -> str:
+        return run_owner(self.run_id)
+
+    @property
+    def held(self) -> int:
+        """Units held for the run so far."""
+        return sum(self.holds)
+
+
+def run_owner(run_id: str) -> str:
+    """The owner a run id names (`<owner>.r…`), "" for an operator's run (`run_id_for`)."""
+    owner, dot, _ = run_id.partition(".")
+    return owner if dot else ""
 
 
 MAX_REWINDS = 20
@@ -177,6 +236,8 @@ _ADDED_LATER: dict[str, object] = {
     "replicas": 1,
     "outer": msgspec.to_builtins(Outer()),
     "replica": None,
+    "priority": None,
+    "estimate_s": None,
 }
 """Spec fields added after checkpoints were first written, with their defaults: left out of
 the hash while at their default, so a run's checkpoints keep matching its spec across

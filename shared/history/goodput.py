@@ -38,6 +38,8 @@ reads no clock at all.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
 from shared.contracts import events as ev
@@ -105,28 +107,58 @@ def goodput(events: list[Event], now: float | None = None) -> Goodput | None:
     ending = next((e for e in events if isinstance(e, END)), None)
     end = ending.at if ending else (max(e.at for e in events) if now is None else now)
     wall = max(0.0, end - begin)
-    attempts = attempts_of(events)
-    if not attempts:
+    split = per_attempt(events, now)
+    if not split:
         return Goodput(wall_s=wall, queued_s=wall, finished=ending is not None)
     parts = dict.fromkeys(CATEGORIES, 0.0)
-    parts["queued"] = max(0.0, attempts[0].started.at - begin)
-    redone = 0
-    for i, a in enumerate(attempts):
-        nxt = attempts[i + 1].started.at if i + 1 < len(attempts) else None
-        until = _until(a, nxt, end, live=ending is None)
-        following = attempts[i + 1] if nxt is not None else None
-        redone += _account(a, following, until, parts, live=ending is None and nxt is None)
-        if nxt is not None:
-            parts["recovery"] += max(0.0, nxt - until)
+    parts["queued"] = max(0.0, split[0].attempt.started.at - begin)
+    for share in split:
+        for c, v in share.parts.items():
+            parts[c] += v
     # A round's wait is inside an attempt's steps: taken out of what they produced.
     waited = sum(e.note.waited_s for e in events if isinstance(e, ev.Round))
     parts["rounds"] = min(waited, parts["productive"])
     parts["productive"] -= parts["rounds"]
     parts["other"] = wall - sum(parts.values())
     return Goodput(
-        wall_s=wall, **{f"{c}_s": v for c, v in parts.items()}, steps_redone=redone,
-        attempts=len(attempts), finished=ending is not None,
+        wall_s=wall, **{f"{c}_s": v for c, v in parts.items()},
+        steps_redone=sum(s.redone for s in split), attempts=len(split),
+        finished=ending is not None,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Share:
+    """One attempt's part of its run's time (`per_attempt`)."""
+
+    attempt: Attempt
+    parts: dict[str, float]
+    """Its seconds by category: startup, restore, productive, checkpoint, wasted; and
+    `recovery`, from its end to the next attempt's start."""
+    redone: int
+    """Steps it computed that the next attempt computed again."""
+
+
+def per_attempt(events: list[Event], now: float | None = None) -> list[Share]:
+    """Each attempt of the run whose events are `events` (as for `goodput`) with its own
+    part of the run's time; `goodput` is their sum (with the queue before the first, round
+    waits taken out of the productive time and the remainder as `other`)."""
+    if not events:
+        return []
+    ending = next((e for e in events if isinstance(e, END)), None)
+    end = ending.at if ending else (max(e.at for e in events) if now is None else now)
+    attempts = attempts_of(events)
+    out = []
+    for i, a in enumerate(attempts):
+        parts = dict.fromkeys(CATEGORIES, 0.0)
+        nxt = attempts[i + 1].started.at if i + 1 < len(attempts) else None
+        until = _until(a, nxt, end, live=ending is None)
+        following = attempts[i + 1] if nxt is not None else None
+        redone = _account(a, following, until, parts, live=ending is None and nxt is None)
+        if nxt is not None:
+            parts["recovery"] += max(0.0, nxt - until)
+        out.append(Share(a, parts, redone))
+    return out
 
 
 def _until(a: Attempt, nxt: float | None, end: float, live: bool) -> float:

@@ -9,9 +9,8 @@ CAS), which overrides the guess from then on.
 
 from __future__ import annotations
 
+import hashlib
 import time
-import tomllib
-from pathlib import Path
 
 import msgspec
 from nats.js import JetStreamContext
@@ -20,25 +19,12 @@ from nats.js.kv import KeyValue
 
 from shared.bus import names
 from shared.bus.kvwrite import KvWriter
-from shared.contracts import convert, decode, encode
-from shared.contracts.jobs import Disconnect, JobSpec, OnFailure
-from shared.errors import ConfigError
+from shared.contracts import decode, encode
+from shared.contracts.jobs import OnFailure
+from shared.state.policy import Policy
 
 EWMA_WEIGHT = 0.3
 SPEED_FRESH_S = 5.0
-
-
-class Pool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    rate_per_hour: float = 0.0
-    """What an hour of one trainer of this pool costs, in the budget's unit."""
-    seconds_per_step: float | None = None
-    """Configured first guess; replaced by measurements once runs complete."""
-    on_failure: OnFailure = "retry"
-    """What a failure of user code leads to for a job that does not say
-    (`shared.contracts.jobs.OnFailure`)."""
-    disconnect: Disconnect = Disconnect()
-    """What the hub does with this pool's runs granted to a site that falls silent, for a
-    job that does not say (`shared.contracts.jobs.Disconnect`)."""
 
 
 class Measured(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,45 +32,45 @@ class Measured(msgspec.Struct, frozen=True, kw_only=True):
     runs: int
 
 
-class PoolTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    pools: dict[str, Pool] = {}
+class JobSpeeds(msgspec.Struct, frozen=True, kw_only=True):
+    """The seconds per step of the last `JOB_SAMPLES` completed runs of one job name in a
+    pool, newest last: what a prepaid run's estimate takes the median of."""
+
+    samples: list[float] = []
 
 
-def disconnect_of(spec: JobSpec, table: PoolTable) -> Disconnect:
-    """The disconnect policy in force for a run: its job's, else its pool's, else the
-    default."""
-    if spec.disconnect is not None:
-        return spec.disconnect
-    pool = table.pools.get(spec.pool)
-    return pool.disconnect if pool is not None else Disconnect()
+JOB_SAMPLES = 15
 
 
-def load_table(path: str) -> PoolTable:
-    if not path:
-        return PoolTable()
-    try:
-        raw = tomllib.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read pool table {path}: {exc}") from None
-    return convert(raw, PoolTable)
+def job_key(pool: str, name: str) -> str:
+    """The key of a job name's speeds in the pools bucket (a name may hold any character;
+    a key may not)."""
+    return f"job.{pool}.{hashlib.sha256(name.encode()).hexdigest()[:20]}"
+
+
+def median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 class Pools:
-    def __init__(
-        self, js: JetStreamContext, table: PoolTable, api_prefix: str | None = None
-    ) -> None:
+    def __init__(self, js: JetStreamContext, policy: Policy, api_prefix: str | None = None) -> None:
         self.js = js
-        self.table = table
+        self.policy = policy
+        """The pools' table in force (`shared.state.policy`)."""
         self._writer = KvWriter(js, names.POOLS_BUCKET, api_prefix)
         self._kv: KeyValue | None = None
         self._speeds: dict[str, tuple[float | None, float]] = {}  # pool -> (s/step, read at)
 
-    def policy(self, pool: str) -> OnFailure:
+    def on_failure(self, pool: str) -> OnFailure:
         """The pool's failure policy, for the jobs that set none."""
-        return self.table.pools.get(pool, Pool()).on_failure
+        return self.policy.table.pool(pool).on_failure
 
     def rate(self, pool: str) -> float:
-        return self.table.pools.get(pool, Pool()).rate_per_hour
+        return self.policy.table.pool(pool).rate_per_hour
 
     async def seconds_per_step(self, pool: str) -> float | None:
         """The measured speed (else the configured guess), read at most every
@@ -99,15 +85,49 @@ class Pools:
         try:
             entry = await self._kv.get(pool)
         except KeyNotFoundError:
-            speed = self.table.pools.get(pool, Pool()).seconds_per_step
+            speed = self.policy.table.pool(pool).seconds_per_step
         else:
             assert entry.value is not None
             speed = decode(entry.value, Measured).seconds_per_step
         self._speeds[pool] = (speed, now)
         return speed
 
-    async def record(self, pool: str, seconds_per_step: float) -> None:
-        """Fold one completed run's measured speed into the pool's average."""
+    async def job_step_s(self, pool: str, name: str) -> float | None:
+        """The median seconds per step of the last completed runs of job `name` in `pool`;
+        None before one completed."""
+        if self._kv is None:
+            self._kv = await self.js.key_value(names.POOLS_BUCKET)
+        try:
+            entry = await self._kv.get(job_key(pool, name))
+        except KeyNotFoundError:
+            return None
+        assert entry.value is not None
+        return median(decode(entry.value, JobSpeeds).samples)
+
+    async def record(self, pool: str, seconds_per_step: float, name: str = "") -> None:
+        """Fold one completed run's measured speed into the pool's average, and into the
+        last samples of its job `name`."""
+        await self._fold(pool, seconds_per_step)
+        if name:
+            await self._sample(job_key(pool, name), seconds_per_step)
+
+    async def _sample(self, key: str, seconds_per_step: float) -> None:
+        kv = await self.js.key_value(names.POOLS_BUCKET)
+        for _ in range(5):
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                first = JobSpeeds(samples=[seconds_per_step])
+                if await self._writer.put(key, encode(first), expected=0) is not None:
+                    return
+                continue
+            assert entry.value is not None and entry.revision is not None
+            old = decode(entry.value, JobSpeeds).samples
+            new = JobSpeeds(samples=[*old, seconds_per_step][-JOB_SAMPLES:])
+            if await self._writer.put(key, encode(new), expected=entry.revision) is not None:
+                return
+
+    async def _fold(self, pool: str, seconds_per_step: float) -> None:
         kv = await self.js.key_value(names.POOLS_BUCKET)
         for _ in range(5):
             try:

@@ -113,21 +113,20 @@ class Runs:
         assert msg.seq is not None
         return decode(msg.data, RunRecord), msg.seq
 
-    async def create(self, record: RunRecord) -> bool:
-        """False when a record with this run id already exists, in the runs bucket or in the
-        archive (a run id names one run for ever). The live key is written first: a record
-        never exists unseen by the sweep."""
+    async def create(self, record: RunRecord) -> int | None:
+        """The record's revision; None when a record with this run id already exists, in the
+        runs bucket or in the archive (a run id names one run for ever). The live key is
+        written first: a record never exists unseen by the sweep."""
         _, archived = await asyncio.gather(
             self._live.put(record.run_id, b""), archive.find(self._js, record.run_id)
         )
         if archived is not None:
             await self.forget_live(record.run_id)
-            return False
+            return None
         try:
-            await self._kv.create(record.run_id, encode(record))
+            return await self._kv.create(record.run_id, encode(record))
         except KeyWrongLastSequenceError:
-            return False
-        return True
+            return None
 
     async def adopt(self, record: RunRecord) -> bool:
         """Keep `record` as it is, unless the bucket has a record of its run already (a
@@ -146,6 +145,11 @@ class Runs:
     async def update(self, run_id: str, change: Change) -> RunRecord | None:
         """Apply `change` to the newest record until the CAS holds. `change` returns None
         to leave the record alone (the update no longer applies); so does this call."""
+        changed = await self.change(run_id, change)
+        return changed[0] if changed is not None else None
+
+    async def change(self, run_id: str, change: Change) -> tuple[RunRecord, int] | None:
+        """As `update`, with the revision the change was written at."""
         while True:
             found = await self.get(run_id)
             if found is None:
@@ -155,8 +159,9 @@ class Runs:
             if new is None:
                 return None
             new = msgspec.structs.replace(new, updated_at=time.time())
-            if await self._writer.put(run_id, encode(new), expected=revision) is not None:
-                return new
+            written = await self._writer.put(run_id, encode(new), expected=revision)
+            if written is not None:
+                return new, written
 
     async def live(self) -> list[tuple[str, tuple[RunRecord, int] | None]]:
         """Every run in the live index with its record and revision (None: no record, which

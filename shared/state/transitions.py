@@ -13,14 +13,17 @@ an attempt's change applies only while the record names its token (to start or t
 newer one), so a fenced attempt writes nothing.
 
     who            transitions
-    dispatcher     cancel, pause, resume, order_rollback
+    dispatcher     cancel, pause, resume, order_rollback, add_hold (a resume's hold)
+    scheduler      admit, queued_because, ask_preempt, cap_ranks (in the dispatcher:
+                   `shared.scheduling`)
     trainer        mark_running, advance_step, retoken, wait, note_waiting, complete,
-                   cancel_attempt, pause_attempt, release, roll_back, count_failure, fail
-                   (entry point refused), pause_unowned,
-                   cancel_unowned, unchanged, rewound and drop_rollback (a rollback)
+                   cancel_attempt, pause_attempt, release, requeue, roll_back,
+                   count_failure, fail (entry point refused), pause_unowned,
+                   cancel_unowned, requeue_unowned, unchanged, rewound and drop_rollback
+                   (a rollback)
     reaper         end, fail (deliveries used up), warn, redispatch, pause_unowned,
-                   take_back and reconcile (a site's grant)
-    delegator      delegate (the dispatcher granting queued runs to sites)
+                   take_back and reconcile (a site's grant), settled (the ledger)
+    delegator      delegate (the scheduler granting queued runs to sites)
     site trainer   accept_grant, forward_requests, and the trainer's own, on the site's
                    records of the runs granted to it
     anyone         hand_over (a dead attempt's task), mark_ending and announced (endings)
@@ -34,19 +37,23 @@ from typing import NamedTuple
 import msgspec
 
 from shared.contracts import RunRecord, RunState, Skip
-from shared.contracts.records import MAX_REWINDS, Rewind
+from shared.contracts.records import MAX_REWINDS, Preemption, Rewind
 from shared.state.runs import Change
 
 __all__ = [
     "Change",
     "Spent",
     "accept_grant",
+    "add_hold",
+    "admit",
     "advance_step",
     "announced",
+    "ask_preempt",
     "book_time",
     "cancel",
     "cancel_attempt",
     "cancel_unowned",
+    "cap_ranks",
     "complete",
     "count_failure",
     "delegate",
@@ -63,13 +70,17 @@ __all__ = [
     "pause",
     "pause_attempt",
     "pause_unowned",
+    "queued_because",
     "reconcile",
     "redispatch",
     "release",
+    "requeue",
+    "requeue_unowned",
     "resume",
     "retoken",
     "rewound",
     "roll_back",
+    "settled",
     "take_back",
     "unchanged",
     "wait",
@@ -85,19 +96,21 @@ _replace = msgspec.structs.replace
 def mark_running(
     worker: str, token: int, delivery: str | None, group: list[str], site: str = ""
 ) -> Change:
-    """Unless the run is over, a newer token holds it or it is granted elsewhere than to
-    `site` ("" = the hub): RUNNING under `worker` and `token`, one more attempt, answering
-    `delivery`, trained by `group` (its workers by rank, [] for one rank), no longer
-    waiting."""
+    """Unless the run is over, a newer token holds it, it is granted elsewhere than to
+    `site` ("" = the hub) or it waits for the scheduler (not admitted): RUNNING under
+    `worker` and `token`, one more attempt, answering `delivery`, trained by `group` (its
+    workers by rank, [] for one rank), no longer waiting nor asked to make room."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if r.state.terminal or r.state is RunState.PAUSED or (r.token or 0) > token:
             return None
-        if r.site != site:
+        if r.site != site or (r.state is RunState.QUEUED and not r.admitted):
             return None
+        # A shrink is done once the smaller group trains; a whole preemption never gets here.
         return _replace(
             r, state=RunState.RUNNING, worker=worker, token=token, attempts=r.attempts + 1,
             delivery=delivery, waiting=None, group=group, group_size=len(group) or 1,
+            preempt=None,
         )  # fmt: skip
 
     return change
@@ -162,6 +175,8 @@ class Spent(NamedTuple):
     busy_s: float
     """Seconds of the attempt, on its trainer's monotonic clock."""
     cost: float
+    metered_s: float = 0.0
+    """Trainer-seconds of it the run's credits pay for (`RunRecord.metered_s`)."""
 
 
 def book_time(spent: Spent, **fields: object) -> Change:
@@ -175,8 +190,9 @@ def book_time(spent: Spent, **fields: object) -> Change:
         if r.state.terminal or r.token != spent.token:
             return None
         return _replace(
-            r, busy_s=r.busy_s + spent.busy_s, actual_cost=r.actual_cost + spent.cost, **fields
-        )
+            r, busy_s=r.busy_s + spent.busy_s, actual_cost=r.actual_cost + spent.cost,
+            metered_s=r.metered_s + spent.metered_s, **fields,
+        )  # fmt: skip
 
     return change
 
@@ -222,6 +238,35 @@ def release(spent: Spent, step: int | None = None) -> Change:
     stays RUNNING for the next attempt; `step` as for `cancel_attempt`."""
     kept = {} if step is None else {"step": step}
     return book_time(spent, worker=None, **kept)
+
+
+def requeue(spent: Spent, step: int | None = None) -> Change:
+    """As `book_time`: the attempt made room for another run (the scheduler's `preempt`),
+    so the run is QUEUED again at the next dispatch, waiting for the scheduler (not
+    admitted), held by nobody; `step` as for `cancel_attempt`."""
+    kept = {} if step is None else {"step": step}
+    booked = book_time(spent, worker=None, **kept)
+
+    def change(r: RunRecord) -> RunRecord | None:
+        new = booked(r)
+        return None if new is None else _requeued(new)
+
+    return change
+
+
+def requeue_unowned(r: RunRecord) -> RunRecord | None:
+    """While the run is RUNNING and asked to make room (its trainer gone before it could,
+    a new one took the task): QUEUED again, as `requeue`."""
+    if r.state is not RunState.RUNNING or r.preempt is None or r.preempt.to_ranks:
+        return None
+    return _requeued(r)
+
+
+def _requeued(r: RunRecord) -> RunRecord:
+    return _replace(
+        r, state=RunState.QUEUED, admitted=False, preempt=None, ranks_cap=None, worker=None,
+        group=[], delivery=None, dispatch=r.dispatch + 1, preemptions=r.preemptions + 1,
+    )  # fmt: skip
 
 
 def count_failure(holding: Callable[[], int], spent: Spent, reason: str, *, fatal: bool) -> Change:
@@ -332,17 +377,35 @@ def pause(reason: str) -> Change:
     return change
 
 
-def resume() -> Change:
-    """A PAUSED run: QUEUED at the next dispatch (whose task its writer then publishes), no
-    longer asked to pause, its failures forgiven (a human looked). Otherwise None."""
+def resume(hold: tuple[int, int] | None = None) -> Change:
+    """A PAUSED run: QUEUED at the next dispatch, waiting for the scheduler to admit it, no
+    longer asked to pause, its failures forgiven (a human looked); with `hold`, its hold
+    number `hold[0]` of `hold[1]` units added (taken in the ledger first). Otherwise None."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if r.state is not RunState.PAUSED:
             return None
+        if hold is not None:
+            added = add_hold(*hold)(r)
+            if added is None:
+                return None
+            r = added
         return _replace(
             r, state=RunState.QUEUED, dispatch=r.dispatch + 1, pause_requested=None, retries=0,
-            worker=None, group=[],
+            worker=None, group=[], admitted=False, preempt=None, ranks_cap=None,
         )  # fmt: skip
+
+    return change
+
+
+def add_hold(n: int, amount: int) -> Change:
+    """While the run is not over and holds `n` holds: the `n`-th, of `amount` units,
+    added (its ledger entry is written first, once: `shared.ledger`)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or len(r.holds) != n:
+            return None
+        return _replace(r, holds=[*r.holds, amount])
 
     return change
 
@@ -391,8 +454,8 @@ def order_rollback(step: int, reason: str) -> Change:
     """A QUEUED, RUNNING or PAUSED run: ordered back to its committed checkpoint at `step`
     (`rollback_to`: the attempt running stops without a checkpoint, and the next one rewinds
     `latest` before it starts). A FAILED run whose failure was announced: reopened — QUEUED
-    at the next dispatch (whose task its writer then publishes), its failures forgiven — and
-    ordered the same way. A COMPLETED or CANCELLED run, or a FAILED one whose failure is
+    at the next dispatch, for the scheduler to admit, its failures forgiven — and ordered
+    the same way. A COMPLETED or CANCELLED run, or a FAILED one whose failure is
     still being announced: None."""
 
     def change(r: RunRecord) -> RunRecord | None:
@@ -400,6 +463,7 @@ def order_rollback(step: int, reason: str) -> Change:
             return _replace(
                 r, state=RunState.QUEUED, dispatch=r.dispatch + 1, retries=0, reason=None,
                 worker=None, group=[], delivery=None, rollback_to=step, rollback_reason=reason,
+                admitted=False,
             )  # fmt: skip
         if r.state.terminal:
             return None
@@ -470,19 +534,25 @@ def announced(r: RunRecord) -> RunRecord | None:
 
 
 def grantable(r: RunRecord) -> bool:
-    """A QUEUED run of one rank that the hub holds, asked nothing: one `delegate` applies to."""
+    """A QUEUED run of one rank that the hub holds, waiting for the scheduler, asked
+    nothing: one `delegate` applies to."""
     asked = r.cancel_requested or r.pause_requested or r.rollback_to is not None
-    return r.state is RunState.QUEUED and not r.site and r.spec.max_ranks == 1 and not asked
+    return (
+        r.state is RunState.QUEUED and not r.site and r.spec.max_ranks == 1 and not asked
+        and not r.admitted
+    )  # fmt: skip
 
 
 def delegate(site: str) -> Change:
     """A `grantable` run: granted to `site` under the next epoch (the site starts it, also
-    while cut off)."""
+    while cut off), which admits it."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if not grantable(r):
             return None
-        return _replace(r, site=site, epoch=r.epoch + 1, worker=None, delivery=None, group=[])
+        return _replace(
+            r, site=site, epoch=r.epoch + 1, worker=None, delivery=None, group=[], admitted=True
+        )
 
     return change
 
@@ -490,7 +560,7 @@ def delegate(site: str) -> Change:
 def take_back(site: str, epoch: int) -> Change:
     """While `site` holds the run under `epoch` and it is not over: the hub's again under
     the next epoch (every token of the site's grant is then below the hub's), QUEUED at the
-    next dispatch (a PAUSED run stays paused), held by nobody."""
+    next dispatch for the scheduler to admit (a PAUSED run stays paused), held by nobody."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if r.state.terminal or r.site != site or r.epoch != epoch:
@@ -498,7 +568,7 @@ def take_back(site: str, epoch: int) -> Change:
         state = RunState.PAUSED if r.state is RunState.PAUSED else RunState.QUEUED
         return _replace(
             r, site="", epoch=epoch + 1, state=state, dispatch=r.dispatch + 1, worker=None,
-            delivery=None, group=[],
+            delivery=None, group=[], admitted=False,
         )  # fmt: skip
 
     return change
@@ -563,3 +633,67 @@ def forward_requests(hub: RunRecord) -> Change:
         return _replace(r, cancel_requested=cancel, pause_requested=pause)
 
     return change
+
+
+# -- the scheduler (`shared.scheduling`, `services/dispatcher/scheduler.py`) ---------------
+
+
+def admit(dispatch: int, cap: int | None) -> Change:
+    """While the run is QUEUED at dispatch `dispatch`, the hub's, waiting for the scheduler
+    and asked nothing: admitted (its writer then publishes its task), an elastic run
+    allowed `cap` ranks."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        asked = r.cancel_requested or r.pause_requested
+        if r.state is not RunState.QUEUED or r.admitted or r.site or asked:
+            return None
+        if r.dispatch != dispatch:
+            return None
+        return _replace(r, admitted=True, ranks_cap=cap, waiting=None)
+
+    return change
+
+
+def queued_because(why: str) -> Change:
+    """While the run is QUEUED waiting for the scheduler and `waiting` says otherwise: it
+    says `why` (`baton status`; `baton queue` has the numbers)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state is not RunState.QUEUED or r.admitted or r.waiting == why:
+            return None
+        return _replace(r, waiting=why)
+
+    return change
+
+
+def ask_preempt(token: int | None, order: Preemption) -> Change:
+    """While the run is RUNNING under `token` (as the scheduler saw it), at the hub, asked
+    nothing else: asked to make room (`RunRecord.preempt`; a shrink also caps its ranks)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state is not RunState.RUNNING or r.token != token or r.site:
+            return None
+        if r.preempt is not None or r.cancel_requested or r.pause_requested:
+            return None
+        cap = order.to_ranks or r.ranks_cap
+        return _replace(r, preempt=order, ranks_cap=cap)
+
+    return change
+
+
+def cap_ranks(cap: int) -> Change:
+    """While the elastic run is not over nor asked to make room: it may hold `cap` ranks."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or r.preempt is not None or r.ranks_cap == cap:
+            return None
+        return _replace(r, ranks_cap=cap)
+
+    return change
+
+
+def settled(r: RunRecord) -> RunRecord | None:
+    """A terminal record whose holds are settled in the ledger: marked so, once."""
+    if not r.state.terminal or r.settled:
+        return None
+    return _replace(r, settled=True)

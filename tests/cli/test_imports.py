@@ -36,6 +36,9 @@ def imported_by(*args: str) -> set[str]:
         ["submit", "--help"],
         ["dlq", "list", "--help"],
         ["runs", "--state"],  # an option without its value
+        ["queue", "--pool"],
+        ["credits", "topup", "--help"],
+        ["pools", "apply", "--help"],
         ["no-such-command"],
     ],
     ids=" ".join,

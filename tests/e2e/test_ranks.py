@@ -291,8 +291,9 @@ async def test_a_group_never_trains_partly_formed_and_says_why(pool: Stack) -> N
         found = await runs.get(run_id)
         return found[0].waiting if found else None
 
+    # The scheduler admits no run its pool has not the trainers for, and says so.
     why = await eventually(waiting, 30, "the run to say why it waits")
-    assert "1 of 2 ranks held" in why and "default" in why
+    assert "needs 2 trainers at once" in why and "'default' has 1 live" in why, why
     found = await runs.get(run_id)
     assert found is not None
     record = found[0]
@@ -308,23 +309,26 @@ async def test_a_group_never_trains_partly_formed_and_says_why(pool: Stack) -> N
     assert record.waiting is None
 
 
-async def test_two_leaders_waiting_on_each_other_do_not_deadlock(pool: Stack) -> None:
-    """Both runs' tasks are taken before either calls for a rank, so each leader holds the
-    one trainer the other needs: only the younger giving way lets either form. (Their
-    trainers never give up on their own: `BATON_FORM_WAIT` is far beyond the test's bound.)"""
+async def test_two_groups_wanting_the_same_trainers_are_admitted_one_at_a_time(
+    pool: Stack,
+) -> None:
+    """Two runs of two ranks, queued before their pool has a trainer: each would hold the
+    one trainer the other needs if both were let go for them. The scheduler admits a group
+    only once its pool has every rank's trainer free, so the older forms first and the
+    younger after it, both complete, and no leader ever had to give way. (Their trainers
+    never give up on their own: `BATON_FORM_WAIT` is far beyond the test's bound.)"""
     nc = await pool.client()
     a = await submit(nc, ddp("race-a", total=30, steps_sleep=0.0, pool="race"))
     b = await submit(nc, ddp("race-b", total=30, steps_sleep=0.0, pool="race"))
     race = {"BATON_POOL": "race", "BATON_FORM_WAIT": "600"}
-    for name in ("r1", "r2"):  # the tasks come first in the queue: one each
+    for name in ("r1", "r2"):
         await pool.add_trainer(name, race)
-    for run_id in (a, b):
-        record = await finished(nc, run_id, timeout=90)
-        assert record.state is RunState.COMPLETED, record.reason
-    # Which trainer leads the younger run once the older one is done is a matter of timing;
-    # what must have happened is that the younger run's leader gave way to the older run.
-    gave_way = f"{b}: no group yet: gave way to the older run {a}"
-    assert any(gave_way in pool.log(name) for name in ("r1", "r2")), "no leader gave way"
+    done = [await finished(nc, run_id, timeout=90) for run_id in (a, b)]
+    assert all(r.state is RunState.COMPLETED for r in done), [r.reason for r in done]
+    stepped = [e.at for e in await history(nc, a) if isinstance(e, Progress)]
+    began = [e for e in await history(nc, b) if isinstance(e, Started)]
+    assert stepped and began and began[0].at >= max(stepped), (stepped, began)
+    assert not any("gave way" in pool.log(name) for name in ("r1", "r2")), "a leader gave way"
 
 
 async def test_two_groups_competing_for_the_same_trainers_both_finish(pool: Stack) -> None:

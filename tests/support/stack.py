@@ -45,6 +45,7 @@ class Stack:
         lease_ttl: int = 4,
         env: dict[str, str] | None = None,
         hub_nodes: int = 1,
+        people: tuple[str, ...] = (),
     ) -> None:
         self.root = root
         self.opts = StackOptions(
@@ -62,7 +63,9 @@ class Stack:
         )
         # Auth on, as `baton up` runs: every end-to-end test also checks that each service's
         # permissions give it what it needs. Two sites may join (tests/support/sites.py).
-        self.opts = msgspec.structs.replace(self.opts, ws_port=0, sites=("lab1", "lab2"))
+        self.opts = msgspec.structs.replace(
+            self.opts, ws_port=0, sites=("lab1", "lab2"), submitters=people
+        )
         self.hub: HubCluster = hub(self.opts, http_port=0)
         self.nats: NatsServer = self.hub.nodes[0]
         """The hub's first node (its only one unless `hub_nodes`)."""
@@ -164,6 +167,20 @@ class Stack:
     async def client(self) -> Client:
         nc = await connect(
             self.hub.url, "test", first_attempt_timeout=10, options=operator_options(self.opts)
+        )
+        self.clients.append(nc)
+        return nc
+
+    async def client_as(self, person: str) -> Client:
+        """A client logged in as `person`, one of the stack's `people` (a submitter of its
+        own: its runs are `<person>.r…`)."""
+        from baton.stack.embedded import vault
+        from shared.credentials import options_for
+
+        v = vault(self.opts)
+        assert v is not None and person in self.opts.submitters, person
+        nc = await connect(
+            self.hub.url, person, first_attempt_timeout=10, options=options_for(v.get(person))
         )
         self.clients.append(nc)
         return nc

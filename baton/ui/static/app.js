@@ -2,8 +2,8 @@
 // shows (a run's timeline comes from the same code as `baton report`); the page only draws
 // it and applies what the server pushes over Server-Sent Events. This file holds what every
 // view shares (helpers, the notice and `act`, the live stream) and the routing; the views
-// are in runs.js (the runs list), run.js (a run's page) and fleet.js (workers, sites,
-// streams, dead letters), loaded after it.
+// are in runs.js (the runs list), run.js (a run's page), fleet.js (workers, sites,
+// streams, dead letters) and queue.js (a pool's queue), loaded after it.
 "use strict";
 
 const TOKEN = document.querySelector('meta[name="baton-token"]').content;
@@ -158,7 +158,7 @@ function listen(f) {
 let leave = null;
 
 function route() {
-  const routes = { runs: viewRuns, run: viewRun, workers: viewWorkers, sites: viewSites, streams: viewStreams, dlq: viewDlq };
+  const routes = { runs: viewRuns, run: viewRun, workers: viewWorkers, sites: viewSites, streams: viewStreams, dlq: viewDlq, queue: viewQueue };
   if (leave) leave();
   const [, name = "runs", ...rest] = (location.hash || "#/runs").split("/");
   const view = routes[name] || viewRuns;

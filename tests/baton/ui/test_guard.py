@@ -143,7 +143,9 @@ def test_the_dashboard_role_may_publish_only_reads_replays_steering_and_drains()
     assert perms.subscribe == ("_INBOX_dashboard.>",)
     outside_the_api = [s for s in perms.publish if not s.startswith("$JS.")]
     drains = f"$KV.{names.DRAINS_BUCKET}.>"
-    assert sorted(outside_the_api) == sorted([*DASHBOARD_REPLAYS, names.STEER_ALL, drains])
+    # The queue page asks the scheduler for a pool's queue (core request and reply).
+    wanted = [*DASHBOARD_REPLAYS, names.STEER_ALL, drains, names.QUEUE_ALL]
+    assert sorted(outside_the_api) == sorted(wanted)
     assert not [s for s in outside_the_api if s.startswith(f"{names.PREFIX}.control.")]
     kv = [s for s in perms.publish if s.startswith("$KV.")]
     assert kv == [drains], "no record or lease write: the drains bucket alone"

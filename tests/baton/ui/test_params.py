@@ -92,3 +92,15 @@ async def test_an_actions_body_of_another_shape_is_refused_saying_what(
         await params.action_body(posted(body, chunks=3))
     assert refused.value.code == params.BAD_REQUEST
     assert said in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("name", ["default", "gpu-a100", "pool_2", "p" * 64])
+def test_a_pool_name_that_is_a_subject_token_is_taken(name: str) -> None:
+    assert params.pool(name) == name
+
+
+@pytest.mark.parametrize("name", ["*", ">", "gpu.*", "a.b", "", "a b", "p" * 65, "gp\u00fc"])
+def test_a_pool_name_that_could_be_a_wildcard_or_no_token_is_refused(name: str) -> None:
+    with pytest.raises(CliError) as refused:
+        params.pool(name)
+    assert refused.value.code == params.BAD_REQUEST and "not a pool name" in str(refused.value)

@@ -23,6 +23,7 @@ from tests.services.dispatcher.test_service import GOOD, submit, tasks_for
 from tests.services.dispatcher.test_steering import serving
 from tests.shared.checkpoint.test_rebase import commit_step
 from tests.support.stack import eventually
+from tests.support.trainers import heartbeats
 
 
 async def rollback(nc: Client, run_id: str, step: int) -> None:
@@ -35,6 +36,11 @@ async def test_rollbacks_are_ordered_reopen_failed_runs_and_refuse_what_cannot_a
 ) -> None:
     url = f"file://{tmp_path / 'store'}"
     monkeypatch.setenv("BATON_STORE", url)  # the dispatcher's store, as `baton up` sets it
+    async with heartbeats(nc, 1):  # a trainer, idle: the scheduler admits the run at once
+        await _rollbacks(nc, url)
+
+
+async def _rollbacks(nc: Client, url: str) -> None:
     stop, task = await serving(nc, {})
     runs = await Runs.open(nc.jetstream())
     await submit(nc, json.dumps({**GOOD, "idempotency_key": "k"}).encode(), "k")
@@ -59,6 +65,7 @@ async def test_rollbacks_are_ordered_reopen_failed_runs_and_refuse_what_cannot_a
             r, state=RunState.FAILED, reason="boom", retries=4, rollback_to=None
         )
 
+    await eventually(lambda: _count(nc, run_id, 1), 10, "its task")
     await runs.update(run_id, failed)
     assert await tasks_for(nc, run_id) == 1
     await rollback(nc, run_id, 10)

@@ -18,6 +18,7 @@ from shared.contracts.letters import DeadLetter
 from shared.contracts.records import replica_run_id
 from shared.state.runs import Runs
 from tests.support.stack import eventually
+from tests.support.trainers import heartbeats
 
 GOOD = {"name": "t", "entry_point": "examples.regression:train", "total_steps": 10}
 
@@ -109,6 +110,11 @@ BAD = [
 
 
 async def test_bad_input_is_rejected_named_and_dead_lettered(nc: Client) -> None:
+    async with heartbeats(nc, 1):
+        await _bad_input_is_rejected(nc)
+
+
+async def _bad_input_is_rejected(nc: Client) -> None:
     stop, tasks = await start_dispatchers(nc)
     runs = await Runs.open(nc.jetstream())
     for key, payload, _reason, _path in BAD:
@@ -143,6 +149,11 @@ async def test_bad_input_is_rejected_named_and_dead_lettered(nc: Client) -> None
 
 
 async def test_same_key_twice_and_concurrently_gives_one_run_one_task(nc: Client) -> None:
+    async with heartbeats(nc, 2):
+        await _same_key_twice(nc)
+
+
+async def _same_key_twice(nc: Client) -> None:
     stop, tasks = await start_dispatchers(nc, count=2)
     runs = await Runs.open(nc.jetstream())
     spec = json.dumps({**GOOD, "idempotency_key": "once"}).encode()
@@ -163,6 +174,11 @@ async def test_same_key_twice_and_concurrently_gives_one_run_one_task(nc: Client
 
     accepted = await eventually(all_answered, 15, "every submission answered")
     assert sum(not e.duplicate for e in accepted) == 1
+
+    async def admitted() -> bool:
+        return await tasks_for(nc, run_id) == 1
+
+    await eventually(admitted, 10, "the run's task")
     assert await tasks_for(nc, run_id) == 1
     assert len(await runs.all()) == 1
     # Every submission was acked, so the work queue is empty.
@@ -204,6 +220,11 @@ async def test_one_batch_handled_at_once_keeps_every_guarantee(nc: Client) -> No
     others = [f"other-{i}" for i in range(20)]
     for key in others:
         await submit(nc, json.dumps({**GOOD, "idempotency_key": key}).encode(), key)
+    async with heartbeats(nc, 25):
+        await _one_batch(nc, runs, others)
+
+
+async def _one_batch(nc: Client, runs: Runs, others: list[str]) -> None:
     stop, tasks = await start_dispatchers(nc)
 
     async def drained() -> bool:
@@ -218,11 +239,15 @@ async def test_one_batch_handled_at_once_keeps_every_guarantee(nc: Client) -> No
     rejected = [e for e in answers if isinstance(e, Rejected)]
     assert sum(not e.duplicate for e in accepted) == 1 and len(accepted) == 20
     assert len(rejected) == 1 and "different job spec" in rejected[0].reason
-    assert await tasks_for(nc, run_id) == 1
+
+    async def admitted() -> bool:  # the scheduler admits each, once, a trainer being free
+        counts = [await tasks_for(nc, r) for r in (run_id, *map(run_id_for, others))]
+        assert max(counts) <= 1, counts
+        return min(counts) == 1
+
+    await eventually(admitted, 10, "every run's task")
     found = await runs.get(run_id)
     assert found is not None and found[0].spec.total_steps == 10
-    for key in others:
-        assert await tasks_for(nc, run_id_for(key)) == 1
     letters = await nc.jetstream().stream_info(names.DLQ_STREAM)
     assert letters.state.messages == 2  # the poison and the conflicting spec, each once
     poison = await eventually(
@@ -241,6 +266,11 @@ async def _answers(nc: Client, run_id: str, count: int) -> list[Event] | None:
 async def test_a_replicated_job_is_one_run_per_replica_each_queued_once(nc: Client) -> None:
     """`replicas = 3`: runs `<run>-replica-0..2`, each its spec with `replica` set and one
     task; accepted under the replicated run's own id too; a resubmission adds nothing."""
+    async with heartbeats(nc, 3):
+        await _replicated(nc)
+
+
+async def _replicated(nc: Client) -> None:
     stop, tasks = await start_dispatchers(nc)
     runs = await Runs.open(nc.jetstream())
     spec = json.dumps({**GOOD, "replicas": 3, "idempotency_key": "rep"}).encode()
@@ -252,10 +282,15 @@ async def test_a_replicated_job_is_one_run_per_replica_each_queued_once(nc: Clie
         return any(isinstance(e, Accepted) for e in await events_of(nc, run_id))
 
     await eventually(accepted, 10, "the replicated run accepted")
+
+    async def admitted() -> bool:
+        return all([await tasks_for(nc, rid) == 1 for rid in ids])
+
+    await eventually(admitted, 10, "each replica's task")
     for i, rid in enumerate(ids):
         found = await runs.get(rid)
         assert found is not None and found[0].spec.replica == i, (rid, found)
-        assert found[0].spec.replicated and await tasks_for(nc, rid) == 1
+        assert found[0].spec.replicated
     assert await runs.get(run_id) is None  # no record stands for the replicated run
     await submit(nc, spec, "r2")
 

@@ -21,6 +21,7 @@ from shared.contracts.letters import DeadLetter
 from shared.state.runs import Runs
 from tests.services.dispatcher.test_service import GOOD, events_of, submit, tasks_for
 from tests.support.stack import eventually
+from tests.support.trainers import heartbeats
 
 
 async def serving(nc: Client, env: dict[str, str]) -> tuple[asyncio.Event, asyncio.Task[None]]:
@@ -35,6 +36,11 @@ async def steer(nc: Client, req: Pause | Resume) -> None:
 
 
 async def test_pause_and_resume_a_queued_run(nc: Client) -> None:
+    async with heartbeats(nc, 1):  # a trainer, idle: the scheduler admits the run at once
+        await _pause_and_resume(nc)
+
+
+async def _pause_and_resume(nc: Client) -> None:
     stop, task = await serving(nc, {})
     runs = await Runs.open(nc.jetstream())
     await submit(nc, json.dumps({**GOOD, "idempotency_key": "p"}).encode(), "p")

@@ -60,7 +60,8 @@ from shared.contracts.events import (
 )
 from shared.state.endings import settle
 from shared.state.lease import Lease, holder, is_held
-from shared.state.pools import Pools, load_table
+from shared.state.policy import Policy, load_table
+from shared.state.pools import Pools
 from shared.state.runs import Runs
 from tests.support.stack import eventually
 
@@ -256,7 +257,7 @@ async def rig(declared: Client, tmp_path: Path) -> AsyncIterator[Rig]:
     await ensure_consumer(js, names.TASKS_STREAM, consumer)
     tasks = await js.pull_subscribe_bind(names.trainer_consumer(POOL), names.TASKS_STREAM)
     store = open_store(settings.store_url)
-    pools = Pools(js, load_table(settings.pools_file))
+    pools = Pools(js, Policy(js, load_table(settings.pools_file)))
     rig = Rig(nc, settings, store, await Runs.open(js), pools, tasks)
     try:
         await rig.prestart()

@@ -19,7 +19,10 @@ from shared.state import grants
 from shared.state import transitions as t
 from tests.shared.state.test_transitions import SPEC, applied, changed, record, refused, terminal
 
-QUEUED = record(state=RunState.QUEUED, worker=None, token=3, delivery=None, group=[])
+QUEUED = record(
+    state=RunState.QUEUED, worker=None, token=3, delivery=None, group=[], admitted=False
+)
+"""Queued and waiting for the scheduler, which grants it."""
 
 
 def test_tokens_order_by_epoch_before_revision() -> None:
@@ -72,7 +75,7 @@ async def test_no_fence_without_a_checkpoint_and_none_over_a_final_one(tmp_path:
 
 def test_delegate_grants_a_queued_run_of_one_rank_under_the_next_epoch() -> None:
     new = applied(t.delegate("lab1"), QUEUED)
-    assert changed(QUEUED, new) == {"site": "lab1", "epoch": 1}
+    assert changed(QUEUED, new) == {"site": "lab1", "epoch": 1, "admitted": True}
     ranks = msgspec.structs.replace(SPEC, ranks=2)
     refused(
         t.delegate("lab1"), record(), new, msgspec.structs.replace(QUEUED, spec=ranks),

@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from shared.contracts import JobSpec, RunRecord, RunState, Skip, convert, spec_hash
+from shared.contracts.records import Preemption
 from shared.state import transitions as t
 from shared.state.runs import Change
 
@@ -332,7 +333,7 @@ def test_resume() -> None:
     new = applied(t.resume(), r)
     assert changed(r, new) == {
         "state": RunState.QUEUED, "dispatch": 3, "pause_requested": None, "retries": 0,
-        "group": [],
+        "group": [], "admitted": False,
     }, changed(r, new)  # fmt: skip
     refused(t.resume(), record(), record(state=RunState.QUEUED), *terminal())
 
@@ -354,3 +355,87 @@ def test_roll_back() -> None:
         "busy_s": 5.0, "actual_cost": 0.75,
     }, changed(r, new)  # fmt: skip
     refused(t.roll_back(SPENT, first), record(token=6), *terminal())
+
+
+# -- the scheduler -----------------------------------------------------------------------
+
+PRIORITY = Preemption(by="r2", kind="priority", reason="priority 10 over 0")
+
+
+def test_admit() -> None:
+    r = record(state=RunState.QUEUED, worker=None, admitted=False, dispatch=3)
+    new = applied(t.admit(3, None), r)
+    assert changed(r, new) == {"admitted": True}, changed(r, new)
+    assert applied(t.admit(3, 2), r).ranks_cap == 2
+    refused(
+        t.admit(3, None), new, record(admitted=False), *terminal(admitted=False),
+        record(state=RunState.QUEUED, admitted=False, dispatch=4),
+        record(state=RunState.QUEUED, admitted=False, dispatch=3, site="lab1"),
+        record(state=RunState.QUEUED, admitted=False, dispatch=3, pause_requested="p"),
+    )  # fmt: skip
+
+
+def test_a_run_waiting_for_the_scheduler_is_not_marked_running() -> None:
+    waiting = record(state=RunState.QUEUED, worker=None, admitted=False)
+    refused(t.mark_running("w9", 6, None, []), waiting)
+    shrunk = record(preempt=Preemption(by="r2", kind="priority", reason="", to_ranks=1))
+    assert applied(t.mark_running("w9", 6, None, []), shrunk).preempt is None
+
+
+def test_ask_preempt() -> None:
+    r = record()
+    new = applied(t.ask_preempt(5, PRIORITY), r)
+    assert changed(r, new) == {"preempt": PRIORITY}, changed(r, new)
+    shrink = Preemption(by="r2", kind="priority", reason="", to_ranks=1)
+    assert applied(t.ask_preempt(5, shrink), r).ranks_cap == 1
+    refused(
+        t.ask_preempt(5, PRIORITY), new, record(token=6), *terminal(),
+        record(state=RunState.QUEUED), record(site="lab1"), record(pause_requested="p"),
+        record(cancel_requested="c"),
+    )  # fmt: skip
+
+
+def test_requeue() -> None:
+    r = record(preempt=PRIORITY, ranks_cap=2, dispatch=4)
+    new = applied(t.requeue(SPENT, 20), r)
+    assert changed(r, new) == {
+        "state": RunState.QUEUED, "admitted": False, "preempt": None, "ranks_cap": None,
+        "worker": None, "group": [], "delivery": None, "dispatch": 5, "preemptions": 1,
+        "step": 20, "busy_s": 5.0, "actual_cost": 0.75,
+    }, changed(r, new)  # fmt: skip
+    refused(t.requeue(SPENT), record(token=6), *terminal())
+
+
+def test_requeue_unowned() -> None:
+    r = record(preempt=PRIORITY, worker=None)
+    new = applied(t.requeue_unowned, r)
+    assert new.state is RunState.QUEUED and not new.admitted and new.dispatch == 2, new
+    shrink = Preemption(by="r2", kind="priority", reason="", to_ranks=1)
+    refused(t.requeue_unowned, record(), record(preempt=shrink), *terminal(preempt=PRIORITY))
+
+
+def test_cap_ranks() -> None:
+    r = record(ranks_cap=1)
+    assert changed(r, applied(t.cap_ranks(3), r)) == {"ranks_cap": 3}
+    refused(t.cap_ranks(3), record(ranks_cap=3), record(preempt=PRIORITY), *terminal())
+
+
+def test_add_hold_and_settled() -> None:
+    r = record(holds=[100])
+    assert changed(r, applied(t.add_hold(1, 50), r)) == {"holds": [100, 50]}
+    refused(t.add_hold(0, 50), r)  # the first hold is there already
+    refused(t.add_hold(1, 50), *terminal(holds=[100]))
+    done = record(state=RunState.COMPLETED)
+    assert applied(t.settled, done).settled
+    refused(t.settled, record(), record(state=RunState.COMPLETED, settled=True))
+
+
+def test_a_resumed_taken_back_or_reopened_run_waits_for_the_scheduler() -> None:
+    assert not applied(t.resume(), record(state=RunState.PAUSED)).admitted
+    granted = record(state=RunState.QUEUED, site="lab1", epoch=1)
+    assert not applied(t.take_back("lab1", 1), granted).admitted
+    failed = record(state=RunState.FAILED)
+    assert not applied(t.order_rollback(5, "back"), failed).admitted
+    queued = record(state=RunState.QUEUED, worker=None, group=[], admitted=False)
+    assert applied(t.delegate("lab1"), queued).admitted
+    refused(t.delegate("lab1"), record(state=RunState.QUEUED, worker=None))  # admitted

@@ -28,7 +28,7 @@ def test_a_failed_run_is_reopened_and_a_finished_one_is_not() -> None:
     new = applied(t.order_rollback(4, "try again"), failed)
     assert changed(failed, new) == {
         "state": RunState.QUEUED, "dispatch": 3, "retries": 0, "reason": None,
-        "delivery": None, "rollback_to": 4, "rollback_reason": "try again",
+        "delivery": None, "rollback_to": 4, "rollback_reason": "try again", "admitted": False,
     }, changed(failed, new)  # fmt: skip
     refused(
         t.order_rollback(4, "x"),

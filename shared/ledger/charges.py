@@ -1,0 +1,71 @@
+"""What a run is charged: read from its events, the way its goodput is.
+
+Invariant: a run is charged for its productive trainer-seconds — steps whose progress was
+kept (`shared.history.goodput`) — and for the whole of every attempt its own code failed
+(an `attempt_failed`, a divergence guard's stop, the run's `failed` after its code
+failed), each second times the ranks of the attempt, at its price for the attempt's
+device kind (`Started.device`). Nothing else: steps redone after a kill, a cut or a lost
+rank, the time to notice and hand over, restores, waiting in the queue, the checkpoint
+a preemption takes, a replicated run's round waits — Baton's failures and its way of
+working are never the owner's to pay for.
+
+The events are those of `shared.bus.history.run_events`, on the hub's clock, so every
+reader of a run — the reaper settling it, a test checking the ledger — computes the same
+seconds from the same events, and the same charge.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.contracts import events as ev
+from shared.contracts.events import Event
+from shared.contracts.pools import units
+from shared.history.goodput import per_attempt
+from shared.history.timeline import Attempt
+
+BATONS_OWN = ("gave up after ", "hard_timeout")
+"""How `failed` reasons that are not the run's own code's failure begin: its task used up
+its deliveries (trainers kept dying under it), or the hub stopped it at its time limit."""
+
+
+class Charge(msgspec.Struct, frozen=True, kw_only=True):
+    productive_s: float
+    """Trainer-seconds of kept progress."""
+    failed_s: float
+    """Trainer-seconds of attempts its own code failed, beyond their kept progress."""
+    free_s: float
+    """Every other trainer-second of its attempts: not charged."""
+    charged: int
+    """In units (`shared.contracts.pools.units`)."""
+
+
+def own_failure(a: Attempt) -> bool:
+    """Whether attempt `a` ended because the run's own code failed."""
+    end = a.end_event
+    if isinstance(end, ev.AttemptFailed | ev.Guarded):
+        return True
+    return isinstance(end, ev.Failed) and not end.reason.startswith(BATONS_OWN)
+
+
+def charge(events: list[Event], price: dict[str, float]) -> Charge:
+    """The charge of the run whose events (in stream order, on one clock) are `events`, at
+    `price` (credits per trainer-second by device kind; `*` for any other)."""
+    waits: dict[str, float] = {}
+    for e in events:
+        if isinstance(e, ev.Round):
+            waits[e.worker] = waits.get(e.worker, 0.0) + e.note.waited_s
+    productive = failed = free = credits = 0.0
+    for share in per_attempt(events):
+        a, parts = share.attempt, share.parts
+        ranks = max(1, a.started.ranks)
+        waited = min(waits.pop(a.started.worker, 0.0), parts["productive"])
+        kept = parts["productive"] - waited
+        mine = sum(parts.values()) - parts["recovery"]
+        extra = mine - kept if own_failure(a) else 0.0
+        rate = price.get(a.started.device, price.get("*", 0.0))
+        productive += kept * ranks
+        failed += extra * ranks
+        free += (mine - kept - extra) * ranks
+        credits += (kept + extra) * ranks * rate
+    return Charge(productive_s=productive, failed_s=failed, free_s=free, charged=units(credits))

@@ -1,0 +1,116 @@
+"""Holding a run's estimated cost as it is accepted (or resumed), against its owner's credits.
+
+The estimate: the run's steps still to train times the median seconds per step of the last
+completed runs of the same job name in its pool (`Pools.job_step_s`), else the job's own
+`estimate_s` (for the share of its steps still to train), times its ranks and the pool's
+`estimate_margin`, at the pool's dearest price (the trainer it gets is not known yet; the
+settlement charges the real one). A pool with a price and a job with neither is refused:
+nothing would bound what it spends.
+
+Holds of one owner are taken one at a time in this process, each a compare-and-swap on the
+owner's newest ledger entry (`book.write(after=…)`): a balance read once is never spent
+twice, by this dispatcher or another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from shared.contracts.jobs import JobSpec
+from shared.contracts.ledger import Hold
+from shared.contracts.pools import Pool, credits, units
+from shared.errors import ContractError
+from shared.ledger import book
+from shared.state.pools import Pools
+
+TRIES = 5
+
+
+@dataclass(frozen=True)
+class Estimate:
+    trainer_s: float
+    amount: int
+    """Units to hold."""
+    how: str
+
+
+async def reckon(pools: Pools, spec: JobSpec, pool: Pool, steps: int) -> Estimate:
+    """What `steps` more steps of `spec` will cost, held (the module's docstring)."""
+    ranks = spec.max_ranks
+    step_s = await pools.job_step_s(spec.pool, spec.name)
+    if step_s is not None:
+        trainer_s = steps * step_s * ranks
+        how = (
+            f"{steps} steps x {step_s:.3g} s/step (the median of earlier {spec.name!r} runs) "
+            f"x {ranks} rank(s)"
+        )
+    elif spec.estimate_s is not None:
+        trainer_s = spec.estimate_s * steps / spec.total_steps * ranks
+        how = f"estimate_s {spec.estimate_s:g} x {steps}/{spec.total_steps} steps x {ranks} rank(s)"
+    else:
+        raise ContractError(
+            f"pool {spec.pool!r} charges credits and no earlier {spec.name!r} run measured "
+            "its step time: give the job an estimate_s (seconds it will train)",
+            "$.estimate_s",
+        )
+    price = pool.dearest()
+    amount = units(trainer_s * pool.estimate_margin * price)
+    how += f" x margin {pool.estimate_margin:g} at {price:g} credits/s = {credits(amount)} credits"
+    return Estimate(trainer_s, amount, how)
+
+
+class Short(ContractError):
+    """The owner's balance does not cover the holds asked for."""
+
+
+class Holds:
+    """The dispatcher's holds, and the balances it checks them against."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self._accounts: dict[str, book.Account] = {}
+        self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    async def take(self, owner: str, wanted: list[Hold]) -> None:
+        """Take every hold of `wanted` not taken yet (a submission delivered again finds
+        its own), all or none: `Short`, naming the balance and what was asked, when the
+        owner's balance does not cover them."""
+        async with self._locks[owner]:
+            missing = [h for h in wanted if await book.find(self.js, book.subject_of(h)) is None]
+            for _ in range(TRIES):
+                if not missing:
+                    return
+                account = await self._account(owner)
+                need = sum(h.amount for h in missing)
+                if account.balance < need:
+                    why = "; ".join(h.estimate for h in missing)
+                    raise Short(
+                        f"{owner}'s balance of {credits(account.balance)} credits is short of "
+                        f"the {credits(need)} this run holds ({why}); an operator tops it up "
+                        f"(`baton credits topup {owner} N`)",
+                        "$.estimate_s",
+                    )
+                try:
+                    while missing:
+                        seq = await book.write(self.js, missing[0], after=account.last_seq)
+                        account.fold(seq or account.last_seq, missing.pop(0))
+                except book.Moved:
+                    continue  # read the owner's entries since, and check again
+            raise ContractError(f"{owner}'s credits kept changing under this hold; try again")
+
+    async def _account(self, owner: str) -> book.Account:
+        """`owner`'s account: read whole once, then only the entries since."""
+        cached = self._accounts.get(owner)
+        if cached is None:
+            cached = (await book.read(self.nc, owner))[owner]
+            self._accounts[owner] = cached
+            return cached
+        for seq, entry in await book.since(self.nc, owner, cached.last_seq):
+            cached.fold(seq, entry)
+        return cached

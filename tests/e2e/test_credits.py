@@ -1,0 +1,199 @@
+"""Prepaid credits end to end: a short balance refused at submit; a run whose hold runs out
+pauses at a checkpoint and, topped up and resumed, ends with the bits of an uninterrupted
+run; the ledger balances to the unit — charged exactly the productive trainer-seconds at
+the price, the rest refunded — also for a run whose trainer was SIGKILLed three times
+(docs/scheduling.md, "Credits").
+
+Real processes under `baton up`'s authorization; alice is a person (a submitter of her own),
+the pool has a price. The runs are the character model (a shuffling data loader, AdamW, a
+cosine schedule).
+"""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+
+from baton.cli import client
+from shared.contracts import JobSpec, RunRecord, RunState
+from shared.contracts.control import Resume
+from shared.contracts.events import Paused, Progress, Rejected, RunWarning, Started
+from shared.contracts.ledger import Hold, Settle, TopUp
+from shared.contracts.pools import units
+from shared.history.goodput import goodput
+from shared.ledger import book
+from shared.state.runs import Runs
+from tests.e2e.jobs import finished, history, job, submit
+from tests.support.stack import Stack, eventually
+
+pytestmark = [pytest.mark.sharing, pytest.mark.timeout(600)]
+
+PRICE = 0.01
+"""Credits per trainer-second on the CPU."""
+POOLS = f"""
+[pools.default]
+min_run_s = 0
+price = {{ cpu = {PRICE} }}
+estimate_margin = 1.25
+"""
+
+
+def charlm(key: str, total: int, pace: float, **over: Any) -> JobSpec:
+    return job(
+        name=over.pop("name", "charlm"), entry_point="examples.charlm:train", total_steps=total,
+        seed=7, checkpoint={"every_steps": 40}, config={"pace": pace, "hidden": 32, "embed": 16},
+        idempotency_key=key, **over,
+    )  # fmt: skip
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    """The hub's services, two trainers restarted when they die (as under `baton up`)."""
+    root = tmp_path_factory.mktemp("credits")
+    pools = root / "pools.toml"
+    pools.write_text(POOLS)
+    s = Stack(
+        root / "stack", trainers=0, people=("alice",), env={"BATON_POOLS_FILE": str(pools)}
+    )
+    try:
+        await s.start(("dispatcher", "checkpointer", "reaper"))
+        for name in ("t1", "t2"):
+            await s.add_trainer(name, restart=True)
+        await s.ready(("trainer",))
+        yield s
+    finally:
+        await s.stop()
+
+
+_reference: dict[int, str] = {}
+
+
+async def reference(nc: Client, total: int) -> str:
+    """An operator's uninterrupted run: no owner, so it costs no credits."""
+    if total not in _reference:
+        rec = await finished(nc, await submit(nc, charlm(f"ref-{total}", total, 0.0)), 180)
+        assert rec.state is RunState.COMPLETED and rec.digest and not rec.price, rec
+        _reference[total] = rec.digest
+    return _reference[total]
+
+
+async def topup(nc: Client, owner: str, credits: float) -> None:
+    entry = TopUp(owner=owner, id=uuid.uuid4().hex, amount=units(credits), by="test")
+    assert await book.write(nc.jetstream(), entry) is not None
+
+
+async def record(nc: Client, run_id: str) -> RunRecord:
+    found = await (await Runs.open(nc.jetstream())).get(run_id)
+    assert found is not None, run_id
+    return found[0]
+
+
+async def settled(nc: Client, owner: str, run_id: str) -> Settle:
+    async def found() -> Settle | None:
+        entry = await book.find(nc.jetstream(), f"baton.ledger.{owner}.settle.{run_id}")
+        return entry if isinstance(entry, Settle) else None
+
+    return await eventually(found, 60, f"{run_id} settled")
+
+
+async def balanced(nc: Client, owner: str, run_id: str, topped: int) -> Settle:
+    """The run's one settlement, checked against its events: charged exactly its productive
+    (and own-failure) trainer-seconds at the price, refunded the rest of its holds, and the
+    owner's balance what was topped up less what was charged, to the unit."""
+    settle = await settled(nc, owner, run_id)
+    account = (await book.read(nc, owner, keep=True))[owner]
+    mine = [e for _, e in account.entries if getattr(e, "run_id", None) == run_id]
+    holds = [e for e in mine if isinstance(e, Hold)]
+    assert [type(e) for e in mine].count(Settle) == 1, mine
+    assert settle.held == sum(h.amount for h in holds), (settle, holds)
+    assert settle.charged == units((settle.productive_s + settle.failed_s) * PRICE), settle
+    assert settle.refund == settle.held - settle.charged
+    # The productive seconds are the run's goodput (one rank: trainer-seconds = seconds).
+    spent = goodput(await history(nc, run_id))
+    assert spent is not None and spent.finished, spent
+    assert abs(settle.productive_s - spent.productive_s) < 1e-6, (settle, spent)
+    assert account.balance == topped - settle.charged, (account.balance, topped, settle)
+    assert run_id not in account.holds, "the run's holds are released"
+    return settle
+
+
+async def test_a_short_balance_is_refused_at_submit_with_the_numbers(stack: Stack) -> None:
+    alice = await stack.client_as("alice")
+    spec = charlm("short", 100, 0.0, name="never-run", estimate_s=100)
+    run_id, answer = await client.submit(alice, spec, 10)
+    assert isinstance(answer, Rejected), answer
+    assert "balance of 0 credits is short of the 1.25" in answer.reason, answer.reason
+    assert "estimate_s 100" in answer.reason, answer.reason
+    assert await (await Runs.open(alice.jetstream())).get(run_id) is None, "nothing queued"
+
+
+async def test_a_run_out_of_credits_pauses_and_resumes_bit_for_bit(stack: Stack) -> None:
+    op, alice = await stack.client(), await stack.client_as("alice")
+    total = 300
+    want = await reference(op, total)
+    before = (await book.read(op, "alice"))["alice"].balance
+    await topup(op, "alice", 1.0)
+    # A first estimate of 3 s for a run that trains for longer: its hold (3 s x 1.25 at the
+    # price) runs out part-way, and it pauses at a checkpoint.
+    run_id = await submit(alice, charlm("paused", total, 0.02, name="first-of-its-name",
+                                        estimate_s=3))  # fmt: skip
+    hold = (await record(op, run_id)).holds
+    assert hold == [units(3 * 1.25 * PRICE)], hold
+
+    async def paused() -> Paused | None:
+        found = [e for e in await history(op, run_id) if isinstance(e, Paused)]
+        return found[0] if found else None
+
+    pause = await eventually(paused, 120, "the run to pause on its credits")
+    assert pause.reason.startswith("budget:"), pause
+    rec = await record(op, run_id)
+    assert rec.state is RunState.PAUSED and 0 < rec.step < total, rec
+    warned = [e for e in await history(op, run_id) if isinstance(e, RunWarning)]
+    assert any(w.kind == "credits_80" for w in warned), warned
+
+    await topup(op, "alice", 1.0)
+    await client.steer(alice, Resume(run_id=run_id, reason="topped up"))
+    done = await finished(op, run_id, 180)
+    assert done.state is RunState.COMPLETED and done.digest == want, done
+    assert len(done.holds) == 2, done.holds
+    starts = [e.start_step for e in await history(op, run_id) if isinstance(e, Started)]
+    assert starts == [0, pause.step], (starts, pause)
+    settle = await balanced(op, "alice", run_id, before + units(2.0))
+    assert settle.failed_s == 0 and settle.charged <= settle.held, settle
+
+
+async def test_a_run_killed_three_times_is_charged_only_what_it_kept(stack: Stack) -> None:
+    op, alice = await stack.client(), await stack.client_as("alice")
+    total = 400
+    want = await reference(op, total)
+    before = (await book.read(op, "alice"))["alice"].balance
+    await topup(op, "alice", 5.0)
+    run_id = await submit(alice, charlm("killed", total, 0.03, estimate_s=60))
+    kills = 0
+    step = 0
+    while kills < 3:
+        step = await eventually(lambda s=step: _past(op, run_id, s + 60), 120, "more steps")
+        holder = (await record(op, run_id)).worker
+        assert holder in ("t1", "t2"), holder
+        stack.signal(holder, signal.SIGKILL)
+        kills += 1
+    done = await finished(op, run_id, 240)
+    assert done.state is RunState.COMPLETED and done.digest == want, done
+    spent = goodput(await history(op, run_id))
+    assert spent is not None and spent.steps_redone > 0, spent  # the kills cost steps
+    settle = await balanced(op, "alice", run_id, before + units(5.0))
+    # Redone steps were not charged: they are among the run's free seconds (so are its
+    # restores and startups; the recovery between attempts is no attempt's at all).
+    assert settle.free_s >= spent.wasted_s - 1e-6 and spent.wasted_s > 0, (settle, spent)
+    assert settle.failed_s == 0, settle
+
+
+async def _past(nc: Client, run_id: str, step: int) -> int | None:
+    steps = [e.step for e in await history(nc, run_id) if isinstance(e, Progress)]
+    return max(steps) if steps and max(steps) >= step else None
