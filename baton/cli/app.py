@@ -131,6 +131,14 @@ def up(
             "near their budget or a site is cut off; runs the notifier (docs/alerts.md).",
         ),
     ] = None,
+    pools: Annotated[
+        Path | None,
+        typer.Option(
+            help="At the hub: the pools' table (priorities, owners' shares and quotas, "
+            "prices: docs/scheduling.md), in force at once and again whenever the file "
+            "changes.",
+        ),
+    ] = None,
 ) -> None:
     """Run the whole stack on this machine: NATS with JetStream, a file:// store, and every
     service as its own process — or, with --site NAME --hub URL, a site: a leaf NATS server
@@ -150,10 +158,7 @@ def up(
             fail("--hub-nodes and --replicas are for the hub, not a site", code=2)
     elif hub or hub_auth:
         fail("--hub and --hub-auth are for a site: add --site NAME", code=2)
-    if alerts is not None:
-        if site is not None:
-            fail("--alerts is for the hub, not a site", code=2)
-        _check_alerts(alerts)
+    extra_env = _hub_files(site, alerts, pools)
     if replicas is not None and replicas > hub_nodes:
         fail(f"--replicas {replicas} needs at least as many --hub-nodes, not {hub_nodes}", code=2)
     joining = tuple(s.strip() for s in sites.split(",") if s.strip())
@@ -180,8 +185,33 @@ def up(
         hub_nodes=hub_nodes,
         replicas=replicas,
         alerts=str(alerts.absolute()) if alerts is not None else "",
+        extra_env=extra_env,
     )
     raise typer.Exit(asyncio.run(run_stack(opts)))
+
+
+def _hub_files(site: str | None, alerts: Path | None, pools: Path | None) -> dict[str, str]:
+    """The hub's own files checked before anything starts (a bad one stops `baton up`
+    naming the field), and the services' environment for the pools' table."""
+    for given, flag in ((alerts, "--alerts"), (pools, "--pools")):
+        if given is not None and site is not None:
+            fail(f"{flag} is for the hub, not a site", code=2)
+    if alerts is not None:
+        _check_alerts(alerts)
+    return {"BATON_POOLS_FILE": _checked_pools(pools)} if pools is not None else {}
+
+
+def _checked_pools(path: Path) -> str:
+    """The pools' table's path, once it reads as one: a bad file stops `baton up` naming
+    the field, before anything starts."""
+    from shared.errors import ConfigError
+    from shared.state.policy import load_table
+
+    try:
+        load_table(str(path))
+    except ConfigError as exc:
+        fail(str(exc), code=2)
+    return str(path.absolute())
 
 
 def _check_alerts(path: Path) -> None:

@@ -67,6 +67,7 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
         ("worker", record.worker or "-"),
         ("token", str(record.token or "-")),
         ("site", f"{record.site} (granted, epoch {record.epoch})" if record.site else "-"),
+        *_sharing_rows(record, events),
         *_group_rows(record, events),
         *(
             [("replica", f"{record.spec.replica} of {record.spec.max_replicas} (`baton rounds`)")]
@@ -84,6 +85,29 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
     ]:
         t.add_row(f"[bold]{k}[/bold]", v)
     out.print(t)
+
+
+def _sharing_rows(record: RunRecord, events: list[Event]) -> list[tuple[str, str]]:
+    """Its owner and priority, the runs it made room for, and its credits
+    (docs/scheduling.md); why it waits is the scheduler's to say (`waiting`)."""
+    from shared.contracts.events import Preempted
+    from shared.contracts.pools import credits
+
+    rows = [("owner", record.owner or "operator"), ("priority", str(record.priority))]
+    made_room = [e for e in events if isinstance(e, Preempted) and e.by]
+    if made_room:
+        last = made_room[-1]
+        rows.append(("preempted", f"{len(made_room)}x; last for {last.by} at step {last.step} "
+                     f"({last.reason})"))  # fmt: skip
+    if record.preempt is not None:
+        rows.append(("making room", f"for {record.preempt.by}: {record.preempt.reason}"))
+    if record.price:
+        price = ", ".join(f"{k} {v:g}" for k, v in sorted(record.price.items()))
+        held = f"{credits(record.held)} held ({len(record.holds)} hold(s))"
+        state = "settled" if record.settled else "to settle when it ends"
+        rows.append(("credits", f"{held} at {price} credits/trainer-s; {state} "
+                     "(`baton credits`)"))  # fmt: skip
+    return rows
 
 
 def _health_rows(record: RunRecord, events: list[Event]) -> list[tuple[str, str]]:

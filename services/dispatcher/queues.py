@@ -165,10 +165,12 @@ class Reckoner:
         """Every training run's trainer-seconds since the last call, to its owner's usage."""
         now = time.monotonic()
         dt, self._accrued = now - self._accrued, now
-        for r, _ in self._records.values():
-            if r.state is RunState.RUNNING and r.worker:
-                used = self.usage(r.spec.pool, table.pool(r.spec.pool))
-                used.add(r.owner, _held(r) * dt, now)
+        for pool, holding in self._holding.items():
+            used = self.usage(pool, table.pool(pool))
+            for run in holding.values():
+                r = self._records[run.run_id][0]
+                if r.state is RunState.RUNNING and r.worker:
+                    used.add(r.owner, _held(r) * dt, now)
 
     def usage_snapshots(self) -> dict[str, SavedUsage]:
         now = time.monotonic()

@@ -42,8 +42,8 @@ from shared.contracts.control import Command, WorkerInfo
 from shared.contracts.queue import QueueRequest
 from shared.contracts.records import Preemption
 from shared.errors import ContractError
-from shared.scheduling.model import Action, Admit, Grant, Preempt, SavedUsage
-from shared.scheduling.plan import plan
+from shared.scheduling.model import Action, Admit, Grant, PoolState, Preempt, SavedUsage
+from shared.scheduling.plan import Pass, plan
 from shared.state import transitions
 from shared.state.policy import Policy
 from shared.state.runs import Runs
@@ -54,6 +54,8 @@ log = logging.getLogger("baton.scheduler")
 
 ROUND_S = 1.0
 """A pass over every pool at least this often."""
+GATHER_S = 0.01
+"""How long a pass waits, once something changed, for what changes with it."""
 KEEP_USAGE_S = 15.0
 """How often each pool's usage is written down, to outlive a restart."""
 CONCURRENCY = 32
@@ -111,7 +113,10 @@ class Scheduler:
 
     async def serve(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await wait_set(self.now, ROUND_S)
+            if await wait_set(self.now, ROUND_S):
+                # A burst of changes (submissions by the thousand) makes one pass, not one
+                # each: what changes meanwhile is in the pass that follows.
+                await wait_set(stop, GATHER_S)
             self.now.clear()
             if stop.is_set():
                 break
@@ -129,6 +134,7 @@ class Scheduler:
         for pool in self.reckoner.pools():
             state = self.reckoner.state(pool, table.pool(pool), linked)
             decided = plan(state)
+            _gauges(state)
             done += await self._carry_out(decided.actions)
             self.reckoner.blocked[pool] = decided.blocked
             await self._say_waiting(decided.waiting)
@@ -273,3 +279,13 @@ class Scheduler:
         table = await self.policy.current()
         view = view_of(self.reckoner, pool, table.pool(pool), req.limit)
         await msg.respond(encode(view))
+
+
+def _gauges(state: PoolState) -> None:
+    """Each owner's trainers, entitlement and usage in the pool, as the pass saw them."""
+    p = Pass(state)
+    for owner, share in p.share.items():
+        attrs = {telemetry.POOL: state.name, telemetry.OWNER: owner or "operator"}
+        telemetry.OWNER_HOLDING.set(p.holding[owner], attrs)
+        telemetry.OWNER_ENTITLED.set(share * state.trainers, attrs)
+        telemetry.OWNER_USAGE.set(state.usage.get(owner, 0.0), attrs)

@@ -123,7 +123,7 @@ class Steering:
         pool = (await self.pools.policy.current()).pool(r.spec.pool)
         priced = msgspec.structs.replace(pool, price=r.price)  # what it was accepted at
         steps = max(1, r.spec.total_steps - r.step)
-        estimate = await reckon(self.pools, r.spec, priced, steps)
+        estimate = await reckon(self.pools, r.spec, priced, steps, own=(r.metered_s, r.step))
         n = len(r.holds)
         wanted = Hold(owner=r.owner, run_id=r.run_id, n=n, amount=estimate.amount,
                       estimate=estimate.how)  # fmt: skip

@@ -2,7 +2,8 @@
 
 The estimate: the run's steps still to train times the median seconds per step of the last
 completed runs of the same job name in its pool (`Pools.job_step_s`), else the job's own
-`estimate_s` (for the share of its steps still to train), times its ranks and the pool's
+`estimate_s` (for the share of its steps still to train), times its ranks — or, for a run
+resumed after it trained, its own trainer-seconds per step so far — times the pool's
 `estimate_margin`, at the pool's dearest price (the trainer it gets is not known yet; the
 settlement charges the real one). A pool with a price and a job with neither is refused:
 nothing would bound what it spends.
@@ -39,9 +40,17 @@ class Estimate:
     how: str
 
 
-async def reckon(pools: Pools, spec: JobSpec, pool: Pool, steps: int) -> Estimate:
-    """What `steps` more steps of `spec` will cost, held (the module's docstring)."""
+async def reckon(
+    pools: Pools, spec: JobSpec, pool: Pool, steps: int, own: tuple[float, int] | None = None
+) -> Estimate:
+    """What `steps` more steps of `spec` will cost, held (the module's docstring). `own`:
+    the trainer-seconds the run itself took for how many steps, which a run resumed after
+    training a while knows best."""
     ranks = spec.max_ranks
+    if own is not None and own[0] > 0 and own[1] > 0:
+        trainer_s = steps * own[0] / own[1]
+        how = f"{steps} steps x {own[0] / own[1]:.3g} trainer-s/step (its own so far)"
+        return _held(trainer_s, how, pool)
     step_s = await pools.job_step_s(spec.pool, spec.name)
     if step_s is not None:
         trainer_s = steps * step_s * ranks
@@ -58,6 +67,10 @@ async def reckon(pools: Pools, spec: JobSpec, pool: Pool, steps: int) -> Estimat
             "its step time: give the job an estimate_s (seconds it will train)",
             "$.estimate_s",
         )
+    return _held(trainer_s, how, pool)
+
+
+def _held(trainer_s: float, how: str, pool: Pool) -> Estimate:
     price = pool.dearest()
     amount = units(trainer_s * pool.estimate_margin * price)
     how += f" x margin {pool.estimate_margin:g} at {price:g} credits/s = {credits(amount)} credits"

@@ -4,9 +4,11 @@ The queue's order, for each queued run of owner `o` (lowest first):
 
     1. borrowing      o would be over its quota with this run
     2. -priority      higher priority first
-    3. beyond share   o would hold more than its entitlement, rounded up
-    4. standing       o's decayed usage over its share (`shares`)
-    5. age            earlier submissions first
+    3. not short      o holds no less than its entitlement less the margin (an owner
+                      short of its share goes first: the same test its reclaiming uses)
+    4. beyond share   o would hold more than its entitlement plus the margin
+    5. standing       o's decayed usage over its share (`shares`)
+    6. age            earlier submissions first
 
 re-evaluated after every run the pass places (an owner's holding changes as its runs
 start). Each run, in that order, goes to a free trainer at the hub, else to a site with
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
@@ -38,7 +39,7 @@ from shared.scheduling.model import (
 from shared.scheduling.shares import shares
 from shared.scheduling.victims import Rules, Standing, borrowing, make_room
 
-Key = tuple[bool, int, bool, float, float, str]
+Key = tuple[bool, int, bool, bool, float, float, str]
 
 
 class Pass:
@@ -76,9 +77,11 @@ class Pass:
 
     def key(self, r: Run) -> Key:
         s = self.standing(r.owner)
-        beyond = s.holding + r.min_ranks > math.ceil(s.entitled - 1e-9)
+        margin = self.policy.fair_share.margin
+        short = s.holding < s.entitled - margin
+        beyond = s.holding + r.min_ranks > s.entitled + margin
         used = self.state.usage.get(r.owner, 0.0) / max(self.share.get(r.owner, 0.0), 1e-9)
-        return (borrowing(s, r.min_ranks), -r.priority, beyond, used, r.order, r.run_id)
+        return (borrowing(s, r.min_ranks), -r.priority, not short, beyond, used, r.order, r.run_id)
 
     def admit(self, r: Run, ranks: int, cap: int | None) -> Admit:
         self.free -= ranks
@@ -248,7 +251,8 @@ def why_waiting(p: Pass, r: Run, counts: bool = True) -> str:
             else (f"behind {n} run(s) of higher priority (up to {top})")
         )
     others = len(p.share) > 1  # alone in the pool, its share is all of it
-    if others and s.holding + r.min_ranks > math.ceil(s.entitled - 1e-9) and s.entitled > 0:
+    margin = p.policy.fair_share.margin
+    if others and s.holding + r.min_ranks > s.entitled + margin and s.entitled > 0:
         now = f" ({s.holding} of {s.entitled:.1f} trainers)" if counts else ""
         return f"{who} at its fair share{now}"
     if r.min_ranks > 1:

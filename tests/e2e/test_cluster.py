@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
@@ -32,12 +33,15 @@ from shared.contracts.events import Fenced, HandedOver, Progress, Redispatched, 
 from shared.state.runs import Runs
 from shared.state.workers import live_workers
 from tests.e2e.jobs import EventLog, finished, history, job, submit
+from tests.support.ledger import balanced, topup
 from tests.support.sites import Site
 from tests.support.stack import Stack, eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 SITE_TRAINER = "lab1-trainer-1"
+PRICE = 0.01
+"""Credits per trainer-second: carol's runs are charged (the operator's cost nothing)."""
 HUB_STREAMS = {s for s in names.ALL_STREAMS if s != names.OUTBOX_STREAM} | {
     f"KV_{b}"
     for b in (
@@ -50,7 +54,12 @@ HUB_STREAMS = {s for s in names.ALL_STREAMS if s != names.OUTBOX_STREAM} | {
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def hub(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     root = tmp_path_factory.mktemp("cluster")
-    s = Stack(root / "hub", trainers=1, lease_ttl=CLUSTER_LEASE_TTL, hub_nodes=3)
+    pools = root / "pools.toml"
+    pools.write_text(f"[pools.default]\nprice = {{ cpu = {PRICE} }}\n")
+    s = Stack(
+        root / "hub", trainers=1, lease_ttl=CLUSTER_LEASE_TTL, hub_nodes=3, people=("carol",),
+        env={"BATON_POOLS_FILE": str(pools)},
+    )  # fmt: skip
     # Requests in flight when a node is killed time out, and a sweep then fails and is
     # tried again: that is what these tests do. A refused permission is never allowed.
     s.audit.allow(r"sweep failed|nats: timeout", "the hub's nodes are killed on purpose")
@@ -217,11 +226,18 @@ class MidRun:
         self.submitter = submitter
 
     @classmethod
-    async def start(cls, hub: Stack, key: str, pace: float = PACE) -> MidRun:
-        """`pace` (seconds a step sleeps) sizes the run to the losses the test inflicts."""
+    async def start(
+        cls, hub: Stack, key: str, pace: float = PACE, person: str | None = None
+    ) -> MidRun:
+        """`pace` (seconds a step sleeps) sizes the run to the losses the test inflicts;
+        `person` submits it (else the operator)."""
         nc = await hub.client()
         want = await reference(nc, cls.TOTAL)
-        run_id = await submit(nc, charlm(cls.TOTAL, pace, key))
+        by = await hub.client_as(person) if person else nc
+        spec = charlm(cls.TOTAL, pace, key)
+        if person:  # its own name: priced by its own estimate, not the reference's speed
+            spec = msgspec.structs.replace(spec, name=f"{person}-charlm", estimate_s=120.0)
+        run_id = await submit(by, spec)
         run = cls(nc, want, run_id, Submitter(await hub.client()))
         await run.log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 10, 60, "step 10")
         return run
@@ -243,10 +259,17 @@ class MidRun:
 
 async def test_each_leader_killed_in_turn_mid_run(hub: Stack) -> None:
     """SIGKILL the leader of the task queue, then of the leases bucket, then of the runs
-    bucket, each node back and caught up before the next loss."""
-    run = await MidRun.start(hub, "leaders")
+    bucket, then of the credits ledger, each node back and caught up before the next loss.
+    The run is carol's, in a pool with a price: held once, settled once, to the unit."""
+    nc = await hub.client()
+    topped = await topup(nc, "carol", 5.0)
+    run = await MidRun.start(hub, "leaders", pace=0.22, person="carol")  # four losses
     js = run.nc.jetstream()
-    for stream in (names.TASKS_STREAM, f"KV_{names.LEASES_BUCKET}", f"KV_{names.RUNS_BUCKET}"):
+    streams = (
+        names.TASKS_STREAM, f"KV_{names.LEASES_BUCKET}", f"KV_{names.RUNS_BUCKET}",
+        names.LEDGER_STREAM,
+    )  # fmt: skip
+    for stream in streams:
         await run.submitter.one_more()
         node = hub.hub.node(await leader_of(js, stream))
         print(f"{stream}: SIGKILL its leader, {node.server_name}")
@@ -255,6 +278,7 @@ async def test_each_leader_killed_in_turn_mid_run(hub: Stack) -> None:
         await node.start()
         await all_current(run.nc)
     await run.ends_untroubled()
+    await balanced(nc, "carol", run.run_id, topped, PRICE)
 
 
 async def test_a_node_whose_store_was_wiped_catches_up(hub: Stack) -> None:

@@ -12,7 +12,6 @@ cosine schedule).
 from __future__ import annotations
 
 import signal
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,15 +23,16 @@ from baton.cli import client
 from shared.contracts import JobSpec, RunRecord, RunState
 from shared.contracts.control import Resume
 from shared.contracts.events import Paused, Progress, Rejected, RunWarning, Started
-from shared.contracts.ledger import Hold, Settle, TopUp
 from shared.contracts.pools import units
 from shared.history.goodput import goodput
-from shared.ledger import book
 from shared.state.runs import Runs
 from tests.e2e.jobs import finished, history, job, submit
+from tests.support.ledger import balance, balanced, topup
 from tests.support.stack import Stack, eventually
 
-pytestmark = [pytest.mark.sharing, pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.sharing, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")
+]
 
 PRICE = 0.01
 """Credits per trainer-second on the CPU."""
@@ -83,44 +83,10 @@ async def reference(nc: Client, total: int) -> str:
     return _reference[total]
 
 
-async def topup(nc: Client, owner: str, credits: float) -> None:
-    entry = TopUp(owner=owner, id=uuid.uuid4().hex, amount=units(credits), by="test")
-    assert await book.write(nc.jetstream(), entry) is not None
-
-
 async def record(nc: Client, run_id: str) -> RunRecord:
     found = await (await Runs.open(nc.jetstream())).get(run_id)
     assert found is not None, run_id
     return found[0]
-
-
-async def settled(nc: Client, owner: str, run_id: str) -> Settle:
-    async def found() -> Settle | None:
-        entry = await book.find(nc.jetstream(), f"baton.ledger.{owner}.settle.{run_id}")
-        return entry if isinstance(entry, Settle) else None
-
-    return await eventually(found, 60, f"{run_id} settled")
-
-
-async def balanced(nc: Client, owner: str, run_id: str, topped: int) -> Settle:
-    """The run's one settlement, checked against its events: charged exactly its productive
-    (and own-failure) trainer-seconds at the price, refunded the rest of its holds, and the
-    owner's balance what was topped up less what was charged, to the unit."""
-    settle = await settled(nc, owner, run_id)
-    account = (await book.read(nc, owner, keep=True))[owner]
-    mine = [e for _, e in account.entries if getattr(e, "run_id", None) == run_id]
-    holds = [e for e in mine if isinstance(e, Hold)]
-    assert [type(e) for e in mine].count(Settle) == 1, mine
-    assert settle.held == sum(h.amount for h in holds), (settle, holds)
-    assert settle.charged == units((settle.productive_s + settle.failed_s) * PRICE), settle
-    assert settle.refund == settle.held - settle.charged
-    # The productive seconds are the run's goodput (one rank: trainer-seconds = seconds).
-    spent = goodput(await history(nc, run_id))
-    assert spent is not None and spent.finished, spent
-    assert abs(settle.productive_s - spent.productive_s) < 1e-6, (settle, spent)
-    assert account.balance == topped - settle.charged, (account.balance, topped, settle)
-    assert run_id not in account.holds, "the run's holds are released"
-    return settle
 
 
 async def test_a_short_balance_is_refused_at_submit_with_the_numbers(stack: Stack) -> None:
@@ -137,7 +103,7 @@ async def test_a_run_out_of_credits_pauses_and_resumes_bit_for_bit(stack: Stack)
     op, alice = await stack.client(), await stack.client_as("alice")
     total = 300
     want = await reference(op, total)
-    before = (await book.read(op, "alice"))["alice"].balance
+    before = await balance(op, "alice")
     await topup(op, "alice", 1.0)
     # A first estimate of 3 s for a run that trains for longer: its hold (3 s x 1.25 at the
     # price) runs out part-way, and it pauses at a checkpoint.
@@ -164,7 +130,7 @@ async def test_a_run_out_of_credits_pauses_and_resumes_bit_for_bit(stack: Stack)
     assert len(done.holds) == 2, done.holds
     starts = [e.start_step for e in await history(op, run_id) if isinstance(e, Started)]
     assert starts == [0, pause.step], (starts, pause)
-    settle = await balanced(op, "alice", run_id, before + units(2.0))
+    settle = await balanced(op, "alice", run_id, before + units(2.0), PRICE)
     assert settle.failed_s == 0 and settle.charged <= settle.held, settle
 
 
@@ -172,9 +138,9 @@ async def test_a_run_killed_three_times_is_charged_only_what_it_kept(stack: Stac
     op, alice = await stack.client(), await stack.client_as("alice")
     total = 400
     want = await reference(op, total)
-    before = (await book.read(op, "alice"))["alice"].balance
+    before = await balance(op, "alice")
     await topup(op, "alice", 5.0)
-    run_id = await submit(alice, charlm("killed", total, 0.03, estimate_s=60))
+    run_id = await submit(alice, charlm("killed", total, 0.03, name="killed", estimate_s=60))
     kills = 0
     step = 0
     while kills < 3:
@@ -187,7 +153,7 @@ async def test_a_run_killed_three_times_is_charged_only_what_it_kept(stack: Stac
     assert done.state is RunState.COMPLETED and done.digest == want, done
     spent = goodput(await history(op, run_id))
     assert spent is not None and spent.steps_redone > 0, spent  # the kills cost steps
-    settle = await balanced(op, "alice", run_id, before + units(5.0))
+    settle = await balanced(op, "alice", run_id, before + units(5.0), PRICE)
     # Redone steps were not charged: they are among the run's free seconds (so are its
     # restores and startups; the recovery between attempts is no attempt's at all).
     assert settle.free_s >= spent.wasted_s - 1e-6 and spent.wasted_s > 0, (settle, spent)

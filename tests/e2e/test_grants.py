@@ -40,6 +40,7 @@ from shared.state.drains import Drains
 from shared.state.runs import Runs
 from tests.e2e.jobs import finished, history, job, paced, submit
 from tests.support.cli import as_json
+from tests.support.ledger import balanced, topup
 from tests.support.sites import Site
 from tests.support.stack import Stack, eventually
 
@@ -49,9 +50,18 @@ TTL = 6
 pytestmark = pytest.mark.timeout(420)
 
 
+PRICE = 0.01
+"""Credits per trainer-second: carol's runs are charged, the operator's cost nothing."""
+
+
 @pytest.fixture
 async def hub(tmp_path: Path) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path / "hub", trainers=0, lease_ttl=TTL)
+    pools = tmp_path / "pools.toml"
+    pools.write_text(f"[pools.default]\nprice = {{ cpu = {PRICE} }}\n")
+    s = Stack(
+        tmp_path / "hub", trainers=0, lease_ttl=TTL, people=("carol",),
+        env={"BATON_POOLS_FILE": str(pools)},
+    )  # fmt: skip
     await s.start(HUB_ONLY)
     try:
         yield s
@@ -90,13 +100,17 @@ async def test_a_cut_off_site_starts_and_completes_its_granted_runs(hub: Stack, 
     """Two runs training at the site and two granted ahead when the link is cut: the site
     finishes the first two, starts and commits the other two, and completes them — all
     while cut off. At heal each run is COMPLETED once at the hub, by its site's record:
-    one attempt, one `completed` event, the uninterrupted run's weights."""
-    nc = await hub.client()
+    one attempt, one `completed` event, the uninterrupted run's weights. One of them is
+    carol's, in a pool with a price: held at submit, metered from what the site reports
+    at heal, settled once."""
+    nc, carol = await hub.client(), await hub.client_as("carol")
     reference = await submit(nc, paced(60, pace=0.0))
     want = (await finished(nc, reference, timeout=90)).digest
     assert want
+    topped = await topup(nc, "carol", 1.0)
 
-    run_ids = [await submit(nc, paced(60, pace=0.08)) for _ in range(4)]
+    run_ids = [await submit(nc, paced(60, pace=0.08)) for _ in range(3)]
+    run_ids.append(await submit(carol, paced(60, pace=0.08, name="carols", estimate_s=30)))
 
     async def granted() -> bool:
         return all(r.site == "lab1" for r in await records(nc, run_ids))
@@ -142,6 +156,7 @@ async def test_a_cut_off_site_starts_and_completes_its_granted_runs(hub: Stack, 
         [grant] = of(events, Delegated)
         assert isinstance(grant, Delegated) and grant.site == "lab1"
         await site.assert_events_once_in_order(nc, run_id)
+    await balanced(nc, "carol", run_ids[3], topped, PRICE)
 
 
 async def test_a_site_silent_past_lost_after_loses_its_runs_to_another(

@@ -350,3 +350,16 @@ async def test_every_node_of_a_clustered_hub_lets_a_person_in_and_out_without_a_
         for w in watched:
             if not w.nc.is_closed:
                 await w.nc.close()
+
+
+def test_up_refuses_a_pools_table_that_does_not_read_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    bad = tmp_path / "pools.toml"
+    bad.write_text("[pools.default]\npriorities = { high = 'ten' }\n")
+    code, output = cli("up", "--data-dir", str(tmp_path / "data"), "--pools", str(bad))
+    assert code == 2 and "pools.toml" in output and "priorities" in output, output
+    bad.write_text("[pools.default]\nmax_priority = 5\n")
+    code, output = cli("up", "--data-dir", str(tmp_path / "data"), *AT_A_SITE, "--pools", str(bad))
+    assert code == 2 and "for the hub, not a site" in output, output
+    assert not (tmp_path / "data").exists(), "nothing started, nothing written"
