@@ -54,6 +54,8 @@ log = logging.getLogger("baton.scheduler")
 
 ROUND_S = 1.0
 """A pass over every pool at least this often."""
+READY_S = 30.0
+"""How long the first pass waits for the runs and trainers stored to be read."""
 GATHER_S = 0.01
 """How long a pass waits, once something changed, for what changes with it."""
 KEEP_USAGE_S = 15.0
@@ -112,6 +114,7 @@ class Scheduler:
             self.now.set()
 
     async def serve(self, stop: asyncio.Event) -> None:
+        await self._until_read(stop)
         while not stop.is_set():
             if await wait_set(self.now, ROUND_S):
                 # A burst of changes (submissions by the thousand) makes one pass, not one
@@ -124,6 +127,25 @@ class Scheduler:
                 await self.round()
             except Exception as exc:  # the hub electing a leader, a restart: again soon
                 log.warning("scheduling failed (%r); again in %.0fs", exc, ROUND_S)
+
+    async def _until_read(self, stop: asyncio.Event) -> None:
+        """No pass before the records and heartbeats stored now are read (or `READY_S`): a
+        pass that saw half the runs training would count their trainers free."""
+        async def read() -> None:
+            for f in self._following:
+                await f.ready.wait()
+
+        reading = asyncio.create_task(read())
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({reading, stopping}, timeout=READY_S,
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            reading.cancel()
+            stopping.cancel()
+        if not all(f.ready.is_set() for f in self._following) and not stop.is_set():
+            log.warning("the runs and trainers were not all read within %.0fs; scheduling "
+                        "on what was", READY_S)  # fmt: skip
 
     async def round(self) -> list[Action]:
         """One pass over every pool; the decisions carried out."""

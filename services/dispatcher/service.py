@@ -177,7 +177,7 @@ class Dispatcher:
                 (replica_run_id(run_id, i), msgspec.structs.replace(spec, replica=i))
                 for i in range(spec.max_replicas)
             ]
-        try:
+        try:  # everything that may refuse the job, before its credits are held
             terms = await self._terms(spec, owner, runs)
         except ContractError as exc:
             await emit(self.js, Rejected(run_id=run_id, reason=exc.reason, path=exc.path))
@@ -200,20 +200,25 @@ class Dispatcher:
         owner may not use, or a balance short of the holds, refuses the whole job."""
         pool = (await self.policy.current()).pool(spec.pool)
         priority = resolve_priority(spec, pool, owner)
+        budget = await self._budget(spec)
         if not owner or not pool.priced():
-            return Terms(priority=priority)
+            return Terms(priority=priority, budget=budget)
+        known = await self.runs.find(runs[0][0])
+        if known is not None:  # a submission again: its credits were held, or never were
+            hold = known.holds[0] if known.holds else 0
+            return Terms(priority=priority, budget=budget, price=known.price, hold=hold)
         estimate = await reckon(self.pools, spec, pool, spec.total_steps)
         wanted = [
             Hold(owner=owner, run_id=one_id, n=0, amount=estimate.amount, estimate=estimate.how)
             for one_id, _ in runs
         ]
         await self.holds.take(owner, wanted)
-        return Terms(priority=priority, price=dict(pool.price), hold=estimate.amount)
+        return Terms(priority=priority, budget=budget, price=dict(pool.price), hold=estimate.amount)
 
     async def _dispatch_run(self, run_id: str, spec: JobSpec, terms: Terms) -> bool:
         """The run's record, for the scheduler to admit; whether it was there already."""
         now = time.time()
-        estimate, hard_s = await self._budget(run_id, spec)
+        estimate, hard_s = terms.budget
         soft_s = spec.limits.soft_timeout_s
         record = RunRecord(
             run_id=run_id,
@@ -256,9 +261,9 @@ class Dispatcher:
         )  # fmt: skip
         await emit(self.js, accepted, msg_id=f"accepted.{run_id}" if not duplicate else None)
 
-    async def _budget(self, run_id: str, spec: JobSpec) -> tuple[float | None, float | None]:
+    async def _budget(self, spec: JobSpec) -> tuple[float | None, float | None]:
         """The estimated cost, and the hard timeout the budget allows (docs/architecture.md,
-        "Retention and budgets")."""
+        "Retention and budgets"); `ContractError` for an estimate over `limits.max_cost`."""
         rate = self.pools.rate(spec.pool)  # the table in force, read by `_terms` just now
         per_step = await self.pools.seconds_per_step(spec.pool)
         estimate = spec.total_steps * per_step * rate / 3600 if per_step is not None else None
@@ -268,7 +273,6 @@ class Dispatcher:
                 f"estimated cost {estimate:.2f} ({spec.total_steps} steps x {per_step:.3g} s/step"
                 f" at {rate:g}/hour on pool {spec.pool!r}) is over max_cost {limit:g}"
             )
-            await emit(self.js, Rejected(run_id=run_id, reason=reason, path="$.limits.max_cost"))
             raise ContractError(reason, "$.limits.max_cost")
         hard = spec.limits.hard_timeout_s
         if limit is not None and rate > 0:

@@ -12,6 +12,8 @@ from shared.errors import ContractError
 @dataclass(frozen=True)
 class Terms:
     priority: int
+    budget: tuple[float | None, float | None] = (None, None)
+    """The estimated cost (`limits.max_cost`'s unit) and the hard timeout it allows."""
     price: dict[str, float] = field(default_factory=dict)
     """The pool's price, for a run whose credits are held (empty: it costs none)."""
     hold: int = 0

@@ -126,9 +126,9 @@ class Keeper:
         """For a run granted to this trainer's site: why the hub no longer grants it, or
         None (`granted.py`); asked after each renewal, and a reason fences the attempt."""
         self.renewal = Condition(log, f"{run_id}: lease renewal", "training goes on")
+        """Logs a run of failed renewals (a cut link) once as it starts and once as it ends."""
         self.on_record = on_record
         """Told the record at every renewal (an elastic group reads its cap there)."""
-        """Logs a run of failed renewals (a cut link) once as it starts and once as it ends."""
 
     def settling(self) -> None:
         """The attempt's verdict is decided and about to be written: from now on a lost

@@ -581,11 +581,13 @@ def reconcile(site: str, reported: RunRecord) -> Change:
     ended record only has its announcement mark cleared, once the site's is. A run submitted
     at `site` whose job the hub also queued, and never started, becomes the site's (the
     same job submitted at both sides of a cut is one run). None when there is nothing to
-    take in (a report of a revoked grant, or a repeat)."""
+    take in (a report of a revoked grant, or a repeat). The hub's copy's credits, if it held
+    any, go with the run."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if _submitted_at_both(r, site, reported):
-            return reported
+            # The hub's copy held credits at submit: the run settles them when it ends.
+            return _replace(reported, price=r.price, holds=r.holds) if r.holds else reported
         if r.site != site or r.epoch != reported.epoch:
             return None
         if r.state.terminal:

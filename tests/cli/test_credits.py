@@ -6,10 +6,7 @@ authorization, which fails the test on any request it refused."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -25,6 +22,7 @@ from baton.ui.queue import Credits
 from shared.contracts.ledger import Hold, Settle, TopUp
 from shared.ledger import book
 from shared.ledger.book import Account
+from tests.support.cli import authorized_hub, baton_as
 from tests.support.roles import AuthorizedHub
 from tests.support.stack import eventually
 
@@ -88,27 +86,11 @@ def test_a_submitter_may_not_ask_for_another_owners_credits() -> None:
 
 @pytest_asyncio.fixture
 async def hub(tmp_path: Path) -> AsyncIterator[AuthorizedHub]:
-    h = AuthorizedHub(tmp_path)
-    await h.start()
-    try:
+    async with authorized_hub(tmp_path) as h:
         yield h
-    finally:
-        await h.stop()  # which fails the test on any permission refused
 
 
-async def baton(hub: AuthorizedHub, role: str, *args: str) -> tuple[int, str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "250", "NO_COLOR": "1"}
-    for key in ("NATS_USER", "NATS_PASSWORD", "NATS_AUTH_FILE", "NATS_CREDS", "NATS_URL"):
-        env.pop(key, None)
-    hub.vault.get(role)  # its credentials' file
-    auth = str(hub.root / "auth" / f"{role}.env")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "baton", "--auth-file", auth, *args, "--server", hub.url,
-        cwd=hub.root, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+baton = baton_as
 
 
 async def test_a_top_up_is_written_once_under_its_id(hub: AuthorizedHub) -> None:

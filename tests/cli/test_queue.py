@@ -6,10 +6,8 @@ authorization (an operator and a submitter asking, a stand-in scheduler answerin
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from baton.cli.queue import hours, render, waited
 from shared.bus import names
 from shared.contracts import encode
 from shared.contracts.queue import OwnerShare, QueueView, Training, Waiting
+from tests.support.cli import authorized_hub, baton_as
 from tests.support.roles import AuthorizedHub
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,27 +125,11 @@ def test_a_pool_name_that_is_no_subject_token_is_refused_before_connecting(pool:
 
 @pytest_asyncio.fixture
 async def hub(tmp_path: Path) -> AsyncIterator[AuthorizedHub]:
-    h = AuthorizedHub(tmp_path)
-    await h.start()
-    try:
+    async with authorized_hub(tmp_path) as h:
         yield h
-    finally:
-        await h.stop()  # which fails the test on any permission refused
 
 
-async def baton(hub: AuthorizedHub, role: str, *args: str) -> tuple[int, str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "250", "NO_COLOR": "1"}
-    for key in ("NATS_USER", "NATS_PASSWORD", "NATS_AUTH_FILE", "NATS_CREDS", "NATS_URL"):
-        env.pop(key, None)
-    hub.vault.get(role)  # its credentials' file
-    auth = str(hub.root / "auth" / f"{role}.env")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "baton", "--auth-file", auth, *args, "--server", hub.url,
-        cwd=hub.root, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+baton = baton_as
 
 
 async def test_no_scheduler_is_one_line_and_exit_1(hub: AuthorizedHub) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import time
 from collections import defaultdict
@@ -138,6 +139,18 @@ async def test_three_people_weighted_2_1_1_share_four_trainers_over_ten_minutes(
     print(f"c held its trainer {reached - LATE_S:.1f}s after arriving")
     assert reached - LATE_S <= 60.0, holding["c"][:20]
 
+    await _every_run_started_in_time(op, runs, people)
+    from baton.cli import client
+
+    for person in people.values():
+        for run_id in person.submitted:
+            with contextlib.suppress(Exception):
+                await client.cancel(op, run_id, "the test is over")
+
+
+async def _every_run_started_in_time(op: Client, runs: Runs, people: dict[str, Person]) -> None:
+    """No queued run waited past `START_BOUND_S`, none was preempted past
+    `MAX_PREEMPTIONS`."""
     waits, preemptions = [], []
     for person in people.values():
         for run_id in person.submitted:
@@ -155,19 +168,13 @@ async def test_three_people_weighted_2_1_1_share_four_trainers_over_ten_minutes(
           f"most preemptions of one run {max(preemptions)}")  # fmt: skip
     assert max(waits) <= START_BOUND_S, sorted(waits)[-5:]
     assert max(preemptions) <= MAX_PREEMPTIONS, preemptions
-    from baton.cli import client
-
-    for person in people.values():
-        for run_id in person.submitted:
-            with contextlib.suppress(Exception):
-                await client.cancel(op, run_id, "the test is over")
 
 
 def _integral(samples: list[tuple[float, int]], since: float) -> float:
     """Trainer-seconds from `since` on, from one holding sample a second (each held until
     the next)."""
     out = 0.0
-    for (t, n), (t2, _) in zip(samples, samples[1:], strict=False):
+    for (t, n), (t2, _) in itertools.pairwise(samples):
         if t >= since:
             out += n * (t2 - t)
     return out

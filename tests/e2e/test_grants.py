@@ -240,7 +240,9 @@ async def test_jobs_submitted_at_a_cut_off_site_start_there_and_are_one_run_each
     assert isinstance(answer, Rejected) and "no trainer of pool 'nope'" in answer.reason, answer
     # The first job again, at the hub, by the same submitter (the operator may publish on
     # its subject): the hub has a record of it too now, queued — it has no trainer, and
-    # lab1 is cut off.
+    # lab1 is cut off. The pool has a price: the hub's copy holds the submitter's credits,
+    # which the run — the site's — settles once it ends.
+    topped = await topup(nc, "lab1-submitter", 1.0)
     await publish(
         nc.jetstream(), names.submit_subject("default", "lab1-submitter"), encode(specs[0]),
         msg_id=f"hub-copy-{run_ids[0]}",
@@ -267,6 +269,8 @@ async def test_jobs_submitted_at_a_cut_off_site_start_there_and_are_one_run_each
         events = await history(nc, run_id)
         kinds = [type(e).__name__ for e in events]
         assert kinds.count("Completed") == 1 and kinds.count("Started") == 1, kinds
+    # The hub's copy's hold went with the run, and is settled once.
+    await balanced(nc, "lab1-submitter", run_ids[0], topped, PRICE)
 
 
 async def test_a_site_trainer_killed_and_its_server_restarted_during_the_cut(

@@ -12,12 +12,11 @@ import signal
 import sys
 from pathlib import Path
 
-import nats
 import pytest
-from nats.aio.client import Client
 
-from shared.credentials import Credentials, options_for, read_env_file
+from shared.credentials import Credentials, read_env_file
 from tests.support.audit import Audit
+from tests.support.logins import Watched, login
 from tests.support.stack import alive, children_of, eventually
 
 pytestmark = pytest.mark.slow
@@ -53,36 +52,6 @@ async def submit_as(auth_file: Path, job: Path, url: str) -> str:
     )
     assert code == 0 and json.loads(out)["accepted"], (out, err)
     return str(json.loads(out)["run_id"])
-
-
-async def login(url: str, creds: Credentials) -> str:
-    """ "ok", or "refused" by the server (any other failure fails the test)."""
-    try:
-        nc = await asyncio.wait_for(
-            nats.connect(url, allow_reconnect=False, connect_timeout=5, **options_for(creds)), 10
-        )
-    except nats.errors.Error as exc:
-        assert "Authorization Violation" in str(exc), repr(exc)
-        return "refused"
-    await nc.close()
-    return "ok"
-
-
-class Watched:
-    """A client that never reconnects, and how often it was disconnected."""
-
-    def __init__(self) -> None:
-        self.nc = Client()
-        self.disconnects = 0
-
-    async def connect(self, url: str, creds: Credentials) -> Watched:
-        async def disconnected() -> None:
-            self.disconnects += 1
-
-        await self.nc.connect(
-            url, allow_reconnect=False, disconnected_cb=disconnected, **options_for(creds)
-        )
-        return self
 
 
 async def start_up(data: Path, said: int) -> tuple[asyncio.subprocess.Process, str]:

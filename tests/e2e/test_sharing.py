@@ -9,6 +9,7 @@ model (a shuffling data loader, AdamW, a cosine schedule), DDP, the exact elasti
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -56,13 +57,14 @@ def charlm(key: str, total: int, pace: float, **over: Any) -> JobSpec:
     )  # fmt: skip
 
 
-@pytest_asyncio.fixture
-async def pair(tmp_path: Path) -> AsyncIterator[Stack]:
-    """Two trainers; alice and bob are people."""
+@contextlib.asynccontextmanager
+async def people_sharing(tmp_path: Path, trainers: int) -> AsyncIterator[Stack]:
+    """A stack of `trainers` trainers under the pools' table `POOLS`; alice and bob are
+    people."""
     pools = tmp_path / "pools.toml"
     pools.write_text(POOLS)
     s = Stack(
-        tmp_path / "stack", trainers=2, people=("alice", "bob"),
+        tmp_path / "stack", trainers=trainers, people=("alice", "bob"),
         env={"BATON_POOLS_FILE": str(pools)},
     )  # fmt: skip
     await s.start()
@@ -70,6 +72,18 @@ async def pair(tmp_path: Path) -> AsyncIterator[Stack]:
         yield s
     finally:
         await s.stop()
+
+
+@pytest_asyncio.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[Stack]:
+    async with people_sharing(tmp_path, 2) as s:
+        yield s
+
+
+@pytest_asyncio.fixture
+async def four(tmp_path: Path) -> AsyncIterator[Stack]:
+    async with people_sharing(tmp_path, 4) as s:
+        yield s
 
 
 async def record(nc: Client, run_id: str) -> RunRecord:
@@ -166,21 +180,6 @@ async def test_a_group_of_two_ranks_is_preempted_whole_and_resumes_exactly(pair:
     starts = [e.start_step for e in events if isinstance(e, Started)]
     assert starts == [0, pre.step], starts
     assert end.preemptions == 1
-
-
-@pytest_asyncio.fixture
-async def four(tmp_path: Path) -> AsyncIterator[Stack]:
-    pools = tmp_path / "pools.toml"
-    pools.write_text(POOLS)
-    s = Stack(
-        tmp_path / "stack", trainers=4, people=("alice", "bob"),
-        env={"BATON_POOLS_FILE": str(pools)},
-    )  # fmt: skip
-    await s.start()
-    try:
-        yield s
-    finally:
-        await s.stop()
 
 
 def elastic(key: str, total: int) -> JobSpec:

@@ -4,12 +4,15 @@ the stack's server, store and operator credentials."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from tests.support.roles import AuthorizedHub
 from tests.support.stack import Stack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,3 +39,31 @@ async def as_json(stack: Stack, *args: str) -> Any:
     code, out, err = await baton(stack, *args, "--json")
     assert code == 0, err
     return json.loads(out)
+
+
+async def baton_as(hub: AuthorizedHub, role: str, *args: str) -> tuple[int, str, str]:
+    """`baton <args>` logged in as `role` of `hub` (its credentials' file, as `baton up`
+    writes them): its exit code, stdout and stderr."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "250", "NO_COLOR": "1"}
+    for key in ("NATS_USER", "NATS_PASSWORD", "NATS_AUTH_FILE", "NATS_CREDS", "NATS_URL"):
+        env.pop(key, None)
+    hub.vault.get(role)  # its credentials' file
+    auth = str(hub.root / "auth" / f"{role}.env")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "baton", "--auth-file", auth, *args, "--server", hub.url,
+        cwd=hub.root, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+@contextlib.asynccontextmanager
+async def authorized_hub(root: Path) -> AsyncIterator[AuthorizedHub]:
+    """A hub with `baton up`'s authorization, stopped (and audited) however the test ends."""
+    h = AuthorizedHub(root)
+    await h.start()
+    try:
+        yield h
+    finally:
+        await h.stop()  # which fails the test on any permission refused

@@ -7,7 +7,6 @@ of now. Real nats-servers; `tests/e2e/test_people.py` runs the same through `bat
 
 from __future__ import annotations
 
-import asyncio
 import os
 import stat
 import subprocess
@@ -16,9 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import msgspec
-import nats
 import pytest
-from nats.aio.client import Client
 from typer.testing import CliRunner
 
 from baton.cli.app import app
@@ -27,7 +24,8 @@ from baton.stack.embedded import StackOptions, hub, reload_people
 from baton.stack.natsserver import NatsServer, NatsServerError
 from baton.stack.people import People, check_person
 from shared.auth import HUB_ROLES, SITE_ROLES, env_name
-from shared.credentials import Credentials, options_for
+from shared.credentials import Credentials
+from tests.support.logins import Watched, login
 from tests.support.stack import eventually
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -263,34 +261,6 @@ async def test_a_deployed_hub_takes_a_person_in_and_out_on_reload(
 # -- reloading a running hub -----------------------------------------------------------
 
 
-async def login(url: str, creds: Credentials) -> str:
-    """ "ok", or "refused" by the server (any other failure fails the test)."""
-    try:
-        nc = await asyncio.wait_for(
-            nats.connect(url, allow_reconnect=False, connect_timeout=5, **options_for(creds)), 10
-        )
-    except nats.errors.Error as exc:
-        assert "Authorization Violation" in str(exc), repr(exc)
-        return "refused"
-    await nc.close()
-    return "ok"
-
-
-class Watched:
-    """A client that never reconnects, and what happened to it."""
-
-    def __init__(self) -> None:
-        self.nc = Client()
-        self.disconnects = 0
-
-    async def connect(self, url: str, creds: Credentials) -> Watched:
-        async def disconnected() -> None:
-            self.disconnects += 1
-
-        await self.nc.connect(
-            url, allow_reconnect=False, disconnected_cb=disconnected, **options_for(creds)
-        )
-        return self
 
 
 @pytest.fixture
