@@ -165,7 +165,7 @@ class Reaper:
         """One pass over every live run; returns the runs dispatched again. Reads the live
         index (`Runs.live_stamped`), never the history: its cost follows the live runs."""
         self.clock.tick()
-        await self.policy.current()
+        await self.policy.current(max_age_s=0)  # one read a sweep, whatever its pace
         live = await self.runs.live_stamped()
         records = [found.record for _, found in live if found is not None]
         running = [r for r in records if not r.state.terminal]

@@ -75,10 +75,10 @@ class Policy:
         self._read_at = float("-inf")
         self._writer = KvWriter(js, names.POLICY_BUCKET, api_prefix)
 
-    async def current(self) -> PoolTable:
-        """The table in force, read again once `FRESH_S` passed (a failed read keeps the
+    async def current(self, max_age_s: float = FRESH_S) -> PoolTable:
+        """The table in force, read again once `max_age_s` passed (a failed read keeps the
         last one: a hub electing a leader must not stop a scheduling pass)."""
-        if time.monotonic() - self._read_at >= FRESH_S:
+        if time.monotonic() - self._read_at >= max_age_s:
             try:
                 await self.refresh()
             except Exception as exc:

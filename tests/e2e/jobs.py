@@ -42,16 +42,15 @@ def job(**over: Any) -> JobSpec:
 
 
 def paced(total: int, pace: float = 0.05, **over: Any) -> JobSpec:
-    """The paced regression (`tests.support.workloads:paced`), a checkpoint every 10 steps:
-    slow enough that a test can cut a link or kill a process mid-run."""
+    """The paced regression (`tests.support.workloads:paced`), a checkpoint every 10 steps
+    (unless `over` says otherwise): slow enough that a test can cut a link or kill a process
+    mid-run."""
     return job(
-        entry_point="tests.support.workloads:paced",
-        total_steps=total,
-        checkpoint={"every_steps": 10},
-        config={"pace": pace},
-        seed=11,
-        **over,
-    )
+        **{
+            "entry_point": "tests.support.workloads:paced", "total_steps": total,
+            "checkpoint": {"every_steps": 10}, "config": {"pace": pace}, "seed": 11, **over,
+        }
+    )  # fmt: skip
 
 
 async def submit(nc: Client, spec: JobSpec) -> str:

@@ -93,7 +93,10 @@ class Person:
                     waiting += 1
             for _ in range(QUEUED - waiting):
                 steps = int(self.rng.uniform(*RUN_S) / PACE)
-                self.submitted.append(await submit(self.nc, paced(steps, pace=PACE)))
+                # A checkpoint every 5 s: what the test measures is who trains when, and
+                # four trainers committing every half second load the machine it shares.
+                spec = paced(steps, pace=PACE, checkpoint={"every_steps": 100})
+                self.submitted.append(await submit(self.nc, spec))
             await asyncio.sleep(1.0)  # a person's pace, not a synchronisation
 
 

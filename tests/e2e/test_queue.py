@@ -37,7 +37,7 @@ from tests.support.cli import as_json, baton
 from tests.support.dashboard import Rig, UiProcess, browser, request
 from tests.support.stack import Stack, all_dead, eventually
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.sharing]
 WAIT_MS = 120_000
 """Only against a hang: a loaded machine may take long, never this long."""
 HANG_S = 120.0
