@@ -3,7 +3,7 @@
 The loop holds one task message at a time and answers it only through the outcome of its
 attempt (see `attempt.py`). It never cancels a run because NATS went away: the child keeps
 training through a blip, and the lease — not the connection — decides who owns the run.
-Beside the loop: a heartbeat in the worker registry (what this trainer is and runs), and
+Beside the loop: a heartbeat in the worker registry (`presence.py`: what it is and runs), and
 a subscription to `baton.control.<worker>` for commands (wake up, kill an orphan, an
 operator's checkpoint). A drained trainer (`drain.py`) fetches nothing, hands what it runs
 over at its next checkpoint as on SIGTERM, and lives on until it is undrained.
@@ -21,8 +21,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -39,20 +37,20 @@ from services.trainer.claim import WorkDir
 from services.trainer.drain import Draining
 from services.trainer.granted import Granted
 from services.trainer.group import GaveWay, Leader, Superseded
+from services.trainer.presence import Presence
 from services.trainer.rank import Member
 from services.trainer.verdicts import Outcome, Scope, Verdict, apply
-from shared import gpus, telemetry
+from shared import telemetry
 from shared.backoff import Backoff, retrying
 from shared.bus import names
 from shared.bus.answer import dead_letter
-from shared.bus.connect import publish
 from shared.bus.service import StopSignals, pull_loop
 from shared.bus.streams import ensure_consumer, trainer_consumer
 from shared.checkpoint.store import Store, open_store
 from shared.config import Settings
-from shared.contracts import RunRecord, RunState, Task, decode, encode
+from shared.contracts import RunRecord, RunState, Task, decode
 from shared.contracts.child import Control
-from shared.contracts.control import Command, WorkerInfo
+from shared.contracts.control import Command
 from shared.contracts.groups import RankCall
 from shared.contracts.tasks import Claim
 from shared.errors import ContractError
@@ -64,7 +62,6 @@ from shared.state.lease import Lease
 from shared.state.policy import Policy, load_table
 from shared.state.pools import Pools
 from shared.state.runs import Runs
-from shared.waits import wait_set
 
 log = logging.getLogger("baton.trainer")
 
@@ -89,13 +86,12 @@ class Trainer:
         """The pools' table in force (rates): read again as attempts start."""
         self.pools = Pools(self.hub, self.policy, settings.hub_api)
         self.beat_now = asyncio.Event()
-        self.beat = asyncio.Event()
-        """Set to publish the heartbeat now (being drained changed, or the loop went idle)."""
         self.draining = Draining(self.hub, settings.worker_id, signals.stop)
         """Set `leave` while stopping or drained: what the loop and every attempt stop on."""
         self.attempt: Attempt | Member | None = None
+        self.presence = Presence(self.js, settings, self.draining, lambda: self.attempt)
+        """Its heartbeat in the worker registry (`presence.py`)."""
         self.groups = GroupStore(self.hub, settings.hub_api, key_ttl(settings.lease_ttl_s))
-        self.device = _device()
         self.zygote = Zygote(self._child_env())
         """Forks each attempt's training process from one that imported torch already."""
         self.workdir = WorkDir(Path(settings.work_dir))
@@ -184,7 +180,11 @@ class Trainer:
         drained, the loop fetches nothing and waits to be undrained (`drain.py`)."""
         beside = [
             asyncio.create_task(c)
-            for c in (self._heartbeat(), self._follow_drain(), self.draining.follow_stop())
+            for c in (
+                self.presence.heartbeat(),
+                self.presence.follow_drain(),
+                self.draining.follow_stop(),
+            )
         ]
         try:
             # No task before an attempt could start at once: a task taken now would hold
@@ -204,7 +204,7 @@ class Trainer:
                         self.draining.leave,
                         self.on_task,
                     )
-                self.beat.set()  # drained and idle now (or stopping): say so at once
+                self.presence.beat.set()  # drained and idle now (or stopping): say so at once
         finally:
             for t in beside:
                 t.cancel()
@@ -389,7 +389,7 @@ class Trainer:
         await self.policy.current()
         attempt = Attempt(
             self.nc, self.settings, self.store, scope.runs, self.pools, task, lease, child,
-            signals, self.beat_now, group, check, device=self.device[0],
+            signals, self.beat_now, group, check, device=self.presence.device[0],
         )  # fmt: skip
         self.attempt = attempt
         try:
@@ -428,7 +428,7 @@ class Trainer:
             self._checkpoint(cmd, attempt)
         self.beat_now.set()
         if cmd.action == "wake" and await self.draining.refresh():
-            self.beat.set()
+            self.presence.beat.set()
 
     def _checkpoint(self, cmd: Command, attempt: Attempt | Member | None) -> None:
         """An operator's `baton checkpoint`: the run's training process writes one at its
@@ -442,37 +442,6 @@ class Trainer:
         else:
             log.info("%s: checkpoint asked: %s", cmd.run_id, cmd.reason or "by an operator")
             attempt.child.send(Control(action="checkpoint"))
-
-    async def _follow_drain(self) -> None:
-        """Read this trainer's drain key every heartbeat period (beside the heartbeat, so a
-        slow read never holds one back); a change is published at once."""
-        while True:
-            if await self.draining.refresh():
-                self.beat.set()
-            await asyncio.sleep(self.settings.heartbeat_s)
-
-    async def _heartbeat(self) -> None:
-        """Publish what this trainer is and runs, with a server-side TTL, so that a dead
-        trainer disappears from the registry by itself."""
-        ttl = max(2, int(self.settings.heartbeat_s * 3))
-        subject = names.heartbeat_subject(self.settings.worker_id, self.site)
-        while True:
-            a = self.attempt
-            info = WorkerInfo(
-                worker=self.settings.worker_id, pool=self.settings.pool,
-                host=socket.gethostname(), pid=os.getpid(), device=self.device[0],
-                gpu_name=self.device[1], gpu_memory_bytes=self.device[2],
-                run_id=a.run_id if a else None, token=a.token if a else None,
-                step=a.step if a else None, site=self.site, rank=a.rank if a else None,
-                drained=self.draining.drained, at=time.time(),
-            )  # fmt: skip
-            with contextlib.suppress(Exception):  # the registry is advisory; try again
-                await publish(
-                    self.js, subject, encode(info), msg_id=f"hb.{info.worker}.{info.at}",
-                    headers={"Nats-TTL": f"{ttl}s"}, attempts=1,
-                )  # fmt: skip
-            await wait_set(self.beat, self.settings.heartbeat_s)
-            self.beat.clear()
 
     def _child_env(self) -> dict[str, str]:
         # The training process talks to its trainer over a pipe, never to NATS: it gets no
@@ -495,14 +464,3 @@ async def _until_reachable(call: Callable[[], Awaitable[None]], what: str) -> No
     await retrying(
         call, retry_on=UNREACHABLE, what=f"{what} is not reachable", backoff=backoff, log=log
     )
-
-
-def _device() -> tuple[str, str, int]:
-    """(device, GPU name, GPU memory in bytes) of the GPU this trainer's training processes
-    use — the first one its CUDA_VISIBLE_DEVICES lets them see, `cuda:<nvidia-smi index>` —
-    or ("cpu", "", 0). Read once, from nvidia-smi: the trainer itself does not import torch."""
-    usable = gpus.visible(gpus.host_gpus(), os.environ)
-    if not usable:
-        return "cpu", "", 0
-    gpu = usable[0]
-    return f"cuda:{gpu.index}", gpu.name, gpu.memory_bytes
