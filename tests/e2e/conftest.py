@@ -10,20 +10,13 @@ from tests.support.stack import Stack
 
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path / "stack", trainers=1)
-    await s.start()
-    try:
+    # Stopping it also waits for every training process to exit.
+    async with Stack(tmp_path / "stack", trainers=1) as s:
         yield s
-    finally:
-        await s.stop()  # which also waits for every training process to exit
 
 
 @pytest.fixture
 async def two(tmp_path: Path) -> AsyncIterator[Stack]:
     """Two trainers and a short lease: one to kill, one to take over."""
-    s = Stack(tmp_path / "stack", trainers=2, lease_ttl=3)
-    await s.start()
-    try:
+    async with Stack(tmp_path / "stack", trainers=2, lease_ttl=3) as s:
         yield s
-    finally:
-        await s.stop()

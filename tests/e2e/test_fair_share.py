@@ -63,15 +63,11 @@ weight = 2
 async def four(tmp_path: Path) -> AsyncIterator[Stack]:
     pools = tmp_path / "pools.toml"
     pools.write_text(POOLS)
-    s = Stack(
+    async with Stack(
         tmp_path / "stack", trainers=4, people=tuple(WEIGHTS),
         env={"BATON_POOLS_FILE": str(pools), "BATON_PROGRESS_INTERVAL": "1"},
-    )  # fmt: skip
-    await s.start()
-    try:
+    ) as s:  # fmt: skip
         yield s
-    finally:
-        await s.stop()
 
 
 class Person:

@@ -39,15 +39,11 @@ STALLS = {"BATON_STALL_FLOOR": "2", "BATON_STALL_FACTOR": "10", "BATON_STALL_FIR
 
 @pytest.fixture
 async def guarded(tmp_path: Path) -> AsyncIterator[Stack]:
-    s = Stack(
+    async with Stack(
         tmp_path / "stack", trainers=2, lease_ttl=3,
         env={"BATON_SWEEP_INTERVAL": "0.5", "BATON_HEARTBEAT": "0.5", **STALLS},
-    )  # fmt: skip
-    await s.start()
-    try:
+    ) as s:  # fmt: skip
         yield s
-    finally:
-        await s.stop()
 
 
 def spec(entry: str, **over: Any) -> Any:

@@ -38,14 +38,10 @@ FAST = {"BATON_SWEEP_INTERVAL": "0.5", "BATON_HEARTBEAT": "0.5"}
 async def lifecycle(tmp_path: Path) -> AsyncIterator[Stack]:
     pools = tmp_path / "pools.toml"
     pools.write_text("[pools.default]\nrate_per_hour = 3.6\nseconds_per_step = 0.5\n")
-    s = Stack(
-        tmp_path / "stack", trainers=1, lease_ttl=3, env={**FAST, "BATON_POOLS_FILE": str(pools)}
-    )
-    await s.start()
-    try:
+    env = {**FAST, "BATON_POOLS_FILE": str(pools)}
+    # Stopping it also waits for every training process to exit.
+    async with Stack(tmp_path / "stack", trainers=1, lease_ttl=3, env=env) as s:
         yield s
-    finally:
-        await s.stop()  # which also waits for every training process to exit
 
 
 def spec(entry: str, **over: Any) -> Any:
@@ -262,7 +258,8 @@ async def test_retention_under_a_fast_cadence_keeps_the_last_k(tmp_path: Path) -
         assert run_id == run_id_for("pinned")
         record = await finished(nc, run_id)
         assert record.state is RunState.COMPLETED and record.digest == reference.digest
-        committed = {e.step for e in await history(nc, run_id) if isinstance(e, CheckpointCommitted)}
+        events = await history(nc, run_id)
+        committed = {e.step for e in events if isinstance(e, CheckpointCommitted)}
         kept_pins = pins & committed
         assert kept_pins, committed
         async with open_store(s.store_url) as store:

@@ -22,12 +22,8 @@ pytestmark = pytest.mark.asyncio
 
 @pytest.fixture
 async def ops(tmp_path: Path) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path / "stack", trainers=1, lease_ttl=3)
-    await s.start()
-    try:
+    async with Stack(tmp_path / "stack", trainers=1, lease_ttl=3) as s:
         yield s
-    finally:
-        await s.stop()
 
 
 async def test_streams_runs_checkpoints_and_logs(ops: Stack) -> None:

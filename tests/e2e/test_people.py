@@ -16,6 +16,7 @@ import pytest
 
 from shared.credentials import Credentials, read_env_file
 from tests.support.audit import Audit
+from tests.support.cli import run_baton
 from tests.support.logins import Watched, login
 from tests.support.stack import alive, children_of, eventually
 
@@ -36,13 +37,7 @@ async def baton(*args: str, url: str, auth_file: Path | None = None) -> tuple[in
     env["NATS_URL"] = url
     if auth_file is not None:
         env["NATS_AUTH_FILE"] = str(auth_file)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "baton", *args, cwd=REPO, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    return await run_baton(*args, env=env)
 
 
 async def submit_as(auth_file: Path, job: Path, url: str) -> str:

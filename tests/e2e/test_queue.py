@@ -34,7 +34,7 @@ from shared.contracts import RunState
 from shared.credentials import options_for, read_env_file
 from tests.e2e.jobs import finished, paced, submit
 from tests.support.cli import as_json, baton
-from tests.support.dashboard import Rig, UiProcess, browser, request
+from tests.support.dashboard import Rig, request, rigged
 from tests.support.stack import Stack, all_dead, eventually
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.sharing]
@@ -69,20 +69,9 @@ async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
     browser; all stopped however the tests end."""
     root = tmp_path_factory.mktemp("queue")
     (root / "pools.toml").write_text(POOLS)
-    s = Stack(root / "stack", trainers=1, env={"BATON_POOLS_FILE": str(root / "pools.toml")})
-    ui = UiProcess(
-        "--auth-file", str(s.root / "auth" / "dashboard.env"), "ui", "--port", "0",
-        "--server", "", "--store", s.store_url, cwd=root,
-    )  # fmt: skip
-    try:
-        await s.start()
-        ui.args = tuple(s.nats.url if a == "" else a for a in ui.args)
-        assert await ui.start(), f"baton ui did not start:\n{ui.output}"
-        async with browser() as b:
-            yield Rig(s, ui, b)
-    finally:
-        await ui.stop()
-        await s.stop()  # which also fails the module on any permission refused
+    pools = {"BATON_POOLS_FILE": str(root / "pools.toml")}
+    async with rigged(root, trainers=1, env=pools) as rig:
+        yield rig
 
 
 def submitter_env(stack: Stack) -> str:

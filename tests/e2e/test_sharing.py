@@ -63,15 +63,11 @@ async def people_sharing(tmp_path: Path, trainers: int) -> AsyncIterator[Stack]:
     people."""
     pools = tmp_path / "pools.toml"
     pools.write_text(POOLS)
-    s = Stack(
+    async with Stack(
         tmp_path / "stack", trainers=trainers, people=("alice", "bob"),
         env={"BATON_POOLS_FILE": str(pools)},
-    )  # fmt: skip
-    await s.start()
-    try:
+    ) as s:  # fmt: skip
         yield s
-    finally:
-        await s.stop()
 
 
 @pytest_asyncio.fixture

@@ -51,12 +51,10 @@ async def three(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
     """One trainer for the reference, one for the victim, one idle to take the victim over.
     Shared by the module's tests: starting a stack costs each trainer a zygote training
     process that imports torch, ~6 s of CPU apiece. Every test leaves three idle trainers."""
-    s = Stack(tmp_path_factory.mktemp("user-scripts") / "stack", trainers=3, lease_ttl=3)
-    await s.start()
-    try:
+    async with Stack(
+        tmp_path_factory.mktemp("user-scripts") / "stack", trainers=3, lease_ttl=3
+    ) as s:
         yield s
-    finally:
-        await s.stop()
 
 
 @dataclass(frozen=True)

@@ -18,20 +18,25 @@ from tests.support.stack import Stack
 REPO = Path(__file__).resolve().parents[2]
 
 
+async def run_baton(*args: str, env: dict[str, str], cwd: Path = REPO) -> tuple[int, str, str]:
+    """`baton ARGS` in its own process under `env`: its exit code, stdout and stderr. The
+    bound is on a hang, not on speed: some commands import torch, slow on a loaded machine."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "baton", *args, cwd=cwd, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 180)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
 async def baton(stack: Stack, *args: str) -> tuple[int, str, str]:
     """Its exit code, stdout and stderr."""
     env = {
         **os.environ, "NATS_URL": stack.nats.url, "BATON_STORE": stack.store_url,
         "NATS_AUTH_FILE": str(stack.root / "auth" / "operator.env"),
     }  # fmt: skip
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "baton", *args, cwd=REPO, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    # A bound on a hang, not on speed: some commands import torch, slow on a loaded machine.
-    out, err = await asyncio.wait_for(proc.communicate(), 180)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    return await run_baton(*args, env=env)
 
 
 async def as_json(stack: Stack, *args: str) -> Any:
@@ -49,13 +54,7 @@ async def baton_as(hub: AuthorizedHub, role: str, *args: str) -> tuple[int, str,
         env.pop(key, None)
     hub.vault.get(role)  # its credentials' file
     auth = str(hub.root / "auth" / f"{role}.env")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "baton", "--auth-file", auth, *args, "--server", hub.url,
-        cwd=hub.root, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    return await run_baton("--auth-file", auth, *args, "--server", hub.url, env=env, cwd=hub.root)
 
 
 @contextlib.asynccontextmanager

@@ -96,6 +96,19 @@ class Stack:
         assert self.nats.ws_port is not None, "the hub has not been started"
         return self.nats.ws_port
 
+    async def __aenter__(self) -> Stack:
+        """`async with Stack(...) as s`: started, and stopped however the block ends (also
+        when starting failed part way: what had started is stopped)."""
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
     async def start(
         self, services: tuple[str, ...] = ("dispatcher", "checkpointer", "reaper", "trainer")
     ) -> None:
