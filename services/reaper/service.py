@@ -10,6 +10,9 @@ when a run is given up.
     lost run     RUNNING, no lease, no task queued, for a whole lease TTL: dispatch again
                  (a stale worker's late ack can remove the task — docs/nats.md); if it was
                  asked to cancel (pause), cancel (pause) it instead
+    unqueued     QUEUED and admitted, no task queued, for a whole lease TTL (whoever
+                 admitted it died or failed before publishing its task): its task again,
+                 at the same dispatch
     hard timeout past its deadline: FAILED (`hard_timeout`), its trainer stops the child
     soft timeout past its soft deadline: a `warning` event, once
     budget       spend past 25/50/75/100 % of `limits.max_cost`: a `warning` each, once
@@ -91,6 +94,7 @@ class Reaper:
         self.js: JetStreamContext = nc.jetstream()
         self.settings = settings
         self._unowned_since: dict[str, float] = {}
+        self._unqueued_since: dict[str, float] = {}
         self._pending_since: dict[str, float] = {}
         self._recordless_since: dict[str, float] = {}
         self._orphan_seen: set[tuple[str, str]] = set()
@@ -180,7 +184,7 @@ class Reaper:
             if await self._timeouts(r):
                 continue
             await self._budget(r)
-            if r.state is RunState.RUNNING and await self._lost(r):
+            if await self._queued_again(r):
                 redispatched.append(r.run_id)
         await self._orphans(workers)
         await self._announce([r for r in records if r.state.terminal and r.announce_pending])
@@ -189,7 +193,7 @@ class Reaper:
         await self.billing.sweep(records)
         await self._retire(live)
         alive = {r.run_id for r in running}
-        for table in (self._unowned_since,):
+        for table in (self._unowned_since, self._unqueued_since):
             for run_id in [k for k in table if k not in alive]:
                 del table[run_id]
         self.clock.forget(alive)
@@ -214,6 +218,14 @@ class Reaper:
             await self._warn_once(r, "soft_timeout", detail)
         return False
 
+    async def _queued_again(self, r: RunRecord) -> bool:
+        """A live run that no trainer holds and no task stands for: its task again."""
+        if r.state is RunState.RUNNING:
+            return await self._lost(r)
+        if r.state is RunState.QUEUED and r.admitted:
+            return await self._unqueued(r)
+        return False
+
     async def _lost(self, r: RunRecord) -> bool:
         key = lease_key(r.run_id, self.lease_secret)
         if await lease_holder(self.js, key) is not None or await self._task_queued(r):
@@ -231,6 +243,27 @@ class Reaper:
             await self.runs.update(r.run_id, transitions.pause_unowned)
             return False
         return await self._redispatch(r)
+
+    async def _unqueued(self, r: RunRecord) -> bool:
+        if await self._task_queued(r):
+            self._unqueued_since.pop(r.run_id, None)
+            return False
+        now = time.monotonic()
+        if now - self._unqueued_since.setdefault(r.run_id, now) < self.settings.lease_ttl_s:
+            return False
+        self._unqueued_since.pop(r.run_id, None)
+        found = await self.runs.get(r.run_id)  # still so, at the dispatch the sweep read?
+        if found is None:
+            return False
+        record = found[0]
+        if record.state is not RunState.QUEUED or not record.admitted:
+            return False
+        if record.dispatch != r.dispatch or await self._task_queued(record):
+            return False
+        await publish_task(self.js, record, self.lease_secret)
+        log.warning("%s: admitted, but no task was queued for it; queued now (#%d)",
+                    record.run_id, record.dispatch)  # fmt: skip
+        return True
 
     async def _orphans(self, workers: dict[str, WorkerInfo]) -> None:
         """A worker whose heartbeat names a run it does not hold, on two sweeps in a row

@@ -1,10 +1,11 @@
-"""The lost-run sweep against a real nats-server, with two reapers racing."""
+"""The lost-run and unqueued sweeps against a real nats-server, with two reapers racing."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 from nats.aio.client import Client
 
@@ -21,18 +22,16 @@ SPEC = convert({"name": "t", "entry_point": "m:f", "total_steps": 5}, JobSpec)
 
 
 async def running(nc: Client, run_id: str) -> Runs:
+    return await created(nc, run_id, state=RunState.RUNNING, token=1, worker="gone")
+
+
+async def created(nc: Client, run_id: str, **fields: Any) -> Runs:
     runs = await Runs.open(nc.jetstream())
     now = time.time()
     record = RunRecord(
-        run_id=run_id,
-        spec=SPEC,
-        spec_hash=spec_hash(SPEC),
-        created_at=now,
-        updated_at=now,
-        state=RunState.RUNNING,
-        token=1,
-        worker="gone",
-    )
+        run_id=run_id, spec=SPEC, spec_hash=spec_hash(SPEC), created_at=now, updated_at=now,
+        **fields,
+    )  # fmt: skip
     assert await runs.create(record)
     return runs
 
@@ -67,6 +66,34 @@ async def test_two_racing_reapers_dispatch_a_lost_run_once(
     found = await runs.get("rlost")
     assert found is not None and found[0].dispatch == 2
     assert await swept() == []  # a task is queued now: nothing more to do
+
+
+async def test_an_admitted_run_whose_task_was_never_queued_is_queued_once(
+    authorized: AuthorizedHub, tmp_path: Path
+) -> None:
+    # The scheduler admitted both, then died before publishing the task; a run it has not
+    # admitted has no task by design, and is left to it.
+    nc = await authorized.connect("operator")
+    runs = await created(nc, "radmitted", state=RunState.QUEUED, admitted=True)
+    await created(nc, "rwaiting", state=RunState.QUEUED, admitted=False)
+    settings = config.load({"BATON_LEASE_TTL": "2", "BATON_STORE": f"file://{tmp_path}"})
+    a = Reaper(await authorized.connect("reaper", "reaper-a"), settings)
+    b = Reaper(await authorized.connect("reaper", "reaper-b"), settings)
+    await a.start()
+    await b.start()
+
+    async def swept() -> list[str]:
+        done = await asyncio.gather(a.sweep(), b.sweep())
+        return done[0] + done[1]
+
+    assert await swept() == []  # first sighting: its admitter may still be publishing
+    queued = await eventually(swept, 10, "the admitted run's task to be queued", every=0.3)
+    assert set(queued) == {"radmitted"}
+    assert await queued_tasks(nc, "radmitted") == 1  # both may publish: one task, one id
+    assert await queued_tasks(nc, "rwaiting") == 0
+    found = await runs.get("radmitted")
+    assert found is not None and found[0].dispatch == 1 and found[0].state is RunState.QUEUED
+    assert await swept() == []  # its task is queued now: nothing more to do
 
 
 async def test_a_held_lease_or_a_queued_task_is_left_alone(
