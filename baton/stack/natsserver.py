@@ -241,6 +241,8 @@ class NatsServer:
                 # Its own process group: a Ctrl-C meant for `baton up` must not stop the
                 # server before the trainers have committed their checkpoints through it.
                 process_group=0,
+                # SIGTERM when `baton up` dies: the server exits at once on it, and flushes
+                # its JetStream store first, which a SIGKILL would not let it do.
                 preexec_fn=child_preexec(os.getpid()),
             )
         try:

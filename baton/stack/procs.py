@@ -4,9 +4,14 @@ Three promises, each against a failure seen in an earlier setup, where a trainin
 orphaned by its dropped worker kept a GPU busy while nobody owned it:
 
 * No orphans. Every child gets a parent-death signal, so a supervisor that is SIGKILLed (or
-  OOM-killed) takes its children with it. Each child also leads its own process group, so a
-  Ctrl-C in the terminal reaches only the supervisor, which then stops the children in order
-  instead of all of them at once.
+  OOM-killed) takes its children with it, at any moment, its own shutdown included. For a
+  service that signal is SIGKILL: the graceful stop a SIGTERM starts needs the NATS server
+  and the checkpointer, which go with the supervisor, and nothing would bound it any more
+  (a trainer whose run hangs waited on the checkpoint it asked for and outlived `baton up`).
+  Its runs are fenced by their leases and resume from their last commit, as after a lost
+  machine. Each child also leads its own process group, so a Ctrl-C in the terminal
+  reaches only the supervisor, which then stops the children in order instead of all of
+  them at once.
 * Crashes are retried, not fatal: a service that exits unexpectedly is restarted with an
   exponential back-off, so a crash loop costs little CPU and a healthy service that crashes
   once is back within half a second.
@@ -270,7 +275,7 @@ class Supervisor:
                 env={**os.environ, **spec.env},
                 cwd=spec.cwd,
                 process_group=0,
-                preexec_fn=child_preexec(os.getpid()),
+                preexec_fn=child_preexec(os.getpid(), signal.SIGKILL),
             )
         _write_pid(self.run_dir / f"{spec.name}.pid", svc.proc.pid)
         log.info("%s started (pid %d)", spec.name, svc.proc.pid)

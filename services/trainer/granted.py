@@ -88,28 +88,37 @@ class Granted:
         mine = await self.js.pull_subscribe_bind(pool, names.TASKS_STREAM)
         hubs = None
         hub_back = 0.0
-        while not leave.is_set():
-            if hubs is None and hub_reached():
-                hubs = await hub.pull_subscribe_bind(pool, names.TASKS_STREAM)
-            try:
-                took = await _fetch_one(mine, 1.0)
-            except Exception as exc:  # the site's own server restarting
-                log.warning("the site's work queue is out of reach (%s); retrying", exc)
-                await wait_set(leave, 1.0)
-                continue
-            if took is not None:
-                await on_granted(took)
-                continue
-            if hubs is None or time.monotonic() < hub_back:
-                continue
-            try:
-                took = await _fetch_one(hubs, 0.5)
-            except Exception as exc:
-                log.debug("the hub's work queue is out of reach (%s)", exc)
-                hub_back = time.monotonic() + HUB_RETRY_S
-                continue
-            if took is not None:
-                await on_hub_task(took)
+        try:
+            while not leave.is_set():
+                if hubs is None and hub_reached():
+                    hubs = await hub.pull_subscribe_bind(pool, names.TASKS_STREAM)
+                try:
+                    took = await _fetch_one(mine, 1.0)
+                except Exception as exc:  # the site's own server restarting
+                    log.warning("the site's work queue is out of reach (%s); retrying", exc)
+                    await wait_set(leave, 1.0)
+                    continue
+                if took is not None:
+                    await on_granted(took)
+                    continue
+                if hubs is None or time.monotonic() < hub_back:
+                    continue
+                try:
+                    took = await _fetch_one(hubs, 0.5)
+                except Exception as exc:
+                    log.debug("the hub's work queue is out of reach (%s)", exc)
+                    hub_back = time.monotonic() + HUB_RETRY_S
+                    continue
+                if took is not None:
+                    await on_hub_task(took)
+        finally:
+            # A fetch's late answer (a 408 for a fetch that had given up already) waits in
+            # a pull subscription nobody reads, and the connection's drain would wait on it
+            # until its timeout: a stopping site trainer took 30 s more to exit.
+            for sub in (mine, hubs):
+                if sub is not None:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
 
     async def on_task(self, msg: Msg, start: Start) -> None:
         """Take a granted task: seed or read the site's record, take the site's lease under

@@ -30,6 +30,9 @@ log = logging.getLogger("baton.nats")
 PING_INTERVAL_S = 3
 MAX_OUTSTANDING_PINGS = 2
 RECONNECT_WAIT_S = 0.5
+DRAIN_TIMEOUT_S = 10.0
+"""What a stopping service gives its subscriptions to finish the messages in hand (nats-py:
+30 s). Its own work is done by then; this only lets the last acks and events out."""
 
 
 async def connect(
@@ -84,6 +87,7 @@ async def connect(
                 ping_interval=PING_INTERVAL_S,
                 max_outstanding_pings=MAX_OUTSTANDING_PINGS,
                 connect_timeout=2,
+                drain_timeout=DRAIN_TIMEOUT_S,
                 disconnected_cb=disconnected,
                 reconnected_cb=reconnected,
                 error_cb=errored,
@@ -99,6 +103,24 @@ async def connect(
                 "%s: NATS at %s not reachable (%s); retrying", name, url, type(exc).__name__
             )
             await asyncio.sleep(delay)
+
+
+async def finish(nc: Client) -> None:
+    """Drain `nc` so the last acks and events reach the server, then close it; a connection
+    that is not up (its server stopped first, or gone) is closed at once. Never raises: a
+    service that has done its work exits, with one line saying what was left unsent."""
+    if nc.is_closed:
+        return
+    if nc.is_connected:
+        try:
+            await nc.drain()
+            return
+        except Exception as exc:  # the server went while draining
+            log.warning("the connection closed while draining (%s)", type(exc).__name__)
+    else:
+        log.warning("NATS is out of reach at exit: what was still unsent is dropped")
+    with contextlib.suppress(Exception):
+        await nc.close()
 
 
 async def _attempt(

@@ -19,7 +19,7 @@ from nats.js.errors import APIError, ServiceUnavailableError
 
 from shared import config, telemetry
 from shared.backoff import Backoff
-from shared.bus.connect import connect
+from shared.bus.connect import connect, finish
 from shared.config import Settings
 
 log = logging.getLogger("baton.service")
@@ -63,7 +63,7 @@ async def _main(
         # The service finished its own shutdown in serve(); draining now lets its last acks
         # and events reach the server before the socket closes, then its resources go, and
         # telemetry last, to flush what that final work recorded.
-        await nc.drain()
+        await finish(nc)
         await service.close()
         dumping.cancel()
         telemetry.shutdown()

@@ -8,10 +8,11 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from tests.support.audit import Audit
-from tests.support.stack import alive, children_of, eventually
+from tests.support.stack import alive, all_dead, attempt_processes, children_of, eventually
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = {
@@ -143,6 +144,49 @@ async def test_a_second_sigterm_stops_a_trainer_hard_without_an_orphan(tmp_path:
     Audit(tmp_path).check()
 
 
+async def test_up_killed_in_its_own_shutdown_leaves_no_process_behind(tmp_path: Path) -> None:
+    """What a service manager does once its stop timeout passes: SIGTERM to `baton up`, then
+    SIGKILL while it waits for its trainers, one of which trains a run whose loop hangs (it
+    cannot checkpoint, so its trainer would wait out its whole grace). Seen before: that
+    trainer and its training process outlived `baton up`, re-parented to init."""
+    data = tmp_path / "data"
+    proc, url = await start_up(data, 2)
+    try:
+        job = tmp_path / "hangs.json"
+        job.write_text(json.dumps({
+            **JOB, "entry_point": "tests.support.workloads:stall", "total_steps": 1000,
+            "deterministic": False, "config": {"stall_at": 5},
+        }))  # fmt: skip
+        operator = str(data / "auth" / "operator.env")
+        code, _out, err = await baton(
+            "submit", str(job), "--json", env={"NATS_URL": url, "NATS_AUTH_FILE": operator}
+        )
+        assert code == 0, err
+        trainers = [int((data / "run" / f"trainer-{n}.pid").read_text()) for n in (1, 2)]
+
+        async def training() -> list[int]:
+            return [p for t in trainers for p in attempt_processes(t)]
+
+        await eventually(training, 60, "a training process")
+        family = children_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+
+        async def asked_to_checkpoint() -> bool:
+            logs = (data / "logs" / f"trainer-{n}.log" for n in (1, 2))
+            return any("checkpointing" in p.read_text() for p in logs)
+
+        await eventually(asked_to_checkpoint, 30, "the trainer to ask its hung run to checkpoint")
+        assert proc.returncode is None, "baton up must still be waiting for its trainers"
+        proc.kill()
+        await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+    await all_dead(family, "every process baton up started to die with it", timeout=20)
+
+
 async def test_up_site_trains_the_hubs_work_and_baton_sites_shows_it(tmp_path: Path) -> None:
     hub, hub_url = await start_up(tmp_path / "hub", 0, "--ws-port", "0", "--sites", "lab1")
     auth = tmp_path / "hub" / "auth"
@@ -205,9 +249,20 @@ async def test_up_site_trains_the_hubs_work_and_baton_sites_shows_it(tmp_path: P
         [view] = json.loads(out)
         assert view["site"] == "lab1" and view["link"] == "up", view
         family = [p for proc in procs for p in children_of(proc.pid)]
+        # The site stops on its own first, at once: its trainer's drain once waited 30 s on
+        # a pull subscription left open, and its dispatcher, killed at the end of that,
+        # logged a traceback from the connection's drain.
+        began = time.monotonic()
+        site.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(site.wait(), 90)
+        took = time.monotonic() - began
+        assert took < 10, f"the site took {took:.1f} s to stop"
+        logs = {p.name: p.read_text() for p in (tmp_path / "lab1" / "logs").glob("*.log")}
+        assert not [name for name, text in logs.items() if "Traceback" in text], logs
     finally:
         for proc in reversed(procs):
-            proc.send_signal(signal.SIGTERM)
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
             await asyncio.wait_for(proc.wait(), 90)
     assert [p.returncode for p in procs] == [0, 0]
 

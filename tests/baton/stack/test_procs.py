@@ -245,6 +245,10 @@ SUPERVISOR = textwrap.dedent(
     from pathlib import Path
     from baton.stack.natsserver import NatsServer
     from baton.stack.procs import ServiceSpec, Supervisor
+    # A service stuck in its own graceful stop: it takes SIGTERM and goes on (a trainer
+    # waiting for a hung run's checkpoint did); only a SIGKILL ends it.
+    STUCK = "import signal\\nsignal.signal(signal.SIGTERM, lambda *_: None)\\n" \\
+            "while True: signal.pause()"
     async def main():
         base = Path(sys.argv[1])
         server = NatsServer(base / "nats")
@@ -252,8 +256,7 @@ SUPERVISOR = textwrap.dedent(
         (base / "nats.pid").write_text(str(server.pid))
         sup = Supervisor(base / "logs", base / "run")
         for name in ("trainer-1", "checkpointer"):
-            await sup.start(ServiceSpec(name=name, argv=[sys.executable, "-c",
-                            "import signal\\nwhile True: signal.pause()"]))
+            await sup.start(ServiceSpec(name=name, argv=[sys.executable, "-c", STUCK]))
         await asyncio.Event().wait()
     asyncio.run(main())
     """
