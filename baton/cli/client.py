@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
 import tomllib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from baton.cli.at_site import hub_domain as hub_domain
 from baton.cli.at_site import site_of as site_of
 from baton.cli.errors import CliError as CliError  # re-exported: callers catch client.CliError
 from baton.cli.errors import needs
+from baton.cli.patience import PatientClient
 from shared import auth
 from shared.bus import names
 from shared.bus.connect import connect
@@ -40,11 +42,27 @@ from shared.state.workers import live_workers
 CONNECT_TIMEOUT_S = 5.0
 
 
-async def open_nats(url: str, **options: Any) -> Client:
-    """Connect for one CLI command; `options` carry credentials and TLS."""
+def _say_waiting(patience_s: float) -> None:
+    print(
+        f"waiting for JetStream to answer (a hub node restarting or electing?), up to "
+        f"{patience_s:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+async def open_nats(
+    url: str, waiting: Callable[[float], None] | None = _say_waiting, **options: Any
+) -> Client:
+    """Connect for one CLI command; `options` carry credentials and TLS. Its requests ride
+    a hub node's election (`patience`); `waiting` says so, once."""
     try:
         return await connect(
-            url, "baton-cli", first_attempt_timeout=CONNECT_TIMEOUT_S, options=options
+            url,
+            "baton-cli",
+            first_attempt_timeout=CONNECT_TIMEOUT_S,
+            options=options,
+            client=PatientClient(waiting),
         )
     except ConnectionError as exc:
         raise CliError(f"{exc}. Is the stack up? Start it with `baton up`.") from None

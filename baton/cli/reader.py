@@ -20,7 +20,9 @@ from typing import TypeVar
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy
+
+from baton.cli.patience import patiently
 
 T = TypeVar("T")
 
@@ -118,7 +120,6 @@ async def read(
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     config = ConsumerConfig(
-        name=f"read-{uuid.uuid4().hex[:16]}",
         filter_subject=subject,
         deliver_subject=inbox,
         deliver_policy=DeliverPolicy.NEW if new else DeliverPolicy.ALL,
@@ -127,8 +128,17 @@ async def read(
         idle_heartbeat=HEARTBEAT_S,
         mem_storage=True,
     )
+
+    async def made() -> ConsumerInfo:
+        # A new name each try: one whose answer was lost may be placed on a dead node (a
+        # consumer nobody reads is removed by the server after INACTIVE_S).
+        nonlocal config
+        config = replace(config, name=f"read-{uuid.uuid4().hex[:16]}")
+        return await nc.jetstream(domain=domain).add_consumer(stream, config)
+
     try:
-        info = await nc.jetstream(domain=domain).add_consumer(stream, config)
+        # Only the connected server's own JetStream is waited for (`patience`).
+        info = await (patiently(nc, made) if domain is None else made())
     except BaseException:
         await sub.unsubscribe()
         raise

@@ -42,12 +42,14 @@ async def connect(
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     first_attempt_timeout: float | None = None,
     options: Mapping[str, Any] | None = None,
+    client: Client | None = None,
 ) -> Client:
     """Connect, retrying the first connection too (a service may start before its server).
 
     `first_attempt_timeout` bounds that first wait (CLI commands want a prompt error); None
     retries forever, as services do. Credentials come from `options`, else from the
     environment (`shared.credentials.client_options`): never from the URL, which gets logged.
+    `client` is the (unconnected) client to connect, when a caller needs its own kind.
     """
 
     async def disconnected() -> None:
@@ -69,7 +71,7 @@ async def connect(
     # nats-py retries a refused login forever when reconnects are unlimited: watch for it,
     # and fail loudly instead of hanging.
     denied = asyncio.Event()
-    nc = Client()
+    nc = client if client is not None else Client()
     loop = asyncio.get_running_loop()
     deadline = None if first_attempt_timeout is None else loop.time() + first_attempt_timeout
     delays = Backoff(first=0.2, most=5.0)

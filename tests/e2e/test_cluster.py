@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
+import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -33,6 +35,7 @@ from shared.contracts.events import Fenced, HandedOver, Progress, Redispatched, 
 from shared.state.runs import Runs
 from shared.state.workers import live_workers
 from tests.e2e.jobs import EventLog, finished, history, job, submit
+from tests.support.cli import REPO, run_baton
 from tests.support.ledger import balanced, topup
 from tests.support.sites import Site
 from tests.support.stack import Stack, eventually
@@ -193,6 +196,26 @@ async def wrote_again(js: JetStreamContext) -> None:
     await eventually(writes, 60, "the hub to take writes again", 0.2)
 
 
+class Cli:
+    """The `baton` command as the operator runs it against the clustered hub: every node's
+    URL, the operator's credentials."""
+
+    def __init__(self, hub: Stack) -> None:
+        self.env = {
+            **os.environ, "NATS_URL": hub.hub.url, "BATON_STORE": hub.store_url,
+            "NATS_AUTH_FILE": str(hub.root / "auth" / "operator.env"),
+        }  # fmt: skip
+
+    async def start(self, *args: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "baton", *args, cwd=REPO, env=self.env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+
+    async def run(self, *args: str) -> tuple[int, str, str]:
+        return await run_baton(*args, env=self.env)
+
+
 async def submit_patiently(nc: Client, spec: JobSpec) -> str:
     """Submit while a node is down: the publish is retried (the same idempotency key, so
     it is one submission) until the submit stream has a leader again."""
@@ -258,26 +281,43 @@ class MidRun:
 
 
 async def test_each_leader_killed_in_turn_mid_run(hub: Stack) -> None:
-    """SIGKILL the leader of the task queue, then of the leases bucket, then of the runs
-    bucket, then of the credits ledger, each node back and caught up before the next loss.
-    The run is carol's, in a pool with a price: held once, settled once, to the unit."""
+    """SIGKILL the leader of the task queue, then of the leases bucket, the runs bucket, the
+    credits ledger and the events stream, each node back and caught up before the next loss.
+    The run is carol's, in a pool with a price: held once, settled once, to the unit.
+
+    The operator follows it all with `baton watch`, which must see it to COMPLETED, and runs
+    `status`, `runs` and `logs` the moment each leader dies: each rides the election (seen
+    before: each gave up with "JetStream did not answer")."""
     nc = await hub.client()
     topped = await topup(nc, "carol", 5.0)
-    run = await MidRun.start(hub, "leaders", pace=0.22, person="carol")  # four losses
+    run = await MidRun.start(hub, "leaders", pace=0.35, person="carol")  # five losses
     js = run.nc.jetstream()
+    watch = await Cli(hub).start("watch", run.run_id)
     streams = (
         names.TASKS_STREAM, f"KV_{names.LEASES_BUCKET}", f"KV_{names.RUNS_BUCKET}",
-        names.LEDGER_STREAM,
+        names.LEDGER_STREAM, names.EVENTS_STREAM,
     )  # fmt: skip
-    for stream in streams:
-        await run.submitter.one_more()
-        node = hub.hub.node(await leader_of(js, stream))
-        print(f"{stream}: SIGKILL its leader, {node.server_name}")
-        await node.kill()
-        await wrote_again(js)
-        await node.start()
-        await all_current(run.nc)
-    await run.ends_untroubled()
+    try:
+        for stream in streams:
+            await run.submitter.one_more()
+            node = hub.hub.node(await leader_of(js, stream))
+            print(f"{stream}: SIGKILL its leader, {node.server_name}")
+            await node.kill()
+            commands = (("status", run.run_id), ("runs", "--all"), ("logs", run.run_id))
+            answers = await asyncio.gather(*(Cli(hub).run(*c) for c in commands))
+            for command, (code, _out, err) in zip(commands, answers, strict=True):
+                assert code == 0, f"baton {' '.join(command)} with {stream}'s leader lost: {err}"
+            await wrote_again(js)
+            await node.start()
+            await all_current(run.nc)
+        await run.ends_untroubled()
+        out, err = await asyncio.wait_for(watch.communicate(), 120)
+    finally:
+        if watch.returncode is None:
+            watch.kill()
+            await watch.wait()
+    assert watch.returncode == 0, (out.decode()[-2000:], err.decode())
+    assert "completed" in out.decode(), out.decode()[-2000:]
     await balanced(nc, "carol", run.run_id, topped, PRICE)
 
 
