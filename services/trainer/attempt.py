@@ -71,6 +71,7 @@ from shared.contracts.events import (
     RunWarning,
     Started,
 )
+from shared.contracts.records import Stall
 from shared.state import transitions
 from shared.state.lease import Lease
 from shared.state.pools import Pools
@@ -154,6 +155,8 @@ class Attempt:
                 limits.stall_timeout_s,
             )
         )  # fmt: skip
+        self.stalled: Stall | None = None
+        """The hang the stall watch stopped the training process for, if it did."""
         self.launched = False
         """The training process was sent its `Launch`: only then may it be sent a `Control`
         (it reads the `Launch` first)."""
@@ -210,6 +213,8 @@ class Attempt:
         self.step = self.start_step = latest[0].step if latest else 0
         # A rollback forgets the data left out after the checkpoints it abandons.
         self.skips = [s for s in record.skips if s.after <= self.step]
+        if record.stall is not None:  # it hung before: its step time is known
+            self.stall.knowing(record.stall.step_s)
         span.set_attributes({telemetry.ATTEMPT: record.attempts, telemetry.START_STEP: self.step})
         self.reports.recovering = record.attempts > 1
         ranks = self.group.ranks if self.group is not None else 1
@@ -312,6 +317,7 @@ class Attempt:
         await self.reports.stalled(quiet_s, step, self.stall.bound())
 
     def _stopped_stalling(self, quiet_s: float, step: int) -> None:
+        self.stalled = Stall(step=step, step_s=self.stall.step_s())
         reason = f"stalled: no step for {quiet_s:.0f}s after step {step}"
         log.warning("%s: %s; stopping the training process", self.run_id, reason)
         self.orders.give(Order.STALL, reason)
@@ -365,7 +371,7 @@ class Attempt:
         if given is Order.STALL:
             self.child.kill()
             await self.output_copied()
-            return verdicts.child_failed(self, -9, self.orders.reason)
+            return verdicts.child_failed(self, -9, self.orders.reason, stall=self.stalled)
         if not reader.done():  # asked to stop, and the grace ran out (or a second signal)
             return await verdicts.stopped_early(self, None)
         finished = reader.result()

@@ -13,6 +13,13 @@ never flagged; checkpoints block the loop briefly and are outliers the median ig
     a step after that               a `stall_recovered` event; the watch goes on
     no step for 1.5 x the bound     the attempt is stopped: a failed attempt of user code
 
+A run whose last attempt was stopped for a stall is not new: its step time is known (the
+record's `stall`), so once the next attempt has restored its checkpoint its bound follows
+that step time rather than `first_s`, and it is stopped at the bound itself (it was warned
+of last time). If it hangs after the same step again, the failure policy does not retry
+it (`transitions.count_failure`): a hang that repeats would otherwise hold a GPU for the
+first-steps bound again in every retry.
+
 The watch ends once the run's last step is done (its final checkpoint's upload may take
 long, and is bounded by the commit's own wait) and when the attempt is asked to stop (its
 grace bounds that). A trainer that is itself hung stops renewing its lease, and its run is
@@ -27,7 +34,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shared.waits import wait_set
 
@@ -48,6 +55,14 @@ class Bounds:
     first_s: float
     explicit_s: float | None = None
     """The job's `limits.stall_timeout_s`: when set, the bound whatever the steps say."""
+    known_step_s: float | None = None
+    """The run's step time from an attempt before this one that stalled (the record's
+    `stall`): the bound from the restore on, and the stop at the bound itself."""
+
+    @property
+    def stop_after(self) -> float:
+        """The stop, in bounds: the warning came in the attempt that stalled before."""
+        return 1.0 if self.known_step_s is not None else STOP_AFTER
 
 
 class StallWatch:
@@ -63,14 +78,27 @@ class StallWatch:
         self.done = False
         self.held = False
 
+    def knowing(self, step_s: float | None) -> None:
+        """The run's step time from the stalled attempt before this one (see `Bounds`); None
+        when that one hung before it was measured, which leaves the floor."""
+        self.bounds = replace(self.bounds, known_step_s=step_s or 0.0)
+
     def bound(self) -> float:
         """Seconds without a step that make a stall, as of now."""
         b = self.bounds
         if b.explicit_s is not None:
             return b.explicit_s
         if len(self._per_step) < MIN_SAMPLES:
+            if b.known_step_s is not None and self.step is not None:  # restored: not new
+                return max(b.floor_s, b.factor * b.known_step_s)
             return max(b.first_s, b.floor_s)
         return max(b.floor_s, b.factor * statistics.median(self._per_step))
+
+    def step_s(self) -> float | None:
+        """The median step time of the recent steps (None: too few yet), else the known."""
+        if len(self._per_step) < MIN_SAMPLES:
+            return self.bounds.known_step_s
+        return statistics.median(self._per_step)
 
     def stepped(self, step: int, last: bool = False) -> None:
         """The training process reported `step` (`last`: the run's final step)."""
@@ -116,12 +144,12 @@ class StallWatch:
             if self.warned and self.last != warned_at:  # it moved since the warning
                 self.warned = False
                 await recovered(self.last - warned_at, step)
-            if quiet >= bound * STOP_AFTER:
+            if quiet >= bound * self.bounds.stop_after:
                 stop(quiet, step)
                 return
             if quiet >= bound and not self.warned:
                 self.warned, warned_at = True, self.last
                 await warn(quiet, step)
-            deadline = bound * (STOP_AFTER if self.warned else 1.0)
+            deadline = bound * (self.bounds.stop_after if self.warned else 1.0)
             self._moved.clear()
             await wait_set(self._moved, max(0.0, deadline - quiet) + 0.01)

@@ -53,7 +53,7 @@ from shared.checkpoint import commit
 from shared.contracts import RunRecord, RunState, Skip
 from shared.contracts.child import EXIT_BAD_LAUNCH, EXIT_GUARDED, Finished, Tripped
 from shared.contracts.events import AttemptFailed, Event, Fenced, Paused, Preempted, RankLost
-from shared.contracts.records import Preemption
+from shared.contracts.records import Preemption, Stall
 from shared.state import transitions
 from shared.state.endings import settle
 from shared.state.lease import Lease
@@ -322,8 +322,9 @@ def rank_lost(a: Attempt, cause: Breakage) -> Verdict:
 
 
 def child_failed(
-    a: Attempt, code: int, why: str = "", *, tail: str | None = None, rank: int | None = None
-) -> Verdict:
+    a: Attempt, code: int, why: str = "", *, tail: str | None = None, rank: int | None = None,
+    stall: Stall | None = None,
+) -> Verdict:  # fmt: skip
     a.child.kill()
     reason = why or (
         "the entry point could not be loaded"
@@ -334,7 +335,8 @@ def child_failed(
     trace.get_current_span().set_status(trace.StatusCode.ERROR, reason)
     # The token as the change applies: a lapsed lease re-taken meanwhile moves it.
     count = transitions.count_failure(
-        lambda: a.lease.token, a.spent(own_failure=True), reason, fatal=code == EXIT_BAD_LAUNCH
+        lambda: a.lease.token, a.spent(own_failure=True), reason, fatal=code == EXIT_BAD_LAUNCH,
+        stall=stall,
     )
 
     def failed(r: RunRecord) -> Event:

@@ -48,6 +48,16 @@ class Preemption(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     to_ranks: int = 0
 
 
+class Stall(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The hang that stopped the run's last stalled attempt (`services/trainer/stall.py`):
+    the step it hung after, and the run's step time as that attempt had measured it. The
+    next attempt bounds its steps by that step time from the moment it has restored,
+    rather than as a new run's, and a hang after the same step again is not retried."""
+
+    step: int
+    step_s: float | None = None
+
+
 class Rewind(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One rollback in a run's lineage (`baton rollback`): under the attempt of `token` the
     run went back from its checkpoint at `from_step` to the one at `to_step`; the committed
@@ -155,6 +165,8 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     """The most ranks the scheduler lets an elastic run hold now (None: its `max`)."""
     preemptions: int = 0
     """Times the scheduler took the run off its trainers for another."""
+    stall: Stall | None = None
+    """The hang that stopped its last stalled attempt, if one did."""
     price: dict[str, float] = {}
     """Credits per trainer-second by device kind, its pool's when the run was accepted;
     empty: the run costs no credits. Its holds were reckoned at it, and it is charged at

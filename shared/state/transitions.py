@@ -37,7 +37,7 @@ from typing import NamedTuple
 import msgspec
 
 from shared.contracts import RunRecord, RunState, Skip
-from shared.contracts.records import MAX_REWINDS, Preemption, Rewind
+from shared.contracts.records import MAX_REWINDS, Preemption, Rewind, Stall
 from shared.state.runs import Change
 
 __all__ = [
@@ -269,11 +269,16 @@ def _requeued(r: RunRecord) -> RunRecord:
     )  # fmt: skip
 
 
-def count_failure(holding: Callable[[], int], spent: Spent, reason: str, *, fatal: bool) -> Change:
+def count_failure(
+    holding: Callable[[], int], spent: Spent, reason: str, *, fatal: bool,
+    stall: Stall | None = None,
+) -> Change:  # fmt: skip
     """While the run is not over and names `holding()` (the attempt's token as the change
     applies): the time booked (`book_time`, a no-op unless `spent.token` is still named),
     one more retry, the reaper's stop order and the holder cleared; FAILED for `reason`
-    when `fatal` or the retries are used up."""
+    when `fatal` or the retries are used up. An attempt stopped for a `stall` records it;
+    one that hung after the same step as the last stalled attempt is not retried: FAILED,
+    or PAUSED where the job pauses on a failure."""
     booked = book_time(spent)
 
     def change(r: RunRecord) -> RunRecord | None:
@@ -281,18 +286,21 @@ def count_failure(holding: Callable[[], int], spent: Spent, reason: str, *, fata
             return None
         r = booked(r) or r
         retries = r.retries + 1
-        give_up = fatal or retries > r.spec.limits.max_retries
+        again = stall is not None and r.stall is not None and r.stall.step == stall.step
+        said = f"{reason}, as the attempt before did: a hang that repeats is not retried"
+        told = said if again else reason
+        give_up = fatal or again or retries > r.spec.limits.max_retries
         hold = not fatal and r.on_failure == "pause"
         if hold:
-            state, why = RunState.PAUSED, f"held for a human after: {reason}"
+            state, why = RunState.PAUSED, f"held for a human after: {told}"
         elif give_up or r.on_failure == "fail_fast":
-            state, why = RunState.FAILED, reason
+            state, why = RunState.FAILED, told
         else:
             state, why = r.state, None
         return _replace(
             r, retries=retries, stop_token=None, stop_reason=None, worker=None, group=[],
             state=state, reason=why if state is RunState.FAILED else r.reason,
-            pause_requested=why if hold else r.pause_requested,
+            pause_requested=why if hold else r.pause_requested, stall=stall or r.stall,
         )  # fmt: skip
 
     return change

@@ -6,6 +6,7 @@ a scheduler, gradient clipping."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,37 @@ async def test_a_hung_run_is_stopped_by_default_and_a_slow_one_never_flagged(
     assert done.state is RunState.COMPLETED, done
     assert not [e for e in await history(nc, slow) if isinstance(e, RunWarning)]
     log.close()
+
+
+async def test_a_run_that_hangs_at_the_same_step_in_every_attempt_ends_within_three_bounds(
+    guarded: Stack,
+) -> None:
+    """A deterministic hang under the default policy (retries left): the first attempt is
+    warned and stopped at 1.5 bounds; the retry resumes from the last checkpoint, is held to
+    the run's known step time from its restore (not the first-steps bound, 30 s here) and
+    hangs after the same step, which ends the run. Seen before: every retry waited out the
+    first-steps bound again (1800 s by default), a GPU held for hours."""
+    nc = await guarded.client()
+    hung = await submit(
+        nc,
+        spec("hangs", total_steps=40, config={"hang_at": 64, "step_s": 1.2, "shuffle": False},
+             limits={"max_retries": 3}, checkpoint={"every_steps": 4}),
+    )  # fmt: skip
+    record = await finished(nc, hung, timeout=240)
+    assert record.state is RunState.FAILED, record
+    assert "a hang that repeats is not retried" in (record.reason or ""), record.reason
+    assert record.attempts == 2 and record.retries == 2, record
+    events = await history(nc, hung)
+    [warning] = [e for e in events if isinstance(e, RunWarning) and e.kind == "stalled"]
+    quiet_s, bound_s = (float(x) for x in re.findall(r"(\d+)s", warning.detail)[:2])
+    hang_began = warning.at - quiet_s
+    [failed] = [e for e in events if isinstance(e, Failed)]
+    took = failed.at - hang_began
+    print(f"hung after step 8 twice; a stall is {bound_s:.0f} s; ended {took:.1f} s after")
+    assert took <= 3 * bound_s, f"ended {took:.1f} s after the first hang (bound {bound_s} s)"
+    [stopped] = [e for e in events if isinstance(e, AttemptFailed)]
+    assert stopped.reason.startswith("stalled: no step for") and "after step 8" in stopped.reason
+    assert failed.reason.startswith("stalled: no step for") and "after step 8" in failed.reason
 
 
 async def test_a_nan_rolls_back_to_the_last_good_checkpoint_skipping_its_batches(

@@ -114,3 +114,20 @@ async def test_a_replica_waiting_for_a_round_is_not_stalled() -> None:
     a_round = [(0.0, HOLD), *[(10.0, -1)] * 10, (0.0, RELEASE)]  # 100 s without a step
     said = await drive(watch, clock, [(0, 0), *steady, *a_round, (9.0, -1), (0.5, 8)])
     assert said == []
+
+
+async def test_a_run_that_hung_before_is_bound_by_its_known_step_from_its_restore() -> None:
+    """The attempt after a stalled one: the first-steps bound only until it has restored;
+    then the run's known step time (2 s: 10 x 2 = 20 s), and it is stopped at the bound
+    itself, with no warning first (the attempt before was warned)."""
+    clock = Clock()
+    watch = StallWatch(BOUNDS, clock)
+    watch.knowing(2.0)
+    assert watch.bound() == 60.0  # still loading: the first-steps bound
+    said = await drive(watch, clock, [(30.0, 150), (19.0, -1), (1.5, -1)])
+    assert watch.bound() == 20.0
+    assert said == ["stop 150"]
+    unknown = StallWatch(BOUNDS, clock)
+    unknown.knowing(None)  # it hung before its step time was measured: the floor
+    unknown.stepped(150)
+    assert unknown.bound() == 5.0

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from shared.contracts import JobSpec, RunRecord, RunState, Skip, convert, spec_hash
-from shared.contracts.records import Preemption
+from shared.contracts.records import Preemption, Stall
 from shared.state import transitions as t
 from shared.state.runs import Change
 
@@ -164,6 +164,26 @@ def test_count_failure_fails_the_run() -> None:
     fatal = applied(t.count_failure(lambda: 5, SPENT, "no module", fatal=True), record())
     assert fatal.state is RunState.FAILED and fatal.reason == "no module", fatal
     assert fatal.retries == 1, fatal
+
+
+def test_a_hang_after_the_same_step_again_is_not_retried() -> None:
+    """The stall is recorded; one after another step is retried as any failure, one after
+    the same step again fails the run (or pauses it, where the job pauses on a failure)."""
+    hung = Stall(step=150, step_s=0.01)
+    first = applied(t.count_failure(lambda: 5, SPENT, "stalled", fatal=False, stall=hung), record())
+    assert first.state is RunState.RUNNING and first.stall == Stall(step=150, step_s=0.01)
+    elsewhere = t.count_failure(lambda: 5, SPENT, "stalled", fatal=False, stall=Stall(step=151))
+    assert applied(elsewhere, first).state is RunState.RUNNING
+    again = t.count_failure(lambda: 5, SPENT, "stalled", fatal=False, stall=Stall(step=150))
+    failed = applied(again, first)
+    assert failed.state is RunState.FAILED and failed.retries == 2, failed
+    assert failed.reason == (
+        "stalled, as the attempt before did: a hang that repeats is not retried"
+    ), failed.reason
+    paused = applied(again, msgspec.structs.replace(first, on_failure="pause"))
+    assert paused.state is RunState.PAUSED and "repeats" in (paused.pause_requested or "")
+    crashed = applied(t.count_failure(lambda: 5, SPENT, "boom", fatal=False), first)
+    assert crashed.stall == first.stall, "another failure keeps what the last stall was"
 
 
 def test_count_failure_reads_the_token_as_it_applies() -> None:
