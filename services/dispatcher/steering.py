@@ -12,7 +12,7 @@ a submitter publish on); a body naming another run is refused the same way.
                                                                  and stops: PAUSED
     resume       PAUSED: QUEUED at the next dispatch (priced:    the scheduler admits it
                  a new hold first)
-    checkpoint   none                                           its trainer is told
+    checkpoint   RUNNING: checkpoints_asked + 1                 its trainer checkpoints
     rollback     see `services/dispatcher/rollback.py`
 """
 
@@ -135,20 +135,17 @@ class Steering:
             self.scheduler.observe(record)
 
     async def _checkpoint(self, req: TakeCheckpoint, record: RunRecord) -> None:
-        """Nothing in the record changes: the trainer running the run (a group's leader) is
-        told to have its training process write a checkpoint at its next step boundary, and
-        the commit's `checkpoint_committed` event is the answer. Only a run in training has
-        a process to ask; a lost command is a checkpoint not taken (`baton checkpoint` says
-        none came)."""
+        """One more checkpoint asked in the record: the attempt holding the run (a group's
+        leader) has its training process write one at its next step boundary, as soon as
+        the wake reaches its trainer or at its next renewal if the wake is lost, and the
+        commit's `checkpoint_committed` event is the answer. Only a run in training has a
+        process to ask."""
         if record.state != "RUNNING" or not record.worker:
             state = "between attempts" if record.state == "RUNNING" else record.state.value
             raise ContractError(
                 f"run {req.run_id} is {state}: only a run in training can checkpoint", "$.run_id"
             )
-        reason = req.reason or "asked by an operator"
-        ask = Command(run_id=req.run_id, action="checkpoint", reason=reason)
-        await self.nc.publish(names.control_subject(record.worker), encode(ask))
-        log.info("%s: checkpoint asked of %s (%s)", req.run_id, record.worker, reason)
+        await self._change(req, transitions.ask_checkpoint)
 
     async def _rollback(self, req: Rollback, record: RunRecord) -> None:
         ordered = await rollback.order(self.runs, req, record)

@@ -213,6 +213,7 @@ class Attempt:
         self.step = self.start_step = latest[0].step if latest else 0
         # A rollback forgets the data left out after the checkpoints it abandons.
         self.skips = [s for s in record.skips if s.after <= self.step]
+        self.keeper.checkpoints_served = record.checkpoints_asked  # asked of attempts before
         if record.stall is not None:  # it hung before: its step time is known
             self.stall.knowing(record.stall.step_s)
         span.set_attributes({telemetry.ATTEMPT: record.attempts, telemetry.START_STEP: self.step})

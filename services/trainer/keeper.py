@@ -2,10 +2,10 @@
 
 Every third of the lease TTL (and at once after a reconnect or a `wake` command) the
 keeper touches the task message (`in_progress`), renews the lease, and reads the run
-record — the truth about the run — for orders: cancel it, pause it, roll it back, or the
-run is already over (a hard timeout). A renewal that loses its CAS means the lease
-lapsed or was taken: the keeper re-takes a lapsed lease only if nobody else moved the run
-on meanwhile; otherwise the attempt is fenced.
+record — the truth about the run — for orders: cancel it, pause it, roll it back, write a
+checkpoint an operator asked for, or the run is already over (a hard timeout). A renewal
+that loses its CAS means the lease lapsed or was taken: the keeper re-takes a lapsed lease
+only if nobody else moved the run on meanwhile; otherwise the attempt is fenced.
 
 For a run granted to this trainer's site (`granted.py`), the lease and the record are the
 site's own, and after each renewal the keeper also asks the hub, while it can, whether the
@@ -129,6 +129,9 @@ class Keeper:
         """Logs a run of failed renewals (a cut link) once as it starts and once as it ends."""
         self.on_record = on_record
         """Told the record at every renewal (an elastic group reads its cap there)."""
+        self.checkpoints_served = 0
+        """The record's `checkpoints_asked` this attempt has had written (those asked
+        before it started are the attempt's to ignore: it set this from its record)."""
 
     def settling(self) -> None:
         """The attempt's verdict is decided and about to be written: from now on a lost
@@ -187,6 +190,10 @@ class Keeper:
             self.orders.give(Order.ROLLBACK, why)
         elif r.preempt is not None:
             self.orders.preempt(r.preempt)
+        if r.checkpoints_asked > self.checkpoints_served and not r.state.terminal:
+            self.checkpoints_served = r.checkpoints_asked
+            log.info("%s: checkpoint asked by an operator", self.run_id)
+            self.send(Control(action="checkpoint"))
         if self.on_record is not None:
             self.on_record(r)
 

@@ -49,7 +49,6 @@ from shared.bus.streams import ensure_consumer, trainer_consumer
 from shared.checkpoint.store import Store, open_store
 from shared.config import Settings
 from shared.contracts import RunRecord, RunState, Task, decode
-from shared.contracts.child import Control
 from shared.contracts.control import Command
 from shared.contracts.groups import RankCall
 from shared.contracts.tasks import Claim
@@ -424,24 +423,9 @@ class Trainer:
         if cmd.action == "kill" and attempt is not None and attempt.run_id == cmd.run_id:
             log.warning("%s: kill command: %s", cmd.run_id, cmd.reason)
             attempt.orphaned(cmd.reason)
-        elif cmd.action == "checkpoint":
-            self._checkpoint(cmd, attempt)
         self.beat_now.set()
         if cmd.action == "wake" and await self.draining.refresh():
             self.presence.beat.set()
-
-    def _checkpoint(self, cmd: Command, attempt: Attempt | Member | None) -> None:
-        """An operator's `baton checkpoint`: the run's training process writes one at its
-        next step boundary (in a group, rank 0's: the ranks agree on it every step). Only
-        once its `Launch` is sent — the process reads that first — and only for the run this
-        trainer leads; otherwise the request is not taken, and its asker sees none come."""
-        if not isinstance(attempt, Attempt) or attempt.run_id != cmd.run_id:
-            log.info("%s: checkpoint asked, but this trainer does not lead it", cmd.run_id)
-        elif not attempt.launched:
-            log.info("%s: checkpoint asked before its training process started", cmd.run_id)
-        else:
-            log.info("%s: checkpoint asked: %s", cmd.run_id, cmd.reason or "by an operator")
-            attempt.child.send(Control(action="checkpoint"))
 
     def _child_env(self) -> dict[str, str]:
         # The training process talks to its trainer over a pipe, never to NATS: it gets no

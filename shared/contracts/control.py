@@ -59,15 +59,14 @@ Steer = Rollback | Pause | Resume | TakeCheckpoint
 
 class Command(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Sent on core NATS to `baton.control.<worker>`. `wake`: look at the run record now
-    (it changed), and at the worker's drain key (`run_id` "" when only that changed).
-    `kill`: the worker runs `run_id` without holding its lease — an orphan — so its
-    training process must die. `checkpoint`: an operator asks for a checkpoint of `run_id`
-    now (`baton checkpoint`). Losing a wake or a kill costs only latency: the record, the
-    lease and the drain key stay the truth, and the sweeps repeat; a lost `checkpoint` is a
-    checkpoint not taken, which its asker sees as none committed."""
+    (it changed: an order, such as a checkpoint asked), and at the worker's drain key
+    (`run_id` "" when only that changed). `kill`: the worker runs `run_id` without holding
+    its lease — an orphan — so its training process must die. Losing either costs only
+    latency: the record, the lease and the drain key stay the truth, the trainer reads its
+    record at every renewal, and the sweeps repeat."""
 
     run_id: str
-    action: Literal["wake", "kill", "checkpoint"]
+    action: Literal["wake", "kill"]
     reason: str = ""
 
 

@@ -167,6 +167,10 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     """Times the scheduler took the run off its trainers for another."""
     stall: Stall | None = None
     """The hang that stopped its last stalled attempt, if one did."""
+    checkpoints_asked: int = 0
+    """Checkpoints operators asked for (`baton checkpoint`) so far: the attempt holding the
+    run has its training process write one for each it has not served yet. In the record,
+    like every order, so a lost wake costs latency, never the checkpoint."""
     price: dict[str, float] = {}
     """Credits per trainer-second by device kind, its pool's when the run was accepted;
     empty: the run costs no credits. Its holds were reckoned at it, and it is charged at

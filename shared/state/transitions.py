@@ -306,6 +306,13 @@ def count_failure(
     return change
 
 
+def ask_checkpoint(r: RunRecord) -> RunRecord | None:
+    """While the run is RUNNING: one more checkpoint asked of the attempt holding it."""
+    if r.state is not RunState.RUNNING:
+        return None
+    return _replace(r, checkpoints_asked=r.checkpoints_asked + 1)
+
+
 def cancel_unowned(r: RunRecord) -> RunRecord | None:
     """While the run is RUNNING and asked to cancel (its trainer gone, a new one took the
     task): CANCELLED for the reason asked."""
@@ -585,10 +592,10 @@ def take_back(site: str, epoch: int) -> Change:
 def reconcile(site: str, reported: RunRecord) -> Change:
     """The record `site` keeps of a run granted to it, taken in at the hub: while the hub's
     record still grants the run to `site` under the reported epoch and is not over, it
-    becomes the site's, keeping what was asked at the hub meanwhile (cancel, pause). An
-    ended record only has its announcement mark cleared, once the site's is. A run submitted
-    at `site` whose job the hub also queued, and never started, becomes the site's (the
-    same job submitted at both sides of a cut is one run). None when there is nothing to
+    becomes the site's, keeping what was asked at the hub meanwhile (cancel, pause,
+    checkpoints). An ended record only has its announcement mark cleared, once the site's
+    is. A run submitted at `site` whose job the hub also queued, and never started, becomes
+    the site's (the same job submitted at both sides of a cut is one run). None when there is nothing to
     take in (a report of a revoked grant, or a repeat). The hub's copy's credits, if it held
     any, go with the run."""
 
@@ -605,6 +612,7 @@ def reconcile(site: str, reported: RunRecord) -> Change:
             reported,
             cancel_requested=reported.cancel_requested or r.cancel_requested,
             pause_requested=reported.pause_requested or r.pause_requested,
+            checkpoints_asked=max(r.checkpoints_asked, reported.checkpoints_asked),
             dispatch=max(r.dispatch, reported.dispatch),
         )
         return None if _replace(new, updated_at=r.updated_at) == r else new
@@ -630,17 +638,21 @@ def accept_grant(granted: RunRecord) -> Change:
 
 
 def forward_requests(hub: RunRecord) -> Change:
-    """At the site: what was asked of the run at the hub (cancel, pause) while the hub still
-    grants it under the site's epoch, unless the run is over or was asked already."""
+    """At the site: what was asked of the run at the hub (cancel, pause, checkpoints) while
+    the hub still grants it under the site's epoch, unless the run is over or was asked
+    already."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if r.state.terminal or hub.epoch != r.epoch or hub.site != r.site:
             return None
         cancel = r.cancel_requested or hub.cancel_requested
         pause = r.pause_requested or hub.pause_requested
-        if (cancel, pause) == (r.cancel_requested, r.pause_requested):
+        asked = max(r.checkpoints_asked, hub.checkpoints_asked)
+        if (cancel, pause, asked) == (r.cancel_requested, r.pause_requested, r.checkpoints_asked):
             return None
-        return _replace(r, cancel_requested=cancel, pause_requested=pause)
+        return _replace(
+            r, cancel_requested=cancel, pause_requested=pause, checkpoints_asked=asked
+        )
 
     return change
 

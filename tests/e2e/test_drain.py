@@ -12,6 +12,8 @@ is committed at a step the job's cadence would never have chosen.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -37,8 +39,10 @@ from shared.contracts.events import (
 )
 from shared.contracts.letters import DeadLetter
 from shared.state.drains import Drains
+from shared.state.runs import Runs
 from tests.e2e.jobs import EventLog, finished, job, submit
 from tests.support.cli import as_json, baton
+from tests.support.proxy import Proxy
 from tests.support.stack import Stack, eventually
 
 pytestmark = pytest.mark.operations
@@ -229,6 +233,51 @@ async def test_an_operator_checkpoint_commits_a_step_off_the_cadence(pool: Stack
     assert code == 2 and "COMPLETED" in err, err
     code, _, err = await baton(pool, "checkpoint", "rnosuchrun")
     assert code == 3 and "no run" in err, err
+
+
+async def test_an_operator_checkpoint_outlives_a_lost_wake(tmp_path: Path) -> None:
+    """The trainer's link drops every byte while the checkpoint is asked: the dispatcher's
+    wake to it is lost (core NATS keeps nothing for a peer that does not read). The request
+    is in the run's record, which the trainer reads once its link is back: the checkpoint is
+    written and committed, and `baton checkpoint` gets its answer. Seen before: the request
+    itself travelled as that core-NATS message, and the asker was told none came. The lease
+    outlasts the cut (15 s), so nothing but the wake is lost."""
+    async with contextlib.AsyncExitStack() as scope:
+        stack = Stack(tmp_path / "stack", trainers=0, lease_ttl=15)
+        scope.push_async_callback(stack.stop)
+        await stack.start(("dispatcher", "checkpointer", "reaper"))
+        link = await scope.enter_async_context(Proxy("127.0.0.1", stack.nats.port))
+        await stack.add_trainer("edge", {"NATS_URL": link.url})
+        await stack.ready(("trainer",))
+        nc = await stack.client()
+        total = 600
+        run_id = await submit(nc, paced(total, every=10_000))
+        log = EventLog(nc, run_id)
+        moving = await log.wait_for(
+            lambda e: isinstance(e, Progress) and e.step >= 10, WITHIN, "step 10"
+        )
+        assert moving
+        link.blackhole()
+        asking = asyncio.create_task(
+            as_json(stack, "checkpoint", run_id, "--reason", "through a lost wake")
+        )
+        runs = await Runs.open(nc.jetstream())
+
+        async def asked() -> bool:
+            found = await runs.get(run_id)
+            return found is not None and found[0].checkpoints_asked == 1
+
+        await eventually(asked, WITHIN, "the request in the run's record (its wake sent)")
+        link.restore()
+        done = await asyncio.wait_for(asking, WITHIN)
+        step = done["step"]
+        assert step is not None and 10 <= step < total, done
+        await log.wait_for(
+            lambda e: isinstance(e, CheckpointCommitted) and e.step == step, WITHIN, "its event"
+        )
+        record = await finished(nc, run_id, WITHIN)
+        assert record.state is RunState.COMPLETED and record.attempts == 1, record
+        log.close()
 
 
 @pytest.mark.slow

@@ -139,6 +139,9 @@ def test_at_the_site_a_newer_grant_replaces_the_record_and_requests_are_copied()
         t.forward_requests(hub), record(site="lab1", epoch=2),
         msgspec.structs.replace(kept, cancel_requested="stop it"), *terminal(site="lab1", epoch=1),
     )  # fmt: skip
+    asked = record(site="lab1", epoch=1, checkpoints_asked=2)
+    assert applied(t.forward_requests(asked), kept).checkpoints_asked == 2
+    refused(t.forward_requests(kept), asked)  # never fewer than the site has served
 
 
 def test_mark_running_and_the_hubs_requests_respect_the_grant() -> None:

@@ -166,6 +166,13 @@ def test_count_failure_fails_the_run() -> None:
     assert fatal.retries == 1, fatal
 
 
+def test_a_checkpoint_asked_is_counted_in_the_record_while_it_trains() -> None:
+    running = record(state=RunState.RUNNING)
+    assert applied(t.ask_checkpoint, applied(t.ask_checkpoint, running)).checkpoints_asked == 2
+    assert t.ask_checkpoint(record(state=RunState.QUEUED)) is None
+    assert t.ask_checkpoint(record(state=RunState.COMPLETED)) is None
+
+
 def test_a_hang_after_the_same_step_again_is_not_retried() -> None:
     """The stall is recorded; one after another step is retried as any failure, one after
     the same step again fails the run (or pauses it, where the job pauses on a failure)."""
