@@ -175,15 +175,17 @@ class Reaper:
         running = [r for r in records if not r.state.terminal]
         workers = {w.worker: w for w in await live_workers(self.js)}
         redispatched = []
-        # A run granted to a site is the site's to time, hand over and end; the hub takes
-        # it back once the site is silent past its policy (`grants.py`).
+        # A run granted to a site is the site's to hand over; the hub takes it back once
+        # the site is silent past its policy (`grants.py`). Its timeouts and budget are
+        # the hub's, as any run's: an end the hub decides reaches the site with the grant
+        # check (`transitions.forward_requests`), at once or when its link heals.
         await self.take_back.sweep([r for r in running if r.site], list(workers.values()))
         for r in running:
-            if r.site:
-                continue
             if await self._timeouts(r):
                 continue
             await self._budget(r)
+            if r.site:
+                continue
             if await self._queued_again(r):
                 redispatched.append(r.run_id)
         await self._orphans(workers)

@@ -181,7 +181,8 @@ class Granted:
 class GrantCheck:
     """Whether the hub still grants the run to this site (called by the lease keeper): a
     reason if the hub took it back; None while it holds, or the hub is out of reach. Copies
-    the hub's requests (cancel, pause) into the site's record on the way."""
+    the hub's requests (cancel, pause, checkpoints) and an end it decided (a hard timeout)
+    into the site's record on the way, where the keeper reads its orders."""
 
     def __init__(self, granted: Granted, record: RunRecord) -> None:
         self.granted = granted

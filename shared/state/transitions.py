@@ -595,9 +595,9 @@ def reconcile(site: str, reported: RunRecord) -> Change:
     becomes the site's, keeping what was asked at the hub meanwhile (cancel, pause,
     checkpoints). An ended record only has its announcement mark cleared, once the site's
     is. A run submitted at `site` whose job the hub also queued, and never started, becomes
-    the site's (the same job submitted at both sides of a cut is one run). None when there is nothing to
-    take in (a report of a revoked grant, or a repeat). The hub's copy's credits, if it held
-    any, go with the run."""
+    the site's (the same job submitted at both sides of a cut is one run). None when there
+    is nothing to take in (a report of a revoked grant, or a repeat). The hub's copy's
+    credits, if it held any, go with the run."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if _submitted_at_both(r, site, reported):
@@ -640,11 +640,14 @@ def accept_grant(granted: RunRecord) -> Change:
 def forward_requests(hub: RunRecord) -> Change:
     """At the site: what was asked of the run at the hub (cancel, pause, checkpoints) while
     the hub still grants it under the site's epoch, unless the run is over or was asked
-    already."""
+    already; and the end the hub decided (a hard timeout), which its trainer then obeys as
+    any run's (`Order.OVER`)."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if r.state.terminal or hub.epoch != r.epoch or hub.site != r.site:
             return None
+        if hub.state.terminal:
+            return _replace(r, state=hub.state, reason=hub.reason)
         cancel = r.cancel_requested or hub.cancel_requested
         pause = r.pause_requested or hub.pause_requested
         asked = max(r.checkpoints_asked, hub.checkpoints_asked)

@@ -33,6 +33,7 @@ from shared.contracts.events import (
     Fenced,
     HandedOver,
     Rejected,
+    RunWarning,
     Started,
     TakenBack,
 )
@@ -42,7 +43,7 @@ from tests.e2e.jobs import finished, history, job, paced, submit
 from tests.support.cli import as_json
 from tests.support.ledger import balanced, topup
 from tests.support.sites import Site
-from tests.support.stack import Stack, eventually
+from tests.support.stack import Stack, attempt_processes, eventually
 
 HUB_ONLY = ("dispatcher", "checkpointer", "reaper")
 TTL = 6
@@ -327,6 +328,46 @@ async def test_a_site_trainer_killed_and_its_server_restarted_during_the_cut(
     # The site's events reach the hub in its order: with `completed` there, so is all before.
     starts = of(await history(nc, victim.run_id), Started)
     assert len(starts) == 2 and starts[1].start_step > 0, starts  # type: ignore[attr-defined]
+
+
+@pytest.mark.operations
+async def test_a_granted_run_is_timed_at_the_hub_and_stopped_at_its_site(
+    hub: Stack, site: Site
+) -> None:
+    """A run granted to the site, with a soft and a hard timeout: the hub warns of the first
+    and ends the run at the second, as it does a run of its own, and the site's trainer
+    stops training it at its next look at the grant. Seen before: the hub skipped granted
+    runs' timeouts and budgets, and the site kept training past them."""
+    nc = await hub.client()
+    limits = {"soft_timeout_s": 4, "hard_timeout_s": 10}
+    run_id = await submit(nc, paced(100_000, pace=0.05, limits=limits))
+    await eventually(lambda: _started_at(nc, run_id, "lab1"), 60, "the run to start at the site")
+    record = await finished(nc, run_id, timeout=90)
+    assert record.state is RunState.FAILED and record.site == "lab1", record
+    assert (record.reason or "").startswith("hard_timeout"), record.reason
+    events = await history(nc, run_id)
+    assert [e.kind for e in of(events, RunWarning)] == ["soft_timeout"], events
+    site_runs = await Runs.open(
+        (await site.client()).jetstream(), bucket=names.site_runs_bucket("lab1")
+    )
+
+    async def stopped_at_site() -> bool:
+        found = await site_runs.get(run_id)
+        return found is not None and found[0].state is RunState.FAILED
+
+    await eventually(stopped_at_site, 60, "the site's record to end as the hub's did")
+    trainers = [hub.pid(name) for name in site.trainers]
+    await eventually(lambda: _idle(trainers), 60, "the site's trainers to stop training it")
+    assert not await site_events(site, run_id, "completed")
+
+
+async def _started_at(nc: Client, run_id: str, at: str) -> bool:
+    found = await _record(nc, run_id)
+    return found is not None and found.site == at and found.state is RunState.RUNNING
+
+
+async def _idle(trainers: list[int]) -> bool:
+    return all(not attempt_processes(pid) for pid in trainers)
 
 
 async def _site_shows_its_own(site: Site, run_ids: list[str]) -> None:

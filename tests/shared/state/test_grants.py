@@ -139,6 +139,9 @@ def test_at_the_site_a_newer_grant_replaces_the_record_and_requests_are_copied()
         t.forward_requests(hub), record(site="lab1", epoch=2),
         msgspec.structs.replace(kept, cancel_requested="stop it"), *terminal(site="lab1", epoch=1),
     )  # fmt: skip
+    timed_out = record(site="lab1", epoch=1, state=RunState.FAILED, reason="hard_timeout: x")
+    ended = applied(t.forward_requests(timed_out), kept)
+    assert (ended.state, ended.reason) == (RunState.FAILED, "hard_timeout: x"), ended
     asked = record(site="lab1", epoch=1, checkpoints_asked=2)
     assert applied(t.forward_requests(asked), kept).checkpoints_asked == 2
     refused(t.forward_requests(kept), asked)  # never fewer than the site has served
