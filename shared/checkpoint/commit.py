@@ -178,7 +178,7 @@ async def commit(store: Store, req: CommitRequest) -> tuple[Pointer, int]:
         final=req.final,
         metrics=req.metrics,
         digest=req.digest,
-        previous=current[0].manifest if current else None,
+        previous=current[0].checkpoint if current else None,
         created_at=time.time(),
         ranks=req.ranks,
         sharded=req.sharded,
@@ -240,7 +240,7 @@ async def restorable(store: Store, run_id: str) -> tuple[Manifest | None, list[i
     (`shared.checkpoint.retention`) deletes old checkpoints, manifest included, so the chain
     legitimately stops where retention cut it."""
     current = await read_latest(store, run_id)
-    key = current[0].manifest if current else None
+    key = current[0].checkpoint if current else None
     damaged: list[int] = []
     seen: set[str] = set()
     while key is not None:

@@ -168,7 +168,8 @@ async def graft(store: Store, run_id: str, token: int, worker: str, base: Base) 
     key = manifest_key(run_id, base.step, token)
     wanted = Pointer(run_id=run_id, token=token, step=base.step, manifest=key)
     current = await read_latest(store, run_id)
-    if current is not None:
+    fenced = current is not None and current[0].checkpoint is None
+    if current is not None and not (fenced and wanted.supersedes(current[0])):
         if current[0] == wanted:  # a redelivery: this graft went through
             return Rebased(pointer=wanted, grafted=await load_manifest(store, key))
         have = current[0]
@@ -195,7 +196,9 @@ async def graft(store: Store, run_id: str, token: int, worker: str, base: Base) 
             raise StaleToken(f"a different manifest for step {base.step} token {token}") from None
         manifest = existing
     try:
-        await store.write_pointer(latest_key(run_id), encode(wanted), None)
+        await store.write_pointer(
+            latest_key(run_id), encode(wanted), current[1] if fenced and current else None
+        )
     except PreconditionFailed:
         again = await read_latest(store, run_id)
         if again is None or again[0] != wanted:

@@ -114,7 +114,7 @@ async def abandoned(store: Store, run_id: str) -> set[str]:
 async def committed_chain(store: Store, run_id: str) -> list[Manifest]:
     """The committed checkpoints reachable from `latest`, newest first."""
     current = await read_latest(store, run_id)
-    return await _walk(store, current[0].manifest if current else None)
+    return await _walk(store, current[0].checkpoint if current else None)
 
 
 async def _walk(store: Store, key: str | None) -> list[Manifest]:
@@ -237,7 +237,7 @@ async def collect_garbage(
     # chain we read, and one landing later names a checkpoint above the latest we saw.
     objects = [*await store.list_info(root + "data/"), *await store.list_info(root + "manifests/")]
     current = await read_latest(store, run_id)
-    chain = await _walk(store, current[0].manifest if current else None)
+    chain = await _walk(store, current[0].checkpoint if current else None)
     # Exact keys, not (token, step): an object under a committed checkpoint's prefix that
     # its manifest does not name (a file of a crashed attempt at the same step) is garbage.
     committed = {manifest_key(run_id, m.step, m.token) for m in chain}

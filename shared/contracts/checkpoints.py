@@ -89,7 +89,9 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 class Pointer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The run's `latest`. Ordered by (token, step): a higher token always wins, the same
-    token needs a higher step."""
+    token needs a higher step. A `manifest` of "" is a fence that no checkpoint follows yet
+    (step 0): a run taken back from a site before any checkpoint of it was committed, whose
+    old grant's tokens are refused from then on (`shared.state.grants.fence`)."""
 
     run_id: str
     token: int
@@ -99,6 +101,11 @@ class Pointer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
     def supersedes(self, other: Pointer) -> bool:
         return (self.token, self.step) > (other.token, other.step)
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The manifest of the checkpoint `latest` names; None for a fence alone."""
+        return self.manifest or None
 
 
 class Rewound(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -50,13 +50,23 @@ def epoch_of(token: int) -> int:
 async def fence(store: Store, run_id: str, epoch: int) -> bool:
     """Move the run's `latest` to the lowest token of `epoch`, naming the same checkpoint,
     so that every token of an earlier epoch is refused from now on; True once it names
-    that token or a higher one, or there is no checkpoint yet (the new epoch's first
-    commit will be above any the old grant makes). False when `latest` is the run's final
-    checkpoint: it was trained to the end, and only its record has yet to come back."""
+    that token or a higher one. With no checkpoint yet, `latest` is made a fence alone
+    (`Pointer.checkpoint` None) at that token, in the same compare-and-swap a first commit
+    makes: either the old grant's first commit came first, and is fenced as any, or it
+    comes after, and is refused (without it, a site that finished the run before the new
+    epoch's first commit had its completion counted too). False when `latest` is the run's
+    final checkpoint: it was trained to the end, and only its record has yet to come back."""
     floor = token_of(epoch, 0)
     while True:
         current = await commit.read_latest(store, run_id)
-        if current is None or current[0].token >= floor:
+        if current is None:
+            fence = Pointer(run_id=run_id, token=floor, step=0, manifest="")
+            try:
+                await store.write_pointer(commit.latest_key(run_id), encode(fence), None)
+                return True
+            except PreconditionFailed:
+                continue  # a first commit landed meanwhile: fence it as any
+        if current[0].token >= floor:
             return True
         pointer, version = current
         if pointer.final:

@@ -217,6 +217,57 @@ async def test_a_site_silent_past_lost_after_loses_its_runs_to_another(
         await hub.stop()
 
 
+async def test_a_site_that_finishes_a_run_taken_back_before_its_first_checkpoint_is_fenced(
+    tmp_path: Path,
+) -> None:
+    """lab1 falls silent past `lost_after` while training a run that has committed nothing
+    yet (it checkpoints only at its end), and trains on through the cut to its end. The hub
+    took the run back meanwhile: `latest` became a fence alone at the new epoch, so lab1's
+    final commit is refused, and lab2's replacement completes the run — one `completed`,
+    lab2's. Seen before: with no checkpoint to move, nothing was fenced in the store, and
+    both sites completed the run."""
+    hub = Stack(tmp_path / "hub", trainers=0, lease_ttl=TTL)
+    await hub.start(HUB_ONLY)
+    try:
+        lab1, lab2 = Site(hub, "lab1"), Site(hub, "lab2")
+        await lab1.start(trainers=1)
+        nc = await hub.client()
+        spec = paced(
+            400, pace=0.08, disconnect={"lost_after_s": 8}, checkpoint={"every_steps": 100_000}
+        )
+        run_id = await submit(nc, spec)
+        await eventually(lambda: _started_at(nc, run_id, "lab1"), 60, "the run to start at lab1")
+        lab1.proxy.sever()
+
+        async def taken_back() -> bool:
+            return bool(of(await history(nc, run_id), TakenBack))
+
+        await eventually(taken_back, 60, "the hub to take the run back from lab1")
+        assert not await site_events(lab1, run_id, "checkpoint_committed"), "too late a cut"
+
+        async def over_at_lab1() -> list[str]:
+            ends = ("completed", "fenced", "attempt_failed")
+            return [k for k in ends if await site_events(lab1, run_id, k)]
+
+        ended = await eventually(over_at_lab1, 120, "lab1 to reach the run's end")
+        assert ended == ["fenced"], f"lab1's attempt ended with {ended}"
+        fenced = decode((await site_events(lab1, run_id, "fenced"))[0], Fenced)
+        assert "refused" in fenced.reason or "latest names" in fenced.reason, fenced
+        await lab2.start(trainers=1)
+        record = await finished(nc, run_id, timeout=180)
+        assert record.state is RunState.COMPLETED and record.site != "lab1", record
+        lab1.proxy.restore()
+        await lab1.linked()
+        await eventually(lambda: _completed_once(nc, run_id), 30, "the run's events at the hub")
+        events = await history(nc, run_id)
+        done = of(events, Completed)
+        assert len(done) == 1, [type(e).__name__ for e in events]
+        last = of(events, Started)[-1]
+        assert isinstance(last, Started) and last.worker == "lab2-trainer-1", last
+    finally:
+        await hub.stop()
+
+
 async def test_jobs_submitted_at_a_cut_off_site_start_there_and_are_one_run_each(
     hub: Stack, site: Site
 ) -> None:

@@ -63,10 +63,32 @@ async def test_a_fence_refuses_every_later_commit_of_the_revoked_grant(tmp_path:
     assert await grants.fence(store, "r", 2), "fenced already: nothing to do"
 
 
-async def test_no_fence_without_a_checkpoint_and_none_over_a_final_one(tmp_path: Path) -> None:
+async def test_a_fence_alone_before_any_checkpoint_refuses_the_revoked_grants_first(
+    tmp_path: Path,
+) -> None:
+    """No checkpoint yet: `latest` becomes a fence naming none, which the revoked grant's
+    first commit (its final one, say) cannot supersede; the new epoch's first commit can,
+    and starts the chain. Nothing is restorable from the fence itself."""
     store = FileStore(tmp_path)
-    assert await grants.fence(store, "r", 2), "nothing to fence: the next epoch is above"
-    assert await commit.read_latest(store, "r") is None
+    assert await grants.fence(store, "r", 2)
+    latest = await commit.read_latest(store, "r")
+    assert latest is not None and latest[0].checkpoint is None, latest
+    assert latest[0].token == grants.token_of(2, 0) and latest[0].step == 0
+    assert await commit.restorable(store, "r") == (None, [])
+    with pytest.raises(StaleToken):
+        await _commit(store, grants.token_of(1, 4), 400, final=True)
+    await _commit(store, grants.token_of(2, 1), 20)
+    latest = await commit.read_latest(store, "r")
+    assert latest is not None and latest[0].checkpoint == commit.manifest_key(
+        "r", 20, grants.token_of(2, 1)
+    )
+    manifest = await commit.load_manifest(store, latest[0].manifest)
+    assert manifest.previous is None, "the chain starts at the new epoch's first commit"
+    assert await grants.fence(store, "r", 2), "fenced already: nothing to do"
+
+
+async def test_no_fence_over_a_final_checkpoint(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
     await _commit(store, grants.token_of(1, 1), 50, final=True)
     assert not await grants.fence(store, "r", 2), "trained to the end: not taken back"
     latest = await commit.read_latest(store, "r")
