@@ -48,7 +48,7 @@ from tests.support.stack import Stack, attempt_processes, eventually
 HUB_ONLY = ("dispatcher", "checkpointer", "reaper")
 TTL = 6
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.sites, pytest.mark.timeout(420)]
 
 
 PRICE = 0.01
@@ -381,7 +381,6 @@ async def test_a_site_trainer_killed_and_its_server_restarted_during_the_cut(
     assert len(starts) == 2 and starts[1].start_step > 0, starts  # type: ignore[attr-defined]
 
 
-@pytest.mark.operations
 async def test_a_granted_run_is_timed_at_the_hub_and_stopped_at_its_site(
     hub: Stack, site: Site
 ) -> None:
