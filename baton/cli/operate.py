@@ -134,6 +134,14 @@ def resume(
     wait: Annotated[
         float, typer.Option(help="Seconds to wait for it to leave PAUSED (0: don't).")
     ] = 30.0,
+    allow_changes: Annotated[
+        bool,
+        typer.Option(
+            "--allow-changes",
+            help="Let a deterministic run resume under other software (torch, Python, Baton,"
+            " its entry point's code) than its checkpoint recorded: no longer exactly.",
+        ),
+    ] = False,
     as_json: Json = False,
 ) -> None:
     """Queue a PAUSED run again: it resumes from its newest committed checkpoint, its
@@ -141,7 +149,8 @@ def resume(
     is refused: the dispatcher's reason is printed, exit 1."""
     from shared.contracts.control import Resume
 
-    _steer_and_wait(Resume(run_id=run_id, reason=reason), "QUEUED", server, wait, as_json)
+    req = Resume(run_id=run_id, reason=reason, allow_changes=allow_changes)
+    _steer_and_wait(req, "QUEUED", server, wait, as_json)
 
 
 def _steer_and_wait(req: Any, wanted: str, server: str, wait: float, as_json: bool) -> None:

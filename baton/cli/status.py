@@ -79,12 +79,19 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
         ("loss", fmt(record.metrics.get("loss"))),
         ("digest", record.digest or "-"),
         ("exact", exact),
+        *([("resumed under", _changed(record))] if record.changed else []),
         ("goodput", describe(spent) if spent else "-"),
         ("reason", record.reason or "-"),
         *([("events", "not readable from this site (exact, goodput unknown)")] * (found is None)),
     ]:
         t.add_row(f"[bold]{k}[/bold]", v)
     out.print(t)
+
+
+def _changed(record: RunRecord) -> str:
+    """What its last resume ran under that its checkpoint did not (`baton.runtime.compat`)."""
+    allowed = " (allowed by its operator)" if record.changes_allowed else ""
+    return f"other software than its checkpoint: {'; '.join(record.changed)}{allowed}"
 
 
 def _sharing_rows(record: RunRecord, events: list[Event]) -> list[tuple[str, str]]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -40,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from baton.runtime import witness
+from baton.runtime import compat, witness
 from baton.runtime.load import Resumed, chosen, load, rng_state
 from baton.runtime.slots import Slot
 from baton.runtime.snapshot import Snapshot, Snapshotter
@@ -155,7 +154,7 @@ class Checkpoints:
             return groups, meta, headers
         first = next(iter(groups.values())) if weights is None else weights
         meta["digest"] = "" if self.slots and self.slots[0].sharded else weights_digest(first)
-        meta["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+        meta["versions"] = compat.recorded(self.spec.entry_point)
         if self._ranks() > 1:
             meta["ranks"] = self.world_size
         return groups, meta, headers

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset
 
-from baton.runtime import guard, witness
+from baton.runtime import compat, guard, witness
 from baton.runtime.checkpoints import Checkpoints
 from baton.runtime.data import Batches
 from baton.runtime.replica import Replica
@@ -72,6 +72,7 @@ class RunContext:
         launched_at: float | None = None,
         group: Group | None = None,
         skips: list[Skip] | None = None,
+        allow_changes: bool = False,
     ) -> None:
         self._launched_at = time.monotonic() if launched_at is None else launched_at
         """When the training process was handed the task (monotonic): the entry point's own
@@ -110,6 +111,8 @@ class RunContext:
         self._refused: Tripped | None = None
         """A checkpoint the guard refused on the writer thread (`_vet`)."""
         self._skips = skips or []
+        self._allow_changes = allow_changes
+        """The operator let a deterministic run resume under other software (`compat`)."""
         self._spool = spool
         self._checkpoints = Checkpoints(task, store_url, spool, send, group, self._vet)
         self._lock = threading.Lock()
@@ -146,9 +149,16 @@ class RunContext:
         self._checkpoints.slots = slots_for(registered)
         began = time.monotonic()
         manifest, damaged, rows = asyncio.run(self._checkpoints.find(self._witness.enabled))
-        resharded, read = 0, 0
+        resharded, read, changed = 0, 0, []
         if manifest is not None:
             resumed = self._checkpoints.load(manifest)
+            changed = compat.changes(resumed.versions, compat.recorded(self.spec.entry_point))
+            if changed and self.spec.deterministic and not self._allow_changes:
+                raise compat.Changed(
+                    f"checkpoint {resumed.step} was written under other software: "
+                    f"{'; '.join(changed)}. A deterministic run is not resumed so unless its "
+                    "operator allows it (baton resume RUN --allow-changes)"
+                )
             self.step, read = resumed.step, resumed.read_bytes
             self.cursor.clear()  # in place, like registered dicts: a reference taken earlier
             self.cursor.update(resumed.cursor)  # is still the one saved
@@ -164,7 +174,7 @@ class RunContext:
         self._witness.resumed(self.step, rows)
         setup = max(0.0, began - self._launched_at)
         self._send(Loaded(step=self.step, damaged=damaged, took_s=took, setup_s=setup,
-                          resharded_from=resharded, read_bytes=read))  # fmt: skip
+                          resharded_from=resharded, read_bytes=read, changed=changed))  # fmt: skip
         return self.step
 
     def data_loader(

@@ -58,6 +58,8 @@ class Resumed(NamedTuple):
     cursor: dict[str, Any]
     read_bytes: int = 0
     """Bytes read of sharded objects' files (`baton.runtime.shards`)."""
+    versions: dict[str, Any] = {}
+    """What the checkpoint recorded of the software that wrote it (`baton.runtime.compat`)."""
 
 
 def load(
@@ -125,7 +127,9 @@ def load(
             set_rng_state(rng, mine["rng"])
         except (KeyError, TypeError, ValueError) as exc:
             raise IntegrityError(f"checkpoint {step}: malformed RNG state: {exc!r}") from None
-    return Resumed(mine["step"], mine["cursor"], read)
+    versions = shared.get("versions")
+    recorded = versions if isinstance(versions, dict) else {}
+    return Resumed(mine["step"], mine["cursor"], read, recorded)
 
 
 def _load_whole(slot: Slot, tree: Any, path: Path, name: str, step: int) -> None:

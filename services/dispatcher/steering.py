@@ -113,7 +113,7 @@ class Steering:
                 refused = RunWarning(run_id=req.run_id, kind="resume_refused", detail=exc.reason)
                 await emit(self.js, refused)
                 raise
-        record = await self._change(req, transitions.resume(hold))
+        record = await self._change(req, transitions.resume(hold, allow_changes=req.allow_changes))
         self._queued(record)
         resumed = Resumed(run_id=req.run_id, reason=req.reason or "resumed by an operator")
         await emit(self.js, resumed, msg_id=f"resumed.{req.run_id}.{record.dispatch}")

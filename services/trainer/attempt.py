@@ -53,7 +53,6 @@ from shared.checkpoint.store import Store
 from shared.config import Settings
 from shared.contracts import Skip, Task
 from shared.contracts.child import (
-    EXIT_GUARDED,
     CheckpointReady,
     Control,
     Divergence,
@@ -242,7 +241,7 @@ class Attempt:
             )  # fmt: skip
         launch = Launch(
             task=self.task, token=token, worker=self.worker, store_url=self.store.url,
-            group=rendezvous, skips=self.skips,
+            group=rendezvous, skips=self.skips, allow_changes=record.changes_allowed,
         )  # fmt: skip
         self.child.send(launch)
         self.launched = True
@@ -381,9 +380,7 @@ class Attempt:
         if finished is None:
             code = await self.child.wait()
             await self.output_copied()
-            if code == EXIT_GUARDED and self.tripped is not None:
-                return await verdicts.guarded(self, self.tripped)
-            return verdicts.child_failed(self, code)
+            return await verdicts.exited(self, code)
         # `Finished` comes after the child's last write; it then leaves promptly (no
         # interpreter teardown), so its exit is waited for, briefly: nothing is killed.
         if not await self.child.exit_or_kill():
@@ -427,6 +424,9 @@ class Attempt:
         self.stall.stepped(msg.step)
         self.commits.resumed(msg.step)
         await self.reports.restored(msg)
+        if msg.changed:
+            await self.reports.changed(msg)
+            await self.runs.update(self.run_id, transitions.note_changed(self.token, msg.changed))
 
     # -- helpers -------------------------------------------------------------------------
 

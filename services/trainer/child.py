@@ -46,11 +46,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from baton.runtime.compat import Changed
 from baton.runtime.context import RunContext
 from baton.runtime.guard import GuardTripped
 from shared.contracts import decode, encode
 from shared.contracts.child import (
     EXIT_BAD_LAUNCH,
+    EXIT_CHANGED,
     EXIT_GROUP_BROKEN,
     EXIT_GUARDED,
     EXIT_USER_ERROR,
@@ -120,10 +122,24 @@ def run(ctl_in_fd: int, ctl_out_fd: int) -> int:
     spool = Path(os.environ.get("BATON_SPOOL", "./.baton/spool")) / launch.task.run_id
     ctx = RunContext(
         launch.task, launch.token, launch.store_url, spool, send, launched_at, group=group,
-        skips=launch.skips,
+        skips=launch.skips, allow_changes=launch.allow_changes,
     )  # fmt: skip
     threading.Thread(target=_listen, args=(ctl_in, ctx), daemon=True).start()
     return _attempt(entry, ctx, group, send)
+
+
+def _held_back(exc: Changed | GuardTripped, ctx: RunContext) -> int:
+    """The exit status of an attempt the run's own checks stopped: its resume under other
+    software (before any step: nothing of it was written), or its divergence guard (the
+    checkpoints of the steps before it are good, and written before leaving)."""
+    if isinstance(exc, Changed):
+        print(f"baton: {exc}", file=sys.stderr)
+        sys.stderr.flush()
+        return EXIT_CHANGED
+    print(f"baton: the divergence guard stopped the run at {exc}", file=sys.stderr)
+    with contextlib.suppress(BaseException):
+        ctx.close()
+    return EXIT_GUARDED
 
 
 def _attempt(
@@ -135,14 +151,11 @@ def _attempt(
     try:
         entry(ctx)
         ctx.close()
-    except GuardTripped as exc:
-        # Checkpoints of the steps before it are good: they are written before leaving.
-        print(f"baton: the divergence guard stopped the run at {exc}", file=sys.stderr)
-        with contextlib.suppress(BaseException):
-            ctx.close()
+    except (Changed, GuardTripped) as exc:
+        code = _held_back(exc, ctx)
         if group is None:
-            return EXIT_GUARDED
-        _leave(EXIT_GUARDED, trace=False)
+            return code
+        _leave(code, trace=False)
     except BaseException as exc:
         if group is None:
             traceback.print_exc()

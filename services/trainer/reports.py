@@ -71,6 +71,13 @@ class Reports:
         )  # fmt: skip
         await self.emit(restored)
 
+    async def changed(self, msg: Loaded) -> None:
+        """It resumed under other software than its checkpoint recorded, as allowed."""
+        detail = f"resumed step {msg.step} under other software: {'; '.join(msg.changed)}"
+        log.warning("%s: %s", self.run_id, detail)
+        kind = "changed_since_checkpoint"
+        await self.emit(RunWarning(run_id=self.run_id, kind=kind, detail=detail))
+
     def checkpointed(self, msg: CheckpointReady) -> None:
         telemetry.CHECKPOINT_STALL.record(msg.stall_s, self.attrs)
         self.stall_s += msg.stall_s

@@ -16,7 +16,8 @@ one order: the record change (retried through outages; a terminal one announces 
     RETRY      retries + 1                         attempt_failed    released  nak(back-off)
     FAILED     FAILED (retries used up, or fail    failed.<run>      released  ack
                fast)
-    PAUSED     PAUSED (asked, or the policy)       paused            released  ack
+    PAUSED     PAUSED (asked, the policy, or a     paused            released  ack
+               resume under other software)
     FENCED     none                                fenced            kept      none
 
 The record decides the outcome the change leads to: a RETRY whose change finds the retries
@@ -27,9 +28,10 @@ fenced trainer answers nothing: the message is no longer its own, and a late ack
 delete the new holder's copy (docs/nats.md). Every other outcome frees the lease before
 answering, so the next worker finds it free when the message reaches it.
 
-The verdicts an attempt decides are built here too (`finished`, `stopped_early`, `guarded`,
-`fenced`, `group_broke`, `rank_lost`, `child_failed`), beside the table they follow, from
-what the attempt holds; which one applies is the attempt's `_decide`.
+The verdicts an attempt decides are built here too (`finished`, `stopped_early`, `exited`,
+`guarded`, `changed`, `fenced`, `group_broke`, `rank_lost`, `child_failed`), beside the
+table they follow, from what the attempt holds; which one applies is the attempt's
+`_decide`.
 """
 
 from __future__ import annotations
@@ -51,7 +53,13 @@ from services.trainer.keeper import Order
 from shared.bus.emit import emit
 from shared.checkpoint import commit
 from shared.contracts import RunRecord, RunState, Skip
-from shared.contracts.child import EXIT_BAD_LAUNCH, EXIT_GUARDED, Finished, Tripped
+from shared.contracts.child import (
+    EXIT_BAD_LAUNCH,
+    EXIT_CHANGED,
+    EXIT_GUARDED,
+    Finished,
+    Tripped,
+)
 from shared.contracts.events import AttemptFailed, Event, Fenced, Paused, Preempted, RankLost
 from shared.contracts.records import Preemption, Stall
 from shared.state import transitions
@@ -319,6 +327,25 @@ def rank_lost(a: Attempt, cause: Breakage) -> Verdict:
 
     released = transitions.release(a.spent())
     return Verdict(Outcome.PREEMPTED, change=released, event=lost)
+
+
+async def exited(a: Attempt, code: int) -> Verdict:
+    """The training process exited without its `Finished`: stopped by the divergence guard,
+    refused a resume under other software, or failed."""
+    if code == EXIT_GUARDED and a.tripped is not None:
+        return await guarded(a, a.tripped)
+    if code == EXIT_CHANGED:
+        return changed(a)
+    return child_failed(a, code)
+
+
+def changed(a: Attempt) -> Verdict:
+    """A deterministic run would have resumed under other software than its checkpoint
+    recorded, and its operator had not allowed it (`baton.runtime.compat`): PAUSED, saying
+    what changed, before any step. Not a failure of the run's code: nothing is counted."""
+    said = tail_of(a.log_path).strip().splitlines()
+    why = said[-1].removeprefix("baton: ") if said else "resumed under other software"
+    return Verdict(Outcome.PAUSED, change=transitions.pause_attempt(a.spent(), why))
 
 
 def child_failed(

@@ -23,6 +23,9 @@ was gone or too slow (torch.distributed's error, not the user's). Not a user fai
 EXIT_GUARDED = 4
 """The child's exit status when the divergence guard stopped it (after `Tripped`): nothing
 from that step on was written. The job's `guard.action` decides what follows."""
+EXIT_CHANGED = 5
+"""The child's exit status when a deterministic run would resume under other software than
+its checkpoint recorded (`baton.runtime.compat`), not allowed: the run is PAUSED."""
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
@@ -60,6 +63,9 @@ class Launch(_Msg, tag="launch", frozen=True):
     """Set for a run of several ranks."""
     skips: list[Skip] = []
     """The run's rolled-back data (`RunRecord.skips`)."""
+    allow_changes: bool = False
+    """The operator allowed a deterministic run to resume under other software than its
+    checkpoint recorded (`RunRecord.changes_allowed`)."""
 
 
 class Control(_Msg, tag="control", frozen=True):
@@ -81,6 +87,8 @@ class Loaded(_Msg, tag="loaded", frozen=True):
     damaged: list[int] = []
     took_s: float = 0.0
     """Seconds spent finding, reading and loading it (0 for a fresh start)."""
+    changed: list[str] = []
+    """What differs from the software its checkpoint recorded (`baton.runtime.compat`)."""
     setup_s: float = 0.0
     """Seconds the entry point took before it called `restore()`: importing its module and
     its own set-up (building the model, opening data)."""

@@ -47,7 +47,10 @@ class Pause(_Steer, tag="pause", frozen=True):
 
 
 class Resume(_Steer, tag="resume", frozen=True):
-    """Queue a PAUSED run again: it resumes from its newest committed checkpoint."""
+    """Queue a PAUSED run again: it resumes from its newest committed checkpoint; with
+    `allow_changes`, also under other software than that checkpoint recorded."""
+
+    allow_changes: bool = False
 
 
 class TakeCheckpoint(_Steer, tag="checkpoint", frozen=True):

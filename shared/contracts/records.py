@@ -167,6 +167,13 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     """Times the scheduler took the run off its trainers for another."""
     stall: Stall | None = None
     """The hang that stopped its last stalled attempt, if one did."""
+    changes_allowed: bool = False
+    """Its operator let it resume under other software than its checkpoints recorded
+    (`baton resume --allow-changes`; `baton.runtime.compat`): a deterministic run is
+    otherwise PAUSED rather than resumed inexactly."""
+    changed: list[str] = []
+    """What differed from the software its checkpoint recorded when it last resumed (torch,
+    Python or Baton versions, its entry point's code); empty when nothing did."""
     checkpoints_asked: int = 0
     """Checkpoints operators asked for (`baton checkpoint`) so far: the attempt holding the
     run has its training process write one for each it has not served yet. In the record,

@@ -306,6 +306,18 @@ def count_failure(
     return change
 
 
+def note_changed(token: int, changed: list[str]) -> Change:
+    """While the attempt of `token` holds the run: what differed from the software its
+    checkpoint recorded as it resumed (`RunRecord.changed`)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or r.token != token or r.changed == changed:
+            return None
+        return _replace(r, changed=changed)
+
+    return change
+
+
 def ask_checkpoint(r: RunRecord) -> RunRecord | None:
     """While the run is RUNNING: one more checkpoint asked of the attempt holding it."""
     if r.state is not RunState.RUNNING:
@@ -392,10 +404,12 @@ def pause(reason: str) -> Change:
     return change
 
 
-def resume(hold: tuple[int, int] | None = None) -> Change:
+def resume(hold: tuple[int, int] | None = None, *, allow_changes: bool = False) -> Change:
     """A PAUSED run: QUEUED at the next dispatch, waiting for the scheduler to admit it, no
     longer asked to pause, its failures forgiven (a human looked); with `hold`, its hold
-    number `hold[0]` of `hold[1]` units added (taken in the ledger first). Otherwise None."""
+    number `hold[0]` of `hold[1]` units added (taken in the ledger first); with
+    `allow_changes`, allowed to resume under other software (`changes_allowed`). Otherwise
+    None."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if r.state is not RunState.PAUSED:
@@ -408,6 +422,7 @@ def resume(hold: tuple[int, int] | None = None) -> Change:
         return _replace(
             r, state=RunState.QUEUED, dispatch=r.dispatch + 1, pause_requested=None, retries=0,
             worker=None, group=[], admitted=False, preempt=None, ranks_cap=None,
+            changes_allowed=r.changes_allowed or allow_changes,
         )  # fmt: skip
 
     return change

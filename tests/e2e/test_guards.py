@@ -6,6 +6,7 @@ a scheduler, gradient clipping."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -236,3 +237,81 @@ async def test_an_operator_pauses_a_running_run_and_resumes_it_losing_no_step(
     resumed = [e for e in log.of(Started)][-1]
     assert resumed.start_step == kept
     log.close()
+
+
+TUNED = """
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def train(ctx):
+    g = torch.Generator().manual_seed(ctx.seed)
+    data = TensorDataset(torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+    batches = ctx.data_loader(data, batch_size=16)
+    ctx.restore(model=model, optimizer=opt, scheduler=sched)
+    for step in ctx.steps():
+        x, y = next(batches)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        ctx.report(loss=loss.item())
+        time.sleep(ctx.config.get("step_s", 0.0))
+"""
+
+
+async def test_a_deterministic_run_under_changed_code_is_paused_until_its_operator_allows_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's training loop (a data loader, an optimizer, a scheduler) in its own module,
+    paused by its operator, whose code is then edited: the resume compares what the
+    checkpoint recorded (torch, Python, Baton, the entry point's code) with what runs now,
+    and a deterministic run is PAUSED again, saying what changed, before a step. Resumed
+    with `--allow-changes`, it trains to the end, and says so in a warning event and in
+    `baton status`. Seen before: it resumed silently, no longer exactly."""
+    code_dir = tmp_path / "code"
+    code_dir.mkdir()
+    (code_dir / "tuned.py").write_text(TUNED)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
+        str(code_dir), os.environ.get("PYTHONPATH", "")
+    ])))  # fmt: skip
+    async with Stack(tmp_path / "stack", trainers=1, lease_ttl=3) as stack:
+        nc = await stack.client()
+        run_id = await submit(nc, job(
+            entry_point="tuned:train", total_steps=60, deterministic=True,
+            checkpoint={"every_steps": 5}, config={"step_s": 0.05},
+        ))  # fmt: skip
+        log = EventLog(nc, run_id)
+        await log.wait_for(lambda e: isinstance(e, CheckpointCommitted), 90, "a checkpoint")
+        code, out, err = await baton(stack, "pause", run_id, "--reason", "a fix to deploy")
+        assert code == 0 and "PAUSED" in out, out + err
+        (code_dir / "tuned.py").write_text(TUNED + "\n# the fix\n")
+
+        code, out, err = await baton(stack, "resume", run_id)
+        # Queued, or already refused by the time it looked (the refusal comes before a step).
+        assert code == 0 or "other software" in out, out + err
+        refused = await log.wait_for(
+            lambda e: isinstance(e, Paused) and "other software" in e.reason, 90, "the refusal"
+        )
+        assert isinstance(refused, Paused) and "entry point's code" in refused.reason, refused
+        code, out, _ = await baton(stack, "status", run_id)
+        assert "PAUSED" in out and "allow-changes" in out, out
+
+        code, out, err = await baton(stack, "resume", run_id, "--allow-changes")
+        assert code == 0, out + err
+        record = await finished(nc, run_id, timeout=120)
+        assert record.state is RunState.COMPLETED and record.changes_allowed, record
+        assert record.changed and "entry point's code" in record.changed[0], record.changed
+        warnings = [e for e in await history(nc, run_id) if isinstance(e, RunWarning)]
+        assert [w.kind for w in warnings] == ["changed_since_checkpoint"], warnings
+        code, out, _ = await baton(stack, "status", run_id)
+        assert "other software than its checkpoint" in " ".join(out.split()), out
+        log.close()
+
