@@ -14,7 +14,9 @@ group learned rather than its own share of the batch.
 Config (all optional): `dim`, `hidden`, `batch` (per rank), `samples` (the dataset's size),
 `lr`, `dropout`; `steps_sleep`, seconds to sleep after each step (so a test can act
 mid-run); `fail_rank` and `fail_at`, to make that rank's code raise a `ValueError` at that
-step, on every attempt (a user's bug).
+step, on every attempt (a user's bug); `hang_rank` and `hang_at`, to make that rank's code
+hang at that step, on every attempt (a deadlocked loader), while its peers wait for it in
+their next collective.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def train(ctx: RunContext) -> None:
     dim, hidden = int(cfg.get("dim", 8)), int(cfg.get("hidden", 32))
     pause = float(cfg.get("steps_sleep", 0))
     fail_rank, fail_at = int(cfg.get("fail_rank", -1)), int(cfg.get("fail_at", -1))
+    hang_rank, hang_at = int(cfg.get("hang_rank", -1)), int(cfg.get("hang_at", -1))
 
     torch.manual_seed(ctx.seed)  # the same initial weights on every rank
     model = nn.Sequential(
@@ -75,6 +78,8 @@ def train(ctx: RunContext) -> None:
     for step in ctx.steps():
         if ctx.rank == fail_rank and step == fail_at:
             raise ValueError(f"rank {ctx.rank} fails at step {step}, as configured")
+        while ctx.rank == hang_rank and step == hang_at:
+            time.sleep(1)
         x, y = next(data)
         loss = nn.functional.mse_loss(net(x.to(ctx.device)), y.to(ctx.device))
         opt.zero_grad()

@@ -56,6 +56,7 @@ from shared.contracts import RunRecord, RunState, Skip
 from shared.contracts.child import (
     EXIT_BAD_LAUNCH,
     EXIT_CHANGED,
+    EXIT_GROUP_BROKEN,
     EXIT_GUARDED,
     Finished,
     Tripped,
@@ -305,19 +306,34 @@ async def group_broke(a: Attempt, reader: asyncio.Task[Finished | None]) -> Verd
         return child_failed(a, code)
     if code == EXIT_GUARDED and a.tripped is not None:
         return await guarded(a, a.tripped)
+    if code == EXIT_CHANGED:
+        return changed(a)
     own_tail = tail_of(a.log_path)
     cause = await a.group.settle(code, own_tail)
     if cause.user:
         return child_failed(a, code, cause.reason, tail=cause.tail, rank=cause.rank)
-    return rank_lost(a, cause)
+    return await rank_lost(a, cause)
 
 
-def rank_lost(a: Attempt, cause: Breakage) -> Verdict:
+async def rank_lost(a: Attempt, cause: Breakage) -> Verdict:
+    """A rank lost re-forms the group, uncounted — unless the group broke the time before
+    too, with no checkpoint committed since: two breaks from one checkpoint are taken for a
+    rank's code that hangs (its peers' collective timed out) rather than two machines lost,
+    and the attempt fails, which the run's failure policy answers. (A real second loss that
+    soon costs one counted retry.)"""
+    epoch, step = a.lease.token, a.step
+    kept = a.commits.newest[0]
+    found = await a.runs.get(a.run_id)
+    if found is not None and found[0].broke_at == kept:
+        why = (
+            f"the group broke again before any checkpoint past step {kept} (rank {cause.rank},"
+            f" {cause.worker}: {cause.reason}): a rank's code hangs"
+        )
+        return child_failed(a, EXIT_GROUP_BROKEN, why, tail=cause.tail, rank=cause.rank)
     log.warning(
         "%s: rank %d (%s) lost at step %d: %s; the group forms again",
-        a.run_id, cause.rank, cause.worker, a.step, cause.reason,
+        a.run_id, cause.rank, cause.worker, step, cause.reason,
     )  # fmt: skip
-    epoch, step = a.lease.token, a.step
 
     def lost(r: RunRecord) -> Event:
         return RankLost(
@@ -325,8 +341,7 @@ def rank_lost(a: Attempt, cause: Breakage) -> Verdict:
             lost=cause.worker, reason=cause.reason, step=step,
         )  # fmt: skip
 
-    released = transitions.release(a.spent())
-    return Verdict(Outcome.PREEMPTED, change=released, event=lost)
+    return Verdict(Outcome.PREEMPTED, change=transitions.lose_rank(a.spent(), kept), event=lost)
 
 
 async def exited(a: Attempt, code: int) -> Verdict:

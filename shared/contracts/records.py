@@ -167,6 +167,10 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     """Times the scheduler took the run off its trainers for another."""
     stall: Stall | None = None
     """The hang that stopped its last stalled attempt, if one did."""
+    broke_at: int | None = None
+    """The newest committed checkpoint when the run's group last broke (a rank lost, or one
+    that hung until its peers' collective timed out): a break again before any checkpoint
+    past it is taken for a hang in the run's code, and counted as a failure."""
     changes_allowed: bool = False
     """Its operator let it resume under other software than its checkpoints recorded
     (`baton resume --allow-changes`; `baton.runtime.compat`): a deterministic run is

@@ -240,6 +240,13 @@ def release(spent: Spent, step: int | None = None) -> Change:
     return book_time(spent, worker=None, **kept)
 
 
+def lose_rank(spent: Spent, kept: int) -> Change:
+    """As `release`, the group to form again: a rank lost, uncounted; the newest committed
+    checkpoint's step `kept` is noted (`broke_at`), so that a break again before any
+    checkpoint past it counts (`count_failure`)."""
+    return book_time(spent, worker=None, broke_at=kept)
+
+
 def requeue(spent: Spent, step: int | None = None) -> Change:
     """As `book_time`: the attempt made room for another run (the scheduler's `preempt`),
     so the run is QUEUED again at the next dispatch, waiting for the scheduler (not

@@ -248,6 +248,32 @@ async def test_a_crash_in_one_ranks_code_is_a_user_failure(three: Stack) -> None
     await eventually(none_left, 15, "every rank's process to exit")
 
 
+async def test_a_rank_that_hangs_reaches_the_failure_policy(three: Stack) -> None:
+    """Rank 1's code hangs at step 12 in every attempt (a deadlocked loader): rank 0 waits
+    in its next collective until `collective_timeout_s`, and the group breaks. The first
+    break could be a lost machine and re-forms the group, uncounted; a break again before
+    any checkpoint past the one it resumed from (step 10) is the run's own hang, counted —
+    and with one retry allowed the run is FAILED, saying so. Seen before: every break re-formed the
+    group as after a lost rank, uncounted, and the run never ended."""
+    nc = await three.client()
+    spec = ddp("hang-rank", hang_rank=1, hang_at=12, steps_sleep=0.0)
+    spec = job(**{**_fields(spec), "collective_timeout_s": 4, "limits": {"max_retries": 1}})
+    run_id = await submit(nc, spec)
+    record = await finished(nc, run_id, timeout=240)
+    assert record.state is RunState.FAILED and record.retries == 2, record
+    assert "broke again before any checkpoint past step 10" in (record.reason or ""), record
+    events = await history(nc, run_id)
+    lost = [e for e in events if isinstance(e, RankLost)]
+    assert len(lost) == 1, lost  # the first break: uncounted
+    (tried,) = [e for e in events if isinstance(e, AttemptFailed)]
+    assert "a rank's code hangs" in tried.reason, tried
+
+    async def none_left() -> bool:
+        return not any(attempt_processes(three.pid(t)) for t in TRAINERS)
+
+    await eventually(none_left, 30, "every rank's process to exit")
+
+
 async def test_a_cancelled_group_checkpoints_and_every_rank_stops(three: Stack) -> None:
     nc = await three.client()
     run_id = await submit(nc, ddp("cancel-ranks", total=400))
