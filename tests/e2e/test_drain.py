@@ -17,6 +17,7 @@ import contextlib
 import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -208,6 +209,22 @@ async def dead_letter(nc: Client) -> DeadLetter | None:
     return decode(msg.data, DeadLetter)
 
 
+async def committed_as_answered(
+    nc: Client, log: EventLog, done: dict[str, Any], total: int
+) -> int:
+    """The step `baton checkpoint` answered (`done`), once its commit's event came and the
+    run completed in one attempt."""
+    step = done["step"]
+    assert step is not None and 10 <= step < total, done
+    await log.wait_for(
+        lambda e: isinstance(e, CheckpointCommitted) and e.step == step, WITHIN, "its event"
+    )
+    record = await finished(nc, done["run_id"], WITHIN)
+    assert record.state is RunState.COMPLETED and record.attempts == 1, record
+    assert isinstance(step, int)
+    return step
+
+
 async def test_an_operator_checkpoint_commits_a_step_off_the_cadence(pool: Stack) -> None:
     await pool.add_trainer("a")
     await pool.ready(("trainer",))
@@ -219,13 +236,7 @@ async def test_an_operator_checkpoint_commits_a_step_off_the_cadence(pool: Stack
 
     done = await as_json(pool, "checkpoint", run_id, "--reason", "before a risky change")
 
-    step = done["step"]
-    assert step is not None and 10 <= step < total, done
-    await log.wait_for(
-        lambda e: isinstance(e, CheckpointCommitted) and e.step == step, WITHIN, "its event"
-    )
-    record = await finished(nc, run_id, WITHIN)
-    assert record.state is RunState.COMPLETED and record.attempts == 1, record
+    step = await committed_as_answered(nc, log, done, total)
     assert sorted(c.step for c in log.of(CheckpointCommitted)) == [step, total]
     log.close()
 
@@ -269,14 +280,7 @@ async def test_an_operator_checkpoint_outlives_a_lost_wake(tmp_path: Path) -> No
 
         await eventually(asked, WITHIN, "the request in the run's record (its wake sent)")
         link.restore()
-        done = await asyncio.wait_for(asking, WITHIN)
-        step = done["step"]
-        assert step is not None and 10 <= step < total, done
-        await log.wait_for(
-            lambda e: isinstance(e, CheckpointCommitted) and e.step == step, WITHIN, "its event"
-        )
-        record = await finished(nc, run_id, WITHIN)
-        assert record.state is RunState.COMPLETED and record.attempts == 1, record
+        await committed_as_answered(nc, log, await asyncio.wait_for(asking, WITHIN), total)
         log.close()
 
 

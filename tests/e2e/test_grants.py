@@ -9,6 +9,7 @@ violations and JetStream API timeouts when it stops (`tests/support/audit.py`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -160,6 +161,20 @@ async def test_a_cut_off_site_starts_and_completes_its_granted_runs(hub: Stack, 
     await balanced(nc, "carol", run_ids[3], topped, PRICE)
 
 
+@contextlib.asynccontextmanager
+async def lab1_and_spare(tmp_path: Path) -> AsyncIterator[tuple[Stack, Site, Site]]:
+    """The hub's services (no trainer), lab1 with one trainer, and lab2, for a test to start
+    once a run taken back from lab1 is to go somewhere; stopped however the test ends."""
+    hub = Stack(tmp_path / "hub", trainers=0, lease_ttl=TTL)
+    await hub.start(HUB_ONLY)
+    try:
+        lab1, lab2 = Site(hub, "lab1"), Site(hub, "lab2")
+        await lab1.start(trainers=1)
+        yield hub, lab1, lab2
+    finally:
+        await hub.stop()
+
+
 async def test_a_site_silent_past_lost_after_loses_its_runs_to_another(
     tmp_path: Path,
 ) -> None:
@@ -167,11 +182,7 @@ async def test_a_site_silent_past_lost_after_loses_its_runs_to_another(
     back (fencing lab1's grant in the store) and lab2 completes it. At heal lab1's commits
     for it are refused, its process is stopped with a `fenced` event saying why, and the
     run completes once, with the uninterrupted run's weights."""
-    hub = Stack(tmp_path / "hub", trainers=0, lease_ttl=TTL)
-    await hub.start(HUB_ONLY)
-    try:
-        lab1, lab2 = Site(hub, "lab1"), Site(hub, "lab2")
-        await lab1.start(trainers=1)
+    async with lab1_and_spare(tmp_path) as (hub, lab1, lab2):
         nc = await hub.client()
         reference = await submit(nc, paced(400, pace=0.0))
         want = (await finished(nc, reference, timeout=90)).digest
@@ -213,8 +224,6 @@ async def test_a_site_silent_past_lost_after_loses_its_runs_to_another(
         assert len(of(events, Completed)) == 1, [type(e).__name__ for e in events]
         final = (await records(nc, [run_id]))[0]
         assert final.state is RunState.COMPLETED and final.site != "lab1", final
-    finally:
-        await hub.stop()
 
 
 async def test_a_site_that_finishes_a_run_taken_back_before_its_first_checkpoint_is_fenced(
@@ -226,11 +235,7 @@ async def test_a_site_that_finishes_a_run_taken_back_before_its_first_checkpoint
     final commit is refused, and lab2's replacement completes the run — one `completed`,
     lab2's. Seen before: with no checkpoint to move, nothing was fenced in the store, and
     both sites completed the run."""
-    hub = Stack(tmp_path / "hub", trainers=0, lease_ttl=TTL)
-    await hub.start(HUB_ONLY)
-    try:
-        lab1, lab2 = Site(hub, "lab1"), Site(hub, "lab2")
-        await lab1.start(trainers=1)
+    async with lab1_and_spare(tmp_path) as (hub, lab1, lab2):
         nc = await hub.client()
         spec = paced(
             400, pace=0.08, disconnect={"lost_after_s": 8}, checkpoint={"every_steps": 100_000}
@@ -264,8 +269,6 @@ async def test_a_site_that_finishes_a_run_taken_back_before_its_first_checkpoint
         assert len(done) == 1, [type(e).__name__ for e in events]
         last = of(events, Started)[-1]
         assert isinstance(last, Started) and last.worker == "lab2-trainer-1", last
-    finally:
-        await hub.stop()
 
 
 async def test_jobs_submitted_at_a_cut_off_site_start_there_and_are_one_run_each(
