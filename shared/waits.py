@@ -6,12 +6,23 @@ happened, and whoever awaits it waits forever. Seen here under load: a trainer's
 watch, woken at every step of the training process, outlived its cancelled attempt, so the
 attempt never ended and its trainer kept the run it had been fenced from. `asyncio.timeout`
 keeps an outside cancellation apart from its own, so the loops that are cancelled at the
-end of an attempt wait with `wait_set`.
+end of an attempt wait with `wait_set`. nats-py's own requests wait with `wait_for`, so a
+loop that is cancelled while one is in flight can lose its cancellation there: such a loop
+also asks `still_wanted()` at every turn (seen under load: a group leader's watch of its
+members' keys outlived its attempt, and its trainer kept a completed run for minutes).
 """
 
 from __future__ import annotations
 
 import asyncio
+
+
+def still_wanted() -> None:
+    """Raise `CancelledError` if the current task was asked to stop, even if an `await`
+    since swallowed the cancellation itself (see the module's text)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 async def wait_set(event: asyncio.Event, timeout: float) -> bool:

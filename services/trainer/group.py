@@ -49,7 +49,7 @@ from shared.state import transitions
 from shared.state.groups import GroupStore
 from shared.state.lease import Lease
 from shared.state.runs import Runs
-from shared.waits import wait_set
+from shared.waits import still_wanted, wait_set
 
 log = logging.getLogger("baton.trainer")
 
@@ -331,6 +331,7 @@ class Leader:
         process (cancelled at its end): that process imports the user's code before it
         reports its port (`go`), which may take longer than the key's TTL."""
         while True:
+            still_wanted()  # a member's read may have swallowed its cancellation (`waits`)
             try:
                 await self.renew()
             except Superseded:

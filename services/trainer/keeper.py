@@ -36,7 +36,7 @@ from shared.logs import Condition
 from shared.state import transitions
 from shared.state.lease import Lease
 from shared.state.runs import Runs
-from shared.waits import wait_set
+from shared.waits import still_wanted, wait_set
 
 log = logging.getLogger("baton.trainer")
 
@@ -142,6 +142,7 @@ class Keeper:
         interval = self.lease.ttl_s / 3
         wait = interval
         while not self.orders.fenced:
+            still_wanted()  # a renewal's request may have swallowed its cancellation
             await wait_set(self.beat_now, wait)
             self.beat_now.clear()
             try:
