@@ -304,10 +304,8 @@ async def group_broke(a: Attempt, reader: asyncio.Task[Finished | None]) -> Verd
     if code == EXIT_BAD_LAUNCH or not a.group.key.formed:
         # Rank 0's process ended before any other rank started: its own failure.
         return child_failed(a, code)
-    if code == EXIT_GUARDED and a.tripped is not None:
-        return await guarded(a, a.tripped)
-    if code == EXIT_CHANGED:
-        return changed(a)
+    if (held := await _held_back(a, code)) is not None:
+        return held
     own_tail = tail_of(a.log_path)
     cause = await a.group.settle(code, own_tail)
     if cause.user:
@@ -347,11 +345,17 @@ async def rank_lost(a: Attempt, cause: Breakage) -> Verdict:
 async def exited(a: Attempt, code: int) -> Verdict:
     """The training process exited without its `Finished`: stopped by the divergence guard,
     refused a resume under other software, or failed."""
+    return await _held_back(a, code) or child_failed(a, code)
+
+
+async def _held_back(a: Attempt, code: int) -> Verdict | None:
+    """The verdict when the run's own checks stopped its training process (the divergence
+    guard, a resume under other software), whether alone or in a group; None otherwise."""
     if code == EXIT_GUARDED and a.tripped is not None:
         return await guarded(a, a.tripped)
     if code == EXIT_CHANGED:
         return changed(a)
-    return child_failed(a, code)
+    return None
 
 
 def changed(a: Attempt) -> Verdict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,12 @@ async def queued_tasks(nc: Client, run_id: str) -> int:
     return sum((info.state.subjects or {}).values())
 
 
-async def test_two_racing_reapers_dispatch_a_lost_run_once(
+async def racing_reapers(
     authorized: AuthorizedHub, tmp_path: Path
-) -> None:
-    nc = await authorized.connect("operator")
-    runs = await running(nc, "rlost")
+) -> Callable[[], Awaitable[list[str]]]:
+    """Two started reapers, each as the `reaper` user of `baton up`'s authorization on its
+    own connection; the call returned sweeps with both at once: the runs they dispatched."""
     settings = config.load({"BATON_LEASE_TTL": "2", "BATON_STORE": f"file://{tmp_path}"})
-    # Each as the `reaper` user of `baton up`'s authorization, on its own connection.
     a = Reaper(await authorized.connect("reaper", "reaper-a"), settings)
     b = Reaper(await authorized.connect("reaper", "reaper-b"), settings)
     await a.start()
@@ -59,6 +59,15 @@ async def test_two_racing_reapers_dispatch_a_lost_run_once(
         done = await asyncio.gather(a.sweep(), b.sweep())
         return done[0] + done[1]
 
+    return swept
+
+
+async def test_two_racing_reapers_dispatch_a_lost_run_once(
+    authorized: AuthorizedHub, tmp_path: Path
+) -> None:
+    nc = await authorized.connect("operator")
+    runs = await running(nc, "rlost")
+    swept = await racing_reapers(authorized, tmp_path)
     assert await swept() == []  # first sighting: not yet lost
     redispatched = await eventually(swept, 10, "the run to count as lost", every=0.3)
     assert redispatched == ["rlost"]
@@ -76,16 +85,7 @@ async def test_an_admitted_run_whose_task_was_never_queued_is_queued_once(
     nc = await authorized.connect("operator")
     runs = await created(nc, "radmitted", state=RunState.QUEUED, admitted=True)
     await created(nc, "rwaiting", state=RunState.QUEUED, admitted=False)
-    settings = config.load({"BATON_LEASE_TTL": "2", "BATON_STORE": f"file://{tmp_path}"})
-    a = Reaper(await authorized.connect("reaper", "reaper-a"), settings)
-    b = Reaper(await authorized.connect("reaper", "reaper-b"), settings)
-    await a.start()
-    await b.start()
-
-    async def swept() -> list[str]:
-        done = await asyncio.gather(a.sweep(), b.sweep())
-        return done[0] + done[1]
-
+    swept = await racing_reapers(authorized, tmp_path)
     assert await swept() == []  # first sighting: its admitter may still be publishing
     queued = await eventually(swept, 10, "the admitted run's task to be queued", every=0.3)
     assert set(queued) == {"radmitted"}
