@@ -384,6 +384,7 @@ def site_permissions(role: str, site: str) -> Permissions | None:
         local = [
             names.OUTBOX_STREAM, names.CKPT_STREAM, names.TASKS_STREAM, names.SUBMIT_STREAM,
             f"KV_{names.site_runs_bucket(site)}", f"KV_{names.site_leases_bucket(site)}",
+            names.HUB_RUNS_STREAM,
         ]  # fmt: skip
         return Permissions(
             publish=(
@@ -398,7 +399,8 @@ def site_permissions(role: str, site: str) -> Permissions | None:
         )  # fmt: skip
     if role == "dispatcher":
         # Jobs submitted at the site: dispatched there, as grants to the site itself
-        # (`services/dispatcher/site.py`); it asks the hub whether a run id is known there.
+        # (`services/dispatcher/site.py`); it asks the hub whether a run id is known there,
+        # or, cut off, the site's copy of the hub's records.
         runs = names.site_runs_bucket(site)
         return Permissions(
             publish=(
@@ -410,6 +412,7 @@ def site_permissions(role: str, site: str) -> Permissions | None:
                 f"{HUB_API}.INFO", f"{HUB_API}.STREAM.INFO.KV_{names.RUNS_BUCKET}",
                 f"{HUB_API}.DIRECT.GET.KV_{names.RUNS_BUCKET}.>",
                 f"{HUB_API}.DIRECT.GET.{names.ARCHIVE_STREAM}.>",
+                f"{API}.DIRECT.GET.{names.HUB_RUNS_STREAM}.>",
             ),
             subscribe=(inbox,),
         )  # fmt: skip
@@ -444,14 +447,18 @@ def site_link(site: str) -> Permissions:
             if s.startswith(f"{HUB_API}.") or s.startswith("$JS.ACK.")
         }
     )
-    # The site's JetStream answers the dispatcher's grants (`services/dispatcher/delegation.py`).
+    # The site's JetStream answers the dispatcher's grants (`services/dispatcher/delegation.py`),
+    # and sources the hub's run records (`shared.bus.streams`: consumers it creates at the
+    # hub, their answers on `$JSC.R.`, their deliveries under the site's own prefix).
+    copied = (f"KV_{names.RUNS_BUCKET}", names.ARCHIVE_STREAM)
     out = (
         f"{names.PREFIX}.site.{site}.>", *hub_calls, *_FLOW, "$JSC.R.>", "$JS.S.>",
         f"{inbox_prefix('dispatcher')}.>",
+        *(f"{HUB_API}.CONSUMER.CREATE.{s}{tail}" for s in copied for tail in ("", ".>")),
     )  # fmt: skip
     into = (
         *site_users, f"{names.PREFIX}.control.>", f"$JS.{site}.API.>", *_FLOW,
-        names.site_root(site, "tasks"),
+        names.site_root(site, "tasks"), f"{names.from_hub(site)}.>", "$JSC.R.>",
     )  # fmt: skip
     return Permissions(publish=out, subscribe=into)
 

@@ -61,6 +61,7 @@ class Checkpointer:
         self.store = store or open_store(settings.store_url)
         self.site = settings.site
         self.replicas = settings.replicas
+        self.hub_api = settings.hub_api or ""
 
     async def on_reconnect(self) -> None:
         return None  # pull consumers resume by themselves once NATS is back
@@ -71,7 +72,7 @@ class Checkpointer:
     async def start(self) -> None:
         async def declare() -> None:
             if self.site:
-                await ensure_site(self.js, self.site)
+                await ensure_site(self.js, self.site, self.hub_api)
             else:
                 await ensure(self.js, self.replicas)
             await ensure_consumer(self.js, names.CKPT_STREAM, checkpointer_consumer(self.site))

@@ -9,12 +9,13 @@ its task, carrying that record, in the site's work queue, where the site's train
 it as any run the hub granted (`services/trainer/granted.py`). Its events go through the
 outbox. The hub takes the record in at heal (`services/reaper/grants.py`): one run per id.
 
-With the link up it first asks the hub whether the run id exists there (in the runs bucket
-or the archive): a repeat of a job the hub knows is answered as the hub would answer it
-(`accepted`, duplicate), and never run again. Cut off, it cannot ask: a job whose id the hub
-used before (a repeat of an ended run, or the same job submitted at the hub during the same
-cut and started there) runs at the site again, and its record is not taken in at heal
-(docs/sites.md, "Submitting at a site").
+It first asks the hub whether the run id exists there (in the runs bucket or the archive):
+a repeat of a job the hub knows is answered as the hub would answer it (`accepted`,
+duplicate, or refused for another spec under the same key), and never run again. Cut off,
+it reads the site's copy of the hub's records instead (`BATON_HUB_RUNS`, sourced from the
+hub while the link is up): every id the hub used before the cut is known there. Only the
+same job submitted at the hub *during* the cut and started there runs at both sides; the
+site's record is then not taken in at heal (docs/sites.md, "Submitting at a site").
 
 A job of a pool none of the site's trainers serve is rejected here, saying so: nothing at
 the site could ever start it.
@@ -152,16 +153,28 @@ class SiteDispatcher:
             raise ContractError(reason, path)
 
     async def _at_hub(self, run_id: str) -> RunRecord | None:
-        """The hub's record of `run_id` (live or archived), None if the hub has none or
-        cannot be asked (the link is cut)."""
+        """The hub's record of `run_id` (live or archived), None if the hub has none; read
+        from the site's copy of the hub's records when the hub cannot be asked (a cut)."""
         try:
             async with asyncio.timeout(HUB_READ_S):
                 if self._hub_runs is None:
                     self._hub_runs = await Runs.open(self.hub, self.settings.hub_api)
                 return await self._hub_runs.find(run_id)
         except Exception as exc:
-            log.debug("%s: the hub cannot be asked (%s); dispatched here", run_id, exc)
-            return None
+            log.info("%s: the hub cannot be asked (%s); reading its records as copied", run_id, exc)
+        return await self._copied(run_id)
+
+    async def _copied(self, run_id: str) -> RunRecord | None:
+        """`run_id`'s record in the site's copy of the hub's records: the live one, else the
+        archived one (a record the runs bucket let go of is in the archive)."""
+        for subject in (f"$KV.{names.RUNS_BUCKET}.{run_id}", names.archive_subject(run_id)):
+            try:
+                msg = await self.js.get_last_msg(names.HUB_RUNS_STREAM, subject, direct=True)
+            except NotFoundError:
+                continue
+            if msg.data and (msg.headers or {}).get("KV-Operation") not in ("DEL", "PURGE"):
+                return decode(msg.data, RunRecord)
+        return None
 
     async def _serves(self, pool: str) -> bool:
         """Some trainer of `pool` at this site has a consumer of the site's work queue."""

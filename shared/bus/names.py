@@ -24,6 +24,10 @@ ARCHIVE_STREAM = "BATON_ARCHIVE"
 # the hub's streams have sourced it (see `shared.bus.sourcing`). The site's commit requests live in
 # a site-domain stream named CKPT_STREAM too, with site subjects.
 OUTBOX_STREAM = "BATON_OUTBOX"
+# In a site's own domain: the hub's run records (live and archived), newest per run, sourced
+# while the link is up, so a cut-off site still knows every run id the hub used
+# (`services/dispatcher/site.py`).
+HUB_RUNS_STREAM = "BATON_HUB_RUNS"
 
 # At the hub: the records of runs granted to sites, as each site's own runs bucket holds
 # them, sourced from the sites and taken in once by the reaper (`services/reaper/grants.py`).
@@ -276,6 +280,12 @@ def at_site(subject: str, site: str) -> str:
 
 def site_root(site: str, kind: str) -> str:
     return f"{PREFIX}.site.{site}.{kind}.>"
+
+
+def from_hub(site: str) -> str:
+    """The prefix of what the hub's JetStream delivers to `site`'s own streams (its copy
+    of the hub's records): a site's link admits its own deliveries, no other site's."""
+    return f"{PREFIX}.site.{site}.from_hub"
 
 
 def site_task_subject(site: str, pool: str, run_id: str) -> str:

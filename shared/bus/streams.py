@@ -18,10 +18,12 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
+    ExternalStream,
     KeyValueConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
+    StreamSource,
 )
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
@@ -36,6 +38,7 @@ DAY_S = 86400.0
 DUPLICATE_WINDOW_S = 120.0
 LEASE_MARKER_TTL_S = 1.0
 MAX_MSG_BYTES = 1024 * 1024
+HUB_API = f"$JS.{names.HUB_DOMAIN}.API"
 
 
 def _work_queue(name: str, subject: str | list[str], description: str) -> StreamConfig:
@@ -145,7 +148,7 @@ def stream_configs() -> list[StreamConfig]:
     ]
 
 
-def site_stream_configs(site: str) -> list[StreamConfig]:
+def site_stream_configs(site: str, hub_api: str = HUB_API) -> list[StreamConfig]:
     """The streams in a site's own JetStream domain. The outbox keeps what the site sends to
     the hub until the hub has sourced it: a limits stream (the hub reads it, nobody acks
     it), big and long-lived enough to ride out a long WAN outage. Per-message TTLs are on
@@ -174,7 +177,35 @@ def site_stream_configs(site: str) -> list[StreamConfig]:
             names.site_root(site, "tasks"),
             f"Runs the hub granted to site {site}, per pool",
         ),
+        _hub_runs(site, hub_api),
     ]
+
+
+def _hub_runs(site: str, hub_api: str) -> StreamConfig:
+    """The hub's run records, live and archived, as the site last saw them: sourced from the
+    hub's runs bucket and archive (`hub_api`, the hub's domain) while the link is up, newest
+    per run. A site's dispatcher cut off from the hub reads a run id here, so a job the hub
+    ran before is not run again at the site (`services/dispatcher/site.py`). Records keep
+    their hub subjects (`$KV.baton_runs.<run>`, `baton.archive.<run>`) and are read by
+    subject, as at the hub. The hub delivers them under the site's own subjects
+    (`names.from_hub`), which are all its link lets in of them (`shared.auth.site_link`)."""
+    hub = ExternalStream(api=hub_api, deliver=names.from_hub(site))
+    return StreamConfig(
+        name=names.HUB_RUNS_STREAM,
+        description="The hub's run records (live and archived), newest per run",
+        sources=[
+            StreamSource(name=f"KV_{names.RUNS_BUCKET}", external=hub),
+            StreamSource(name=names.ARCHIVE_STREAM, external=hub),
+        ],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_msgs_per_subject=1,
+        max_bytes=4 * 1024**3,
+        max_msg_size=MAX_MSG_BYTES,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        allow_direct=True,
+    )
 
 
 def site_kv_configs(site: str) -> list[KeyValueConfig]:
@@ -381,10 +412,10 @@ async def ensure(js: JetStreamContext, replicas: int = 1) -> None:
         await _ensure_bucket(js, replace(kv, replicas=replicas))
 
 
-async def ensure_site(js: JetStreamContext, site: str) -> None:
+async def ensure_site(js: JetStreamContext, site: str, hub_api: str = HUB_API) -> None:
     """Create or update the streams and buckets of `site`, in its own domain (`js` is the
-    site's)."""
-    for config in site_stream_configs(site):
+    site's; `hub_api` the hub's domain as the site reaches it)."""
+    for config in site_stream_configs(site, hub_api):
         await _ensure_stream(js, config)
     for kv in site_kv_configs(site):
         await _ensure_bucket(js, kv)

@@ -40,6 +40,7 @@ from shared.contracts.events import (
 )
 from shared.state.drains import Drains
 from shared.state.runs import Runs
+from shared.state.workers import live_workers
 from tests.e2e.jobs import finished, history, job, paced, submit
 from tests.support.cli import as_json
 from tests.support.ledger import balanced, topup
@@ -279,8 +280,14 @@ async def test_jobs_submitted_at_a_cut_off_site_start_there_and_are_one_run_each
     nc, at_site = await hub.client(), await site.client("submitter")
     reference = await submit(nc, paced(40, pace=0.0))
     want = (await finished(nc, reference, timeout=90)).digest
+    used = await _used_at_the_hub_alone(hub, site)
     site.proxy.sever()
     await eventually(lambda: _down(nc, "lab1"), 30, "the hub to see lab1 cut off")
+    # A job whose id the hub used before the cut, submitted again at the site: answered as
+    # the hub would (a duplicate), from the site's copy of the hub's records; never run.
+    at_site_operator = await site.client()
+    again_id, answer = await client.submit(at_site_operator, used.spec, 20, "lab1")
+    assert again_id == used.run_id and isinstance(answer, Accepted) and answer.duplicate, answer
     specs = [paced(40, pace=0.02) for _ in range(3)]
     run_ids = []
     for spec in specs:
@@ -326,6 +333,52 @@ async def test_jobs_submitted_at_a_cut_off_site_start_there_and_are_one_run_each
         assert kinds.count("Completed") == 1 and kinds.count("Started") == 1, kinds
     # The hub's copy's hold went with the run, and is settled once.
     await balanced(nc, "lab1-submitter", run_ids[0], topped, PRICE)
+    # The job the hub used before: still its cancelled run, started nowhere.
+    [record] = await records(nc, [used.run_id])
+    assert record.state is RunState.CANCELLED and record.attempts == 0, record
+    at_lab1 = await Runs.open(at_site_operator.jetstream(), bucket=LAB1_RUNS)
+    assert await at_lab1.get(used.run_id) is None
+    assert not await site_events(site, used.run_id, "started")
+
+
+LAB1_RUNS = names.site_runs_bucket("lab1")
+
+
+async def _used_at_the_hub_alone(hub: Stack, site: Site) -> RunRecord:
+    """A run the hub queued and cancelled while lab1's trainers were drained (so never
+    granted to lab1), once lab1's copy of the hub's records holds it cancelled."""
+    nc = await hub.client()
+    drains = Drains(nc.jetstream())
+    for worker in site.trainers:
+        await drains.drain(Drain(worker=worker, reason="test", at=time.time()))
+
+    async def drained(want: bool) -> bool:  # as the scheduler reads it: in the heartbeats
+        live = {w.worker: w.drained for w in await live_workers(nc.jetstream())}
+        return all(live.get(worker) is want for worker in site.trainers)
+
+    await eventually(lambda: drained(True), 30, "lab1's trainers drained at the hub")
+    run_id = await submit(nc, paced(40, pace=0.0))
+
+    async def passed_over() -> bool:  # a scheduler pass saw it and granted it nowhere
+        record = await _record(nc, run_id)
+        return record is not None and record.waiting is not None and not record.site
+
+    await eventually(passed_over, 30, "the scheduler to leave the run queued")
+    await client.cancel(nc, run_id, "test")
+    for worker in site.trainers:
+        await drains.undrain(worker)
+    await eventually(lambda: drained(False), 30, "lab1's trainers undrained")
+    copy = (await site.client()).jetstream()
+
+    async def copied() -> RunRecord | None:
+        subject = f"$KV.{names.RUNS_BUCKET}.{run_id}"
+        with contextlib.suppress(Exception):
+            msg = await copy.get_last_msg(names.HUB_RUNS_STREAM, subject, direct=True)
+            record = decode(msg.data, RunRecord)
+            return record if record.state is RunState.CANCELLED else None
+        return None
+
+    return await eventually(copied, 30, "lab1's copy of the hub's records to hold the run")
 
 
 async def test_a_site_trainer_killed_and_its_server_restarted_during_the_cut(

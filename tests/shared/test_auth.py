@@ -5,11 +5,14 @@ test checks: the test stacks run with auth on, as `baton up` does.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
@@ -18,7 +21,7 @@ from baton.stack.natsserver import NatsServer
 from shared import auth, credentials
 from shared.bus import names
 from shared.bus.streams import ensure, ensure_site
-from shared.contracts import encode
+from shared.contracts import decode, encode
 from tests.support.stack import eventually
 
 
@@ -229,6 +232,50 @@ async def test_a_site_cannot_touch_another_sites_subjects_or_the_hubs_streams(
     await trainer.publish("baton.site.lab2.events.r1.k", encode({}))
     await trainer.flush()
     await servers.refused("lab1-trainer", "baton.site.lab2.events.r1.k")
+
+
+async def test_a_site_keeps_a_copy_of_the_hubs_run_records_for_its_dispatcher_alone(
+    servers: Servers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The site's copy of the hub's records (live and archived) arrives over the link as the
+    site's own deliveries, the site's dispatcher reads it by run id, and a site trainer
+    cannot. Declaring the site again finds nothing to change."""
+    from shared.contracts import JobSpec, RunRecord
+    from shared.state import archive
+    from shared.state.runs import Runs
+
+    spec = JobSpec(name="t", entry_point="examples.regression:train", total_steps=10)
+    live, ended = (
+        RunRecord(run_id=r, spec=spec, spec_hash="x", created_at=0.0, updated_at=0.0)
+        for r in ("lab1-submitter.r1", "alice.r2")
+    )
+    hub = (await servers.as_user("dispatcher")).jetstream()
+    await (await Runs.open(hub)).create(live)
+    await archive.keep((await servers.as_user("reaper")).jetstream(), ended)
+    site = (await servers.as_user("lab1-dispatcher", at_site=True)).jetstream()
+
+    async def copied() -> list[str]:
+        found = []
+        subjects = (f"$KV.{names.RUNS_BUCKET}.{live.run_id}", names.archive_subject(ended.run_id))
+        for subject in subjects:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                msg = await site.get_last_msg(names.HUB_RUNS_STREAM, subject, direct=True)
+                found.append(decode(msg.data, RunRecord).run_id)
+        return found
+
+    async def both() -> bool:
+        return await copied() == [live.run_id, ended.run_id]
+
+    await eventually(both, 20, "the hub's records in the site's copy")
+    trainer = await servers.as_user("lab1-trainer", at_site=True)
+    subject = f"$JS.API.DIRECT.GET.{names.HUB_RUNS_STREAM}.$KV.{names.RUNS_BUCKET}.{live.run_id}"
+    with pytest.raises((TimeoutError, nats.errors.Error)):
+        await trainer.request(subject, b"", timeout=0.5)
+    await servers.refused("lab1-trainer", subject)
+    with caplog.at_level(logging.WARNING, logger="baton.streams"):
+        checkpointer = await servers.as_user("lab1-checkpointer", at_site=True)
+        await ensure_site(checkpointer.jetstream(), "lab1")
+    assert not [r for r in caplog.records if "differs" in r.getMessage()], caplog.text
 
 
 async def test_generated_credentials_are_owner_only(servers: Servers) -> None:
