@@ -384,7 +384,7 @@ def site_permissions(role: str, site: str) -> Permissions | None:
         local = [
             names.OUTBOX_STREAM, names.CKPT_STREAM, names.TASKS_STREAM, names.SUBMIT_STREAM,
             f"KV_{names.site_runs_bucket(site)}", f"KV_{names.site_leases_bucket(site)}",
-            names.HUB_RUNS_STREAM,
+            f"KV_{names.site_groups_bucket(site)}", names.HUB_RUNS_STREAM,
         ]  # fmt: skip
         return Permissions(
             publish=(
@@ -418,14 +418,18 @@ def site_permissions(role: str, site: str) -> Permissions | None:
         )  # fmt: skip
     if role == "trainer":
         # The runs granted to the site: its own work queue and buckets, in its own domain
-        # (`services/trainer/granted.py`).
-        granted = (names.site_runs_bucket(site), names.site_leases_bucket(site))
+        # (`services/trainer/granted.py`); a granted group's calls for ranks into that queue.
+        granted = (
+            names.site_runs_bucket(site), names.site_leases_bucket(site),
+            names.site_groups_bucket(site),
+        )  # fmt: skip
         return Permissions(
             publish=(
                 *_trainer_publish(HUB_API, hub_kv, site),
                 *_consume(API, names.TASKS_STREAM),
                 *_read_kv(API, *granted),
                 *_write_kv("", *granted),
+                names.site_root(site, "ranks"),
             ),
             subscribe=(inbox, f"{names.PREFIX}.control.>", names.site_root(site, "events")),
         )

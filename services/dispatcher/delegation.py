@@ -14,9 +14,10 @@ Which run goes to which site is the scheduler's decision (`scheduler.py`): it ta
 in its queue's order, and a site's room is read off the trainers' heartbeats (a site
 trainer's heartbeat reaches the hub only while its site is linked) and the sites'
 greetings: a site that has not greeted the hub for `SILENCE_S` is granted nothing more.
-Runs of several ranks are not granted: a group of ranks forms at the hub, where its
-members find each other. Sites' links are read only while some site trainer is live, so
-delegation costs a hub without sites nothing.
+A group of several ranks is granted only to a site with as many trainers free now, and
+forms there (its key in the site's groups bucket, its calls in the site's work queue:
+`services/trainer/group.py`); an elastic run stays the hub's. Sites' links are read only
+while some site trainer is live, so delegation costs a hub without sites nothing.
 """
 
 from __future__ import annotations

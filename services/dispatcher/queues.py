@@ -209,9 +209,9 @@ class Reckoner:
         )  # fmt: skip
 
     def _rooms(self, pool: str, workers: list[WorkerInfo], linked: set[str]) -> dict[str, SiteRoom]:
-        """Per linked site with grants on: runs it may still be granted (per live trainer of
-        the pool there, the one it trains and `BATON_DELEGATE_AHEAD` more, less what it
-        holds)."""
+        """Per linked site with grants on: ranks it may still be granted (per live trainer
+        of the pool there, the one it trains and `BATON_DELEGATE_AHEAD` more, less the ranks
+        of the runs it holds)."""
         trainers: dict[str, int] = defaultdict(int)
         for w in workers:
             if w.site in linked and self.settings.ahead(w.site) > 0:
@@ -221,7 +221,7 @@ class Reckoner:
         held: dict[str, int] = defaultdict(int)
         for r, _ in self._records.values():
             if r.site and r.spec.pool == pool:
-                held[r.site] += 1
+                held[r.site] += r.spec.max_ranks
         out = {}
         for site, n in trainers.items():
             ahead = self.settings.ahead(site)

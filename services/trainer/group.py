@@ -103,7 +103,10 @@ class Leader:
         worker: str,
         addr: str,
         site: str = "",
+        granted: bool = False,
     ) -> None:
+        """`granted`: the run is granted to `site`, so its group forms there (`store` is the
+        site's, its calls go into the site's own work queue)."""
         self.js = js
         self.store = store
         self.runs = runs
@@ -111,6 +114,7 @@ class Leader:
         self.lease = lease
         self.worker = worker
         self.site = site
+        self.granted = granted
         self.cap = min(task.spec.max_ranks, record.ranks_cap or task.spec.max_ranks)
         """The most ranks the scheduler lets an elastic run hold now (its `max` otherwise):
         what it calls for while forming and grows up to (`allow`)."""
@@ -194,9 +198,13 @@ class Leader:
 
     async def _call(self, rank: int, grow: bool = False) -> None:
         call = RankCall(task=self.task, epoch=self.epoch, rank=rank, grow=grow)
-        # At a site, through its outbox, which the hub's work queue sources.
-        run_id = self.task.run_id
-        subject = names.at_site(names.call_subject(self.task.spec.pool, run_id), self.site)
+        # A run granted to the site: into its own work queue. A site trainer leading a run
+        # the hub holds: through its outbox, which the hub's work queue sources.
+        run_id, pool = self.task.run_id, self.task.spec.pool
+        if self.granted:
+            subject = names.site_call_subject(self.site, pool, run_id)
+        else:
+            subject = names.at_site(names.call_subject(pool, run_id), self.site)
         msg_id = names.call_id(run_id, self.epoch, rank, grow)
         await publish(self.js, subject, encode(call), msg_id=msg_id)
 

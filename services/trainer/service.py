@@ -90,7 +90,13 @@ class Trainer:
         self.attempt: Attempt | Member | None = None
         self.presence = Presence(self.js, settings, self.draining, lambda: self.attempt)
         """Its heartbeat in the worker registry (`presence.py`)."""
-        self.groups = GroupStore(self.hub, settings.hub_api, key_ttl(settings.lease_ttl_s))
+        ttl = key_ttl(settings.lease_ttl_s)
+        self.groups = GroupStore(self.hub, settings.hub_api, ttl)
+        """The groups of the runs the hub holds."""
+        self.site_groups = None
+        if self.site:
+            self.site_groups = GroupStore(self.js, None, ttl, names.site_groups_bucket(self.site))
+        """At a site: the groups of the runs granted to it, formed there (`group.py`)."""
         self.zygote = Zygote(self._child_env())
         """Forks each attempt's training process from one that imported torch already."""
         self.workdir = WorkDir(Path(settings.work_dir))
@@ -222,10 +228,14 @@ class Trainer:
         return t is not None and t.done() and not t.cancelled() and t.exception() is None
 
     async def on_granted(self, msg: Msg) -> None:
-        """A run the hub granted to this site (`granted.py`)."""
-        assert self.granted is not None
+        """A run the hub granted to this site (`granted.py`), or a call for a rank of a
+        granted run's group."""
+        assert self.granted is not None and self.site_groups is not None
         if self.draining.drained:
             await msg.nak()
+            return
+        if msg.subject.startswith(names.site_calls_root(self.site)):
+            await self.on_call(msg, self.site_groups)
             return
         await self.zygote.warm()
         await self.granted.on_task(msg, self._start)
@@ -317,9 +327,10 @@ class Trainer:
     ) -> None:
         """Form the run's group as its rank 0, then run the attempt over it; or give the
         task back, saying why in the record (`group.py`)."""
+        groups = self.site_groups if task.grant is not None else None
         leader = Leader(
-            self.js, self.groups, self.runs, task, lease, record, self.settings.worker_id,
-            self.settings.host_addr, self.site,
+            self.js, groups or self.groups, scope.runs, task, lease, record,
+            self.settings.worker_id, self.settings.host_addr, self.site, groups is not None,
         )  # fmt: skip
         try:
             formed = await leader.form(msg, self.draining.leave, self.settings.form_wait_s)
@@ -347,8 +358,9 @@ class Trainer:
             return
         await self._held(task, lease, msg, scope, leader)
 
-    async def on_call(self, msg: Msg) -> None:
-        """A group's leader calls for a rank: hold it if the group is still forming."""
+    async def on_call(self, msg: Msg, groups: GroupStore | None = None) -> None:
+        """A group's leader calls for a rank: hold it if the group is still forming (in
+        `groups`: a granted run's, at its site; else the hub's)."""
         try:
             call = decode(msg.data, RankCall)
         except ContractError as exc:
@@ -357,7 +369,7 @@ class Trainer:
             return
         await self.zygote.warm()
         member = Member(
-            self.groups, self.zygote, call, self.settings.worker_id, self.store.url,
+            groups or self.groups, self.zygote, call, self.settings.worker_id, self.store.url,
             Path(self.settings.work_dir), (self.draining.leave, self.signals.hurry),
             self._publish_output, self.settings.ack_wait_s,
         )  # fmt: skip

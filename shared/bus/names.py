@@ -298,6 +298,26 @@ def site_tasks_of_pool(site: str, pool: str) -> str:
     return f"{PREFIX}.site.{site}.tasks.{pool}.>"
 
 
+def site_call_subject(site: str, pool: str, run_id: str) -> str:
+    """Where the leader of a group granted to `site` calls for its other ranks: the site's
+    own work queue, beside the granted tasks (a group granted there forms there, link or no
+    link; a site trainer leading a run the hub holds calls through the outbox instead)."""
+    return f"{site_calls_root(site)}{pool}.{run_id}"
+
+
+def site_calls_root(site: str) -> str:
+    return f"{PREFIX}.site.{site}.ranks."
+
+
+def site_calls_of_pool(site: str, pool: str) -> str:
+    return f"{site_calls_root(site)}{pool}.>"
+
+
+def site_groups_bucket(site: str) -> str:
+    """The groups of the runs granted to `site`, in its own domain."""
+    return f"{GROUPS_BUCKET}_{site}"
+
+
 def site_runs_bucket(site: str) -> str:
     """The runs bucket in `site`'s domain: the records of the runs granted to it. Named
     after the site, so that no bucket at the hub or at another site shares its subjects."""

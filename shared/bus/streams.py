@@ -172,10 +172,11 @@ def site_stream_configs(site: str, hub_api: str = HUB_API) -> list[StreamConfig]
         ),
         # The tasks the hub delegated to the site (`services/dispatcher/delegation.py`):
         # held here, so a site cut off from the hub still has runs to start.
+        # With the calls for the ranks of the groups granted to it (`services/trainer/group.py`).
         _work_queue(
             names.TASKS_STREAM,
-            names.site_root(site, "tasks"),
-            f"Runs the hub granted to site {site}, per pool",
+            [names.site_root(site, "tasks"), names.site_root(site, "ranks")],
+            f"Runs the hub granted to site {site}, and their groups' calls, per pool",
         ),
         _hub_runs(site, hub_api),
     ]
@@ -209,9 +210,10 @@ def _hub_runs(site: str, hub_api: str) -> StreamConfig:
 
 
 def site_kv_configs(site: str) -> list[KeyValueConfig]:
-    """The records and leases of the runs granted to `site`, in its own domain: the site
-    starts, leases and completes them while cut off (`shared.state.grants`). The runs
-    bucket keeps each run's newest record only: it is what the hub sources and takes in."""
+    """The records, leases and groups of the runs granted to `site`, in its own domain: the
+    site starts, leases, forms and completes them while cut off (`shared.state.grants`). The
+    runs bucket keeps each run's newest record only: it is what the hub sources and takes
+    in."""
     return [
         KeyValueConfig(
             bucket=names.site_runs_bucket(site), history=1, direct=True,
@@ -221,6 +223,10 @@ def site_kv_configs(site: str) -> list[KeyValueConfig]:
             bucket=names.site_leases_bucket(site), history=1, direct=True,
             description=f"Leases of the runs granted to site {site}",
             limit_marker_ttl=LEASE_MARKER_TTL_S,
+        ),
+        KeyValueConfig(
+            bucket=names.site_groups_bucket(site), history=1, direct=True,
+            description=f"Groups of the runs granted to site {site}",
         ),
     ]  # fmt: skip
 
@@ -303,11 +309,14 @@ def trainer_consumer(
     # catches a task that keeps taking trainers down with it (the reaper dead-letters it).
     # At the hub, tasks and calls for ranks share one consumer: a trainer holds one thing
     # at a time, and an idle one takes whichever comes first.
-    hub = [names.tasks_of_pool(pool), names.calls_of_pool(pool)]
+    queue = (
+        [names.site_tasks_of_pool(site, pool), names.site_calls_of_pool(site, pool)]
+        if site
+        else [names.tasks_of_pool(pool), names.calls_of_pool(pool)]
+    )
     return ConsumerConfig(
         durable_name=names.trainer_consumer(pool),
-        filter_subject=names.site_tasks_of_pool(site, pool) if site else None,
-        filter_subjects=None if site else hub,
+        filter_subjects=queue,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=ack_wait_s,

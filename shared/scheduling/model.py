@@ -52,7 +52,7 @@ class Run:
     site: str = ""
     """The site it is granted to ("" = the hub's)."""
     grantable: bool = False
-    """A run a site may be granted (one rank, asked nothing)."""
+    """A run a site may be granted (of a fixed size, asked nothing)."""
     replica: bool = False
     """A replica of a replicated run: granted only where a trainer is free for it now."""
 
@@ -72,8 +72,8 @@ class Run:
 @dataclass(slots=True)
 class SiteRoom:
     free: int
-    """Runs the site may still be granted (per live trainer there: the one it trains and
-    `BATON_DELEGATE_AHEAD` more, less what it holds)."""
+    """Ranks the site may still be granted (per live trainer there: the one it trains and
+    `BATON_DELEGATE_AHEAD` more, less the ranks of the runs it holds)."""
     spare: int = 0
     """The part of `free` that is ahead of need: never granted to a replica."""
 

@@ -90,17 +90,22 @@ class Pass:
         return Admit(r.run_id, ranks, cap)
 
     def site_for(self, r: Run) -> str | None:
-        """A site with room for `r`, its room taken (and a trainer free there now, when the
-        room is not ahead of need: it was counted free for the hub's work too)."""
+        """A site with room for `r`, its room taken (and the trainers free there now, for
+        the part not ahead of need: they were counted free for the hub's work too). A
+        replica, or a group of several ranks, which must train at once, goes only where
+        enough trainers are free now."""
         if not r.grantable:
             return None
+        need = r.min_ranks
+        at_once = r.replica or need > 1
         for site in sorted(self.sites):
             room = self.sites[site]
-            if room.free > (room.spare if r.replica else 0):
-                if room.free > room.spare:
-                    self.free -= 1
-                room.free -= 1
-                return site
+            now = room.free - room.spare
+            if now < need if at_once else room.free < need:
+                continue
+            self.free -= min(need, max(now, 0))
+            room.free -= need
+            return site
         return None
 
 
@@ -169,7 +174,7 @@ def _place(p: Pass, r: Run, out: Plan) -> bool:
     trainer for the hub's queue."""
     site = p.site_for(r)
     if site is not None:
-        p.placed.append(replace(r, phase=Phase.ADMITTED, site=site, ranks=1))
+        p.placed.append(replace(r, phase=Phase.ADMITTED, site=site, ranks=r.min_ranks))
         out.actions.append(Grant(r.run_id, site))
         return True
     if p.free >= r.min_ranks and p.state.trainers > 0:

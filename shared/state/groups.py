@@ -33,15 +33,20 @@ def key_ttl(lease_ttl_s: int) -> int:
 class GroupStore:
     """The groups bucket as one trainer reads and writes it (across domains from a site)."""
 
-    def __init__(self, js: JetStreamContext, api_prefix: str | None, ttl_s: int) -> None:
+    def __init__(
+        self, js: JetStreamContext, api_prefix: str | None, ttl_s: int,
+        bucket: str = names.GROUPS_BUCKET,
+    ) -> None:  # fmt: skip
+        """`bucket`: a site's own (`names.site_groups_bucket`) for the runs granted to it."""
         self._js = js
-        self._writer = KvWriter(js, names.GROUPS_BUCKET, api_prefix)
+        self._name = bucket
+        self._writer = KvWriter(js, bucket, api_prefix)
         self.ttl_s = ttl_s
         self._kv: KeyValue | None = None
 
     async def _bucket(self) -> KeyValue:
         if self._kv is None:
-            self._kv = await self._js.key_value(names.GROUPS_BUCKET)
+            self._kv = await self._js.key_value(self._name)
         return self._kv
 
     async def put(self, key: str, value: GroupKey | MemberKey) -> None:

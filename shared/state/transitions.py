@@ -571,11 +571,11 @@ def announced(r: RunRecord) -> RunRecord | None:
 
 
 def grantable(r: RunRecord) -> bool:
-    """A QUEUED run of one rank that the hub holds, waiting for the scheduler, asked
-    nothing: one `delegate` applies to."""
+    """A QUEUED run of a fixed size (one rank or a group; an elastic group stays the hub's)
+    that the hub holds, waiting for the scheduler, asked nothing: one `delegate` applies to."""
     asked = r.cancel_requested or r.pause_requested or r.rollback_to is not None
     return (
-        r.state is RunState.QUEUED and not r.site and r.spec.max_ranks == 1 and not asked
+        r.state is RunState.QUEUED and not r.site and not r.spec.elastic and not asked
         and not r.admitted
     )  # fmt: skip
 

@@ -32,6 +32,7 @@ from shared.contracts.events import (
     Delegated,
     Event,
     Fenced,
+    GroupFormed,
     HandedOver,
     Rejected,
     RunWarning,
@@ -465,6 +466,49 @@ async def test_a_granted_run_is_timed_at_the_hub_and_stopped_at_its_site(
     trainers = [hub.pid(name) for name in site.trainers]
     await eventually(lambda: _idle(trainers), 60, "the site's trainers to stop training it")
     assert not await site_events(site, run_id, "completed")
+
+
+async def test_a_group_granted_to_a_site_trains_through_a_cut(hub: Stack, site: Site) -> None:
+    """A 2-rank DDP job (`examples/ddp.py`, gloo) is granted to lab1, whose two trainers
+    are free: its group forms at the site (the site's groups bucket, its calls in the
+    site's work queue), the link is cut mid-run, and the group trains on and completes
+    there. At heal the run is COMPLETED once at the hub, with the uninterrupted run's
+    weights, its group's events and its one `completed` sourced from the site."""
+    nc = await hub.client()
+    reference = await submit(nc, ddp2(60, pace=0.0))
+    record = await finished(nc, reference, timeout=120)
+    assert record.state is RunState.COMPLETED and record.site == "lab1", record
+    run_id = await submit(nc, ddp2(60, pace=0.08))
+
+    async def committed_at_site() -> bool:
+        return bool(await site_events(site, run_id, "checkpoint_committed"))
+
+    await eventually(committed_at_site, 90, "the group to commit a checkpoint at lab1")
+    site.proxy.sever()
+    assert not await site_events(site, run_id, "completed"), "done before the cut"
+
+    async def done_at_site() -> bool:
+        return bool(await site_events(site, run_id, "completed"))
+
+    await eventually(done_at_site, 120, "the group to complete at the cut-off site")
+    site.proxy.restore()
+    done = await finished(nc, run_id, timeout=60)
+    assert done.state is RunState.COMPLETED and done.digest == record.digest, done
+    assert done.site == "lab1" and done.attempts == 1, done
+    await eventually(lambda: _completed_once(nc, run_id), 30, "the run's events at the hub")
+    events = await history(nc, run_id)
+    [formed] = of(events, GroupFormed)
+    assert isinstance(formed, GroupFormed) and set(formed.members) == set(site.trainers), formed
+    await site.assert_events_once_in_order(nc, run_id)
+
+
+def ddp2(total: int, pace: float) -> JobSpec:
+    """Two ranks of the DDP example, a checkpoint every 10 steps; `pace` changes no
+    arithmetic."""
+    return job(
+        name="ddp", entry_point="examples.ddp:train", total_steps=total, ranks=2, seed=11,
+        checkpoint={"every_steps": 10}, config={"steps_sleep": pace},
+    )  # fmt: skip
 
 
 async def _started_at(nc: Client, run_id: str, at: str) -> bool:

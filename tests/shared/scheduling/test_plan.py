@@ -162,6 +162,19 @@ def test_sites_take_what_the_hub_cannot() -> None:
     assert [a.run_id for a in out.actions if isinstance(a, Grant)] == ["r3"], out
 
 
+def test_a_group_is_granted_only_where_all_its_ranks_are_free_now() -> None:
+    g2, g3 = queued("g2", ranks=2, grantable=True), queued("g3", ranks=3, grantable=True)
+    # lab1: two trainers free now (room 6, 4 of it ahead); lab2: three.
+    rooms = {"lab1": SiteRoom(free=6, spare=4), "lab2": SiteRoom(free=3, spare=0)}
+    out = plan(state(0, g3, g2, sites=rooms))
+    grants = {a.run_id: a.site for a in out.actions if isinstance(a, Grant)}
+    assert grants == {"g3": "lab2", "g2": "lab1"}, out.actions
+    # Room ahead of need is no room for a group, and the hub's free trainers count it.
+    out = plan(state(1, queued("g2", ranks=2, grantable=True),
+                     sites={"lab1": SiteRoom(free=3, spare=2)}))  # fmt: skip
+    assert not [a for a in out.actions if isinstance(a, Grant)] and "g2" in out.blocked, out
+
+
 def test_leftover_trainers_go_to_elastic_runs() -> None:
     e = queued("e", ranks=1)
     e.max_ranks = 3

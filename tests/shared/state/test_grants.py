@@ -14,6 +14,7 @@ from safetensors.torch import save
 from shared.checkpoint import commit
 from shared.checkpoint.store.file import FileStore
 from shared.contracts import CommitRequest, FileRef, RunState
+from shared.contracts.jobs import RankRange
 from shared.errors import StaleToken
 from shared.state import grants
 from shared.state import transitions as t
@@ -95,12 +96,14 @@ async def test_no_fence_over_a_final_checkpoint(tmp_path: Path) -> None:
     assert latest is not None and latest[0].token == grants.token_of(1, 1)
 
 
-def test_delegate_grants_a_queued_run_of_one_rank_under_the_next_epoch() -> None:
+def test_delegate_grants_a_queued_run_of_a_fixed_size_under_the_next_epoch() -> None:
     new = applied(t.delegate("lab1"), QUEUED)
     assert changed(QUEUED, new) == {"site": "lab1", "epoch": 1, "admitted": True}
-    ranks = msgspec.structs.replace(SPEC, ranks=2)
+    group = msgspec.structs.replace(QUEUED, spec=msgspec.structs.replace(SPEC, ranks=2))
+    assert applied(t.delegate("lab1"), group).site == "lab1"
+    elastic = msgspec.structs.replace(SPEC, ranks=RankRange(min=1, max=2))
     refused(
-        t.delegate("lab1"), record(), new, msgspec.structs.replace(QUEUED, spec=ranks),
+        t.delegate("lab1"), record(), new, msgspec.structs.replace(QUEUED, spec=elastic),
         msgspec.structs.replace(QUEUED, cancel_requested="x"),
         msgspec.structs.replace(QUEUED, pause_requested="x"),
         msgspec.structs.replace(QUEUED, rollback_to=10), *terminal(),
