@@ -99,6 +99,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`BATON_ALERTS`: the notifier's TOML file of who is told what (docs/alerts.md);
     `baton up --alerts FILE` sets it."""
 
+    cloud: str = ""
+    """`BATON_CLOUD`: `gce`, `aws` or `azure`: the trainer watches its machine's metadata
+    server for a reclaim or maintenance notice and drains itself on one
+    (`services/trainer/notices.py`). Empty (the default): no watch."""
+    metadata_url: str = ""
+    """`BATON_METADATA_URL`: the metadata server's address, when not the cloud's own."""
+    notice_poll_s: float = 1.0
+    """`BATON_NOTICE_POLL`: seconds between two looks at the metadata server."""
+
     delegate_ahead: tuple[tuple[str, int], ...] = (("*", 1),)
     """`BATON_DELEGATE_AHEAD`: runs the hub grants each site per live trainer of a pool
     beyond the one it trains (`services/dispatcher/delegation.py`): `1`, or per site
@@ -168,6 +177,9 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             upload_bps=upload_bps(env),
             alerts_file=env.get("BATON_ALERTS", ""),
             delegate_ahead=_ahead(env.get("BATON_DELEGATE_AHEAD", "1")),
+            cloud=_cloud(env.get("BATON_CLOUD", "")),
+            metadata_url=env.get("BATON_METADATA_URL", ""),
+            notice_poll_s=_float(env, "BATON_NOTICE_POLL", d.notice_poll_s),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -185,6 +197,13 @@ def upload_bps(env: Mapping[str, str]) -> float:
     if match is None:  # a ConfigError, not a ValueError: the store reads it outside `load`
         raise ConfigError(f"BATON_UPLOAD_BPS={raw!r} is not bytes per second (`250000`, `250k`)")
     return float(match[1]) * _SCALE[match[2].lower()]
+
+
+def _cloud(raw: str) -> str:
+    cloud = raw.strip().lower()
+    if cloud not in ("", "gce", "aws", "azure"):
+        raise ValueError(f"BATON_CLOUD={raw!r}: one of gce, aws, azure (or unset)")
+    return cloud
 
 
 def _ahead(raw: str) -> tuple[tuple[str, int], ...]:

@@ -99,9 +99,11 @@ class Attempt:
         grant: Callable[[], Awaitable[str | None]] | None = None,
         *,
         device: str = "cpu",
+        leaving: Callable[[], str] = lambda: "",
     ) -> None:
         """`runs` holds the run's record: the hub's, or a site's own for a run granted to
-        it, whose `grant` the keeper checks with the hub while it can (`granted.py`)."""
+        it, whose `grant` the keeper checks with the hub while it can (`granted.py`).
+        `leaving` says why the first of `signals` is set (a drain's reason)."""
         self.js: JetStreamContext = nc.jetstream()
         self.nc = nc
         self.settings = settings
@@ -113,6 +115,7 @@ class Attempt:
         self.lease = lease
         self.child = child
         self.stop, self.hurry = signals
+        self.leaving = leaving
         self.worker = settings.worker_id
         self.group = group
         """Set when this attempt leads a group of several ranks (as rank 0)."""

@@ -1,7 +1,8 @@
 """Whether this trainer is drained, and the one event its work stops on.
 
 Invariant: `leave` is set exactly while the trainer is stopping (SIGTERM: for good) or
-drained (its key in `baton_drains`, `shared.state.drains`). Everything that runs work stops
+drained (its key in `baton_drains`, `shared.state.drains`, or its machine's own notice that
+it is going: `notices.py`, which no undrain lifts). Everything that runs work stops
 on `leave` as it stops on SIGTERM — the pull loop fetches nothing more; an attempt asks its
 training process to checkpoint and return, and hands the run over (PREEMPTED: the lease
 released, the task nak'ed with no delay, so another trainer of the pool resumes it from
@@ -37,6 +38,9 @@ class Draining:
         self.leave = asyncio.Event()
         """Set while stopping or drained: what the attempt, a leader and a rank stop on."""
         self.record: Drain | None = None
+        """The drain in force: the machine's own notice, else the operator's key."""
+        self._key: Drain | None = None
+        self._notice: Drain | None = None
         self._drains = Drains(js)
         self._reads = Condition(
             log, f"reading the drain key of {worker}", "the state read last holds"
@@ -48,6 +52,12 @@ class Draining:
     @property
     def drained(self) -> bool:
         return self.record is not None
+
+    def why(self) -> str:
+        """Why `leave` is set: the drain's reason, or the trainer stopping."""
+        if self.record is not None:
+            return f"drained: {self.record.reason}" if self.record.reason else "drained"
+        return "its trainer is stopping" if self.stop.is_set() else ""
 
     async def read(self) -> bool:
         """Read this worker's key now; whether being drained changed. Raises what the read
@@ -81,8 +91,16 @@ class Draining:
                 with contextlib.suppress(asyncio.CancelledError):
                     await w
 
-    def _set(self, record: Drain | None) -> bool:
+    def notice(self, drain: Drain) -> None:
+        """Drained by this machine's own notice that it is going (a cloud reclaims or
+        maintains it): until the trainer stops, whatever the key says."""
+        self._notice = drain
+        self._set(self._key)
+
+    def _set(self, key: Drain | None) -> bool:
         was = self.drained
+        self._key = key
+        record = self._notice or key
         self.record = record
         if record is not None and not was:
             why = f": {record.reason}" if record.reason else ""

@@ -31,6 +31,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
+from services.trainer import notices
 from services.trainer.attempt import Attempt
 from services.trainer.child_proc import Zygote
 from services.trainer.claim import WorkDir
@@ -183,14 +184,11 @@ class Trainer:
     async def serve(self, stop: asyncio.Event) -> None:
         """`stop` is the first signal; attempts also see the second (`hurry`). While
         drained, the loop fetches nothing and waits to be undrained (`drain.py`)."""
-        beside = [
-            asyncio.create_task(c)
-            for c in (
-                self.presence.heartbeat(),
-                self.presence.follow_drain(),
-                self.draining.follow_stop(),
-            )
-        ]
+        watches = [self.presence.heartbeat(), self.presence.follow_drain()]
+        watches += [self.draining.follow_stop()]
+        if self.settings.cloud:  # a reclaim's notice drains it (`notices.py`)
+            watches.append(notices.obeyed(self.settings, self.draining, self.presence.beat, stop))
+        beside = [asyncio.create_task(c) for c in watches]
         try:
             # No task before an attempt could start at once: a task taken now would hold
             # its lease while torch imports, and could lapse before the first renewal.
@@ -401,6 +399,7 @@ class Trainer:
         attempt = Attempt(
             self.nc, self.settings, self.store, scope.runs, self.pools, task, lease, child,
             signals, self.beat_now, group, check, device=self.presence.device[0],
+            leaving=self.draining.why,
         )  # fmt: skip
         self.attempt = attempt
         try:

@@ -223,12 +223,12 @@ async def stopped_early(a: Attempt, ended: Finished | None) -> Verdict:
     if a.orders.given is Order.PREEMPT and a.orders.preemption is not None:
         return made_room(a, a.orders.preemption, last.step if last else 0, kept)
     step = last.step if last else 0
-    why = ""
+    why = a.leaving() if a.stop.is_set() else ""
     if a.growing:
         # The group forms again at once, larger (its `Resized` event says so).
         assert a.group is not None
         why = f"to grow its group onto {a.group.grower}"
-    log.info("%s: preempted %s; lease released after step %d", a.run_id, why, step)
+    log.info("%s: preempted (%s); lease released after step %d", a.run_id, why or "-", step)
 
     def preempted(r: RunRecord) -> Event:
         return Preempted(run_id=a.run_id, worker=a.worker, step=step, reason=why)
