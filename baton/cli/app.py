@@ -332,6 +332,7 @@ def runs(
 
     from baton.cli import client
     from shared.contracts import RunState
+    from shared.contracts.events import loss_of
 
     wanted = {s.upper() for s in state or []}
     unknown = wanted - {s.value for s in RunState}
@@ -351,7 +352,7 @@ def runs(
     for r in records:
         t.add_row(
             r.run_id, r.spec.name, r.spec.pool, r.state.value, f"{r.step}/{r.spec.total_steps}",
-            str(r.attempts), r.worker or "-", r.site or "-", fmt(r.metrics.get("loss")),
+            str(r.attempts), r.worker or "-", r.site or "-", fmt(loss_of(r.metrics)),
         )  # fmt: skip
     out.print(t)
 

@@ -185,6 +185,7 @@ def checkpoints(
     from rich.table import Table
 
     from baton.cli import client, inspect
+    from shared.contracts.events import loss_of
 
     url = run(lambda: call(client.store_url, store))
     if pin is not None:
@@ -197,7 +198,7 @@ def checkpoints(
     for r in rows:
         flags = (("latest", r.latest), ("final", r.final), ("pinned", r.pinned))
         marks = " ".join(m for m, on in flags if on)
-        loss = r.metrics.get("loss")
+        loss = loss_of(r.metrics)
         t.add_row(
             str(r.step), str(r.token), r.status, r.worker, _size(r.bytes), _when(r.created_at),
             "-" if loss is None else f"{loss:.4g}", r.digest[:12] or "-", marks,
@@ -212,17 +213,23 @@ def logs(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Keep printing new output.")
     ] = False,
+    as_json: Json = False,
 ) -> None:
-    """A run's events and its entry point's stdout/stderr (as its trainers captured them)."""
+    """A run's events and its entry point's stdout/stderr (as its trainers captured them).
+    With --json: one JSON object per line on stdout, each event as `watch --json` prints
+    it, each piece of output as {"type": "output", "text": …}."""
     import asyncio
+    import json
 
     from baton.cli import client, inspect
 
     async def go(nc: Any) -> None:
         await client.record(nc, run_id)  # a clear error for an unknown run
-        events = asyncio.create_task(_print_events(nc, run_id, follow))
+        events = asyncio.create_task(_print_events(nc, run_id, follow, as_json))
         async for chunk in inspect.log_chunks(nc, run_id, follow):
-            sys.stdout.write(chunk.decode(errors="replace"))
+            text = chunk.decode(errors="replace")
+            line = json.dumps({"type": "output", "text": text}) + "\n"
+            sys.stdout.write(line if as_json else text)
             sys.stdout.flush()
         await events
 
@@ -232,11 +239,18 @@ def logs(
         raise typer.Exit(0) from None
 
 
-async def _print_events(nc: Any, run_id: str, follow: bool) -> None:
+async def _print_events(nc: Any, run_id: str, follow: bool, as_json: bool) -> None:
+    import json
+
+    from baton.cli.inspect import as_json as builtins
     from baton.cli.watch import describe
     from shared.contracts.events import Progress
 
     async for event in _events(nc, run_id, follow):
+        if as_json:
+            sys.stdout.write(json.dumps(builtins(event)) + "\n")
+            sys.stdout.flush()
+            continue
         if isinstance(event, Progress):
             continue
         line = describe(event) or type(event).__name__.lower()
@@ -290,11 +304,14 @@ def dlq_show(seq: int, server: Server = DEFAULT, as_json: Json = False) -> None:
 
 
 @dlq_app.command("replay")
-def dlq_replay(seq: int, server: Server = DEFAULT) -> None:
+def dlq_replay(seq: int, server: Server = DEFAULT, as_json: Json = False) -> None:
     """Publish a dead letter's message again to its subject, and remove the letter."""
     from baton.cli import inspect
 
     subject = run(lambda: with_nats(server, lambda nc: inspect.dlq_replay(nc, seq)))
+    if as_json:
+        print_json({"replayed": seq, "subject": subject})
+        return
     out.print(f"replayed #{seq} to {subject}")
 
 

@@ -27,7 +27,7 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
     from baton.cli.errors import CliError
     from baton.cli.goodput import describe
     from baton.cli.watch import divergence
-    from shared.contracts.events import Diverged
+    from shared.contracts.events import Diverged, loss_of
     from shared.history.goodput import goodput as spent_of
 
     async def get(nc: Any) -> tuple[RunRecord | rounds.Replicated, list[Event] | None]:
@@ -76,7 +76,7 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
         ),
         *_lineage_rows(record),
         *_health_rows(record, events),
-        ("loss", fmt(record.metrics.get("loss"))),
+        ("loss", fmt(loss_of(record.metrics))),
         ("digest", record.digest or "-"),
         ("exact", exact),
         *([("resumed under", _changed(record))] if record.changed else []),

@@ -36,6 +36,7 @@ from shared.contracts.events import (
     RunWarning,
     StallRecovered,
     Started,
+    loss_of,
 )
 from shared.contracts.events import (
     Progress as ProgressEvent,
@@ -208,7 +209,7 @@ async def _watch_with_bar(nc: Client, run_id: str, record: RunRecord, console: C
                 )
                 return item.state is RunState.COMPLETED
             if isinstance(item, ProgressEvent | Completed):
-                loss = item.metrics.get("loss")
+                loss = loss_of(item.metrics)
                 shown = f"{loss:.4f}" if loss is not None else "-"
                 bar.update(task, completed=item.step, loss=shown)
             if isinstance(item, ProgressEvent):

@@ -15,7 +15,8 @@ What each part does, and why:
 
 * `training_arguments` sets what Baton owns — `max_steps` (the job's `total_steps`), the
   seeds (the job's), a local `output_dir` per rank — and defaults that keep a run quiet and
-  bounded: no reporting integration, no progress bar (the output is the run's log), a log
+  bounded: no reporting integration, no progress bar — the Trainer's, nor transformers'
+  "Loading weights" and "Writing model shards" (the output is the run's log) — a log
   line every 10 steps (`logging_steps`), two local checkpoints at most. The save cadence
   is the job's `[checkpoint]` policy; a `save_steps`/`save_strategy` given here adds the
   Trainer's own, and every save is a commit.
@@ -75,6 +76,7 @@ def training_arguments(
         raise ValueError(
             f"{', '.join(taken)} come(s) from the job (total_steps, seed): leave them out"
         )
+    quiet()
     defaults: dict[str, Any] = {
         "output_dir": str(local_dir(ctx, "hf")),
         "save_strategy": "no",  # the job's policy asks through the callback
@@ -88,6 +90,14 @@ def training_arguments(
     )
 
 
+def quiet() -> None:
+    """No progress bar of transformers' or the Hub's in this process (loading a checkpoint's
+    weights, writing its shards): in a run's log each redraw is a line of noise."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+
+
 def fit(ctx: RunContext, trainer: Trainer) -> None:
     """`trainer.train()` under Baton: from the newest committed checkpoint, if any, to the
     job's last step or until the run is told to stop (a checkpoint first)."""
@@ -96,6 +106,7 @@ def fit(ctx: RunContext, trainer: Trainer) -> None:
             f"the Trainer's max_steps is {trainer.args.max_steps}, the job's total_steps"
             f" {ctx.total_steps}: build its arguments with training_arguments(ctx, ...)"
         )
+    quiet()
     loop = ExternalLoop(ctx)
     trainer.add_callback(BatonCallback(loop))
     if trainer.pop_callback(PrinterCallback) is not None:

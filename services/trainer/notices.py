@@ -45,6 +45,8 @@ BASE = {
 }
 """Each cloud's documented metadata address (`BATON_METADATA_URL` replaces it)."""
 READ_S = 2.0
+AWS_TOKEN_S = 300
+"""The IMDSv2 session token's life asked for; a new one is asked for at half of it."""
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 """Never through an HTTP proxy: the metadata server is this machine's own."""
 AZURE_API = "2020-07-01"
@@ -73,6 +75,10 @@ class Metadata:
             raise ValueError(f"BATON_CLOUD={cloud!r}: one of {', '.join(CLOUDS)}")
         self.cloud = cloud
         self.base = (base or BASE[cloud]).rstrip("/")
+        self._token = ("", 0.0)
+        """AWS: the IMDSv2 session token and when to ask for a new one."""
+        self._name = ""
+        """Azure: this VM's name, read once."""
 
     async def look(self) -> Notice | None:
         """The cloud's notice for this machine now, or None."""
@@ -88,13 +94,21 @@ class Metadata:
         return None
 
     def _aws(self) -> Notice | None:
-        token = _request(
-            f"{self.base}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "300"},
-            method="PUT",
-        )  # fmt: skip
-        auth = {"X-aws-ec2-metadata-token": token.strip()}
+        token, renew_at = self._token
+        if time.monotonic() >= renew_at:
+            token = _request(
+                f"{self.base}/latest/api/token",
+                {"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_S)}, method="PUT",
+            ).strip()  # fmt: skip
+            self._token = (token, time.monotonic() + AWS_TOKEN_S / 2)
+        auth = {"X-aws-ec2-metadata-token": token}
         meta = f"{self.base}/latest/meta-data"
-        action = _get(f"{meta}/spot/instance-action", auth, missing_ok=True)
+        try:
+            action = _get(f"{meta}/spot/instance-action", auth, missing_ok=True)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:  # the token is no longer good: a new one next look
+                self._token = ("", 0.0)
+            raise
         if action:
             said = json.loads(action)
             return Notice("aws", True, f"spot {said.get('action')} at {said.get('time')}")
@@ -106,10 +120,12 @@ class Metadata:
 
     def _azure(self) -> Notice | None:
         headers = {"Metadata": "true"}
-        name = _get(
-            f"{self.base}/instance/compute/name?api-version=2021-02-01&format=text", headers,
-            missing_ok=True,
-        ).strip()  # fmt: skip
+        if not self._name:
+            self._name = _get(
+                f"{self.base}/instance/compute/name?api-version=2021-02-01&format=text",
+                headers, missing_ok=True,
+            ).strip()  # fmt: skip
+        name = self._name
         said = json.loads(_get(f"{self.base}/scheduledevents?api-version={AZURE_API}", headers))
         for event in said.get("Events", []):
             kind, resources = event.get("EventType", ""), event.get("Resources") or []

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import msgspec
 
@@ -60,6 +61,24 @@ class Restored(_Event, tag="restored", frozen=True):
     would have made (docs/sharded.md), so the run's self-check is not made across it."""
     read_bytes: int = 0
     """Bytes of shard files the attempt's first rank read to load it."""
+
+
+def loss_of(metrics: Mapping[str, float]) -> float | None:
+    """The training loss among a job's reported metrics, whatever the framework calls it:
+    `loss` (Baton's examples, the Hugging Face Trainer), else a training loss by its usual
+    names (`train_loss`, Lightning's `train_loss_step`, `train/loss`), else the one metric
+    named `…loss` that is not a validation's; None when there is none."""
+    if "loss" in metrics:
+        return metrics["loss"]
+    for name in ("train_loss", "train_loss_step", "train/loss", "training_loss", "loss_step"):
+        if name in metrics:
+            return metrics[name]
+    held_out = ("val", "eval", "test", "valid")
+    losses = [
+        k for k in metrics
+        if k.lower().endswith("loss") and not k.lower().startswith(held_out)
+    ]  # fmt: skip
+    return metrics[losses[0]] if len(losses) == 1 else None
 
 
 class Progress(_Event, tag="progress", frozen=True):

@@ -103,7 +103,8 @@ def _attribute(events: list[Event], starts: list[int], attempts: list[Attempt]) 
         elif isinstance(e, ev.Progress):  # nan leaves a gap in the curve
             who.steps.append(e.step)
             who.times.append(e.at)
-            who.losses.append(e.metrics.get("loss", math.nan))
+            loss = ev.loss_of(e.metrics)
+            who.losses.append(math.nan if loss is None else loss)
             who.stall_s = max(who.stall_s, e.stall_s)
         elif isinstance(e, ev.CheckpointCommitted):
             who.commits.append(e)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -55,6 +56,12 @@ async def test_streams_runs_checkpoints_and_logs(ops: Stack) -> None:
     assert code == 0, err
     assert "chatty: at step 0" in out and "chatty: at step 30" in out
     assert "completed" in err  # events go to stderr, the program's output to stdout
+    code, out, err = await baton(ops, "logs", run_id, "--json")
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    said = "".join(x["text"] for x in lines if x["type"] == "output")
+    assert "chatty: at step 0" in said and "chatty: at step 30" in said, said
+    assert [x["step"] for x in lines if x["type"] == "completed"] == [40], lines
 
 
 async def test_logs_follow_prints_output_as_it_comes(ops: Stack) -> None:
@@ -98,8 +105,8 @@ async def test_dead_letters_list_show_and_replay(ops: Stack) -> None:
     assert shown["letter"]["subject"] == names.submit_subject("default")
     code, out, _ = await baton(ops, "dlq", "show", seq)
     assert code == 0 and '"total_steps": "many"' in out
-    code, out, err = await baton(ops, "dlq", "replay", seq)
-    assert code == 0, err
+    replay = await as_json(ops, "dlq", "replay", seq)
+    assert replay == {"replayed": int(seq), "subject": names.submit_subject("default")}, replay
 
     async def replayed() -> list[Any] | None:
         letters = await listed()
@@ -107,6 +114,6 @@ async def test_dead_letters_list_show_and_replay(ops: Stack) -> None:
 
     (again,) = await eventually(replayed, 15, "the replayed message to be handled again")
     assert again["letter"]["reason"] == letter["letter"]["reason"]
-    code, _, err = await baton(ops, "dlq", "show", seq)
+    code, _, _ = await baton(ops, "dlq", "show", seq)
     assert code == 3
     assert run_id_for("bad-1")

@@ -96,6 +96,10 @@ async def test_a_trainer_run_killed_mid_run_resumes_on_the_other_trainer_bitwise
     resumed = log.of(Restored)[-1]
     assert resumed.worker != first.worker and 20 <= resumed.step <= reached.step
     assert not log.of(Diverged), "the self-check found the resumed steps differ"
+    # Both attempts saved, one loaded: no progress bar of transformers' in the run's log.
+    for worker in (first.worker, resumed.worker):
+        said = (two.root / "work" / worker / "logs" / f"{run_id}.log").read_text()
+        assert "Writing model shards" not in said and "Loading weights" not in said, said[-2000:]
     log.close()
 
 

@@ -43,9 +43,12 @@ async def test_azure_reads_only_the_events_of_this_machine(server: MetadataServe
     assert notice is not None and notice.detail.startswith("Preempt not before"), notice
 
 
-async def test_aws_asks_for_a_session_token_first(server: MetadataServer) -> None:
-    await Metadata("aws", server.url("aws")).look()
-    assert server.asked[0] == "/aws/latest/api/token", server.asked
+async def test_aws_asks_for_a_session_token_first_and_keeps_it(server: MetadataServer) -> None:
+    metadata = Metadata("aws", server.url("aws"))
+    for _ in range(3):
+        await metadata.look()
+    tokens = [p for p in server.asked if p.endswith("/api/token")]
+    assert server.asked[0] == "/aws/latest/api/token" and len(tokens) == 1, server.asked
 
 
 def test_an_unknown_cloud_is_refused_by_name() -> None:
