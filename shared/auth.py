@@ -196,6 +196,8 @@ def hub_permissions(role: str) -> Permissions | None:
             publish=(
                 *_DECLARE, f"{API}.STREAM.UPDATE.*", *_FLOW, *_consume(API, names.CKPT_STREAM),
                 f"{p}.events.>", f"{p}.dlq.>",
+                # Where the store is, for clients (`shared.state.hub`).
+                *_write_kv("", names.HUB_BUCKET),
             ),
             subscribe=(inbox,),
         )  # fmt: skip
@@ -301,6 +303,8 @@ def dashboard_permissions() -> Permissions:
             *_write_kv("", names.DRAINS_BUCKET),
             # The queue page: the scheduler's answer, the pools' table, the credits.
             names.QUEUE_ALL, *_get_by_key(api, names.POLICY_BUCKET), *_read_ledger(api),
+            # Where the checkpoint store is, when `baton ui` was given none.
+            *_get_by_key(api, names.HUB_BUCKET),
         ),
         subscribe=(f"{inbox_prefix('dashboard')}.>",),
     )
@@ -317,7 +321,10 @@ def submitter_permissions(user: str, site: str = "") -> Permissions:
     steer: tuple[str, ...] = (f"{p}.steer.{user}.>",)
     local: tuple[str, ...] = ()
     # Its credits (`baton credits`) and its pools' queues (`baton queue`), at the hub.
-    hub_only: tuple[str, ...] = (*_read_ledger(api, user), names.QUEUE_ALL)
+    # Where the checkpoint store is (`baton pull`), at the hub.
+    hub_only: tuple[str, ...] = (
+        *_read_ledger(api, user), names.QUEUE_ALL, *_get_by_key(api, names.HUB_BUCKET),
+    )  # fmt: skip
     if site:
         hub_only = ()
         # Steering is carried out at the hub, where the runs' records are: a site's

@@ -377,6 +377,27 @@ def store_url(explicit: str | None) -> str:
     raise CliError("no store given: pass --store or set BATON_STORE", 2)
 
 
+async def hub_store(nc: Client) -> str:
+    """The store the hub's checkpointer says it uses (`shared.state.hub`). An S3 store's
+    endpoint comes with it, unless this process was given one (the store reads it from the
+    environment, as every service's does)."""
+    from shared.state.hub import read_store
+
+    with needs("the hub's own facts"):
+        info = await read_store(nc.jetstream())
+    if info is None:
+        raise CliError(
+            "no store given, and the hub does not say where its store is (no checkpointer of"
+            " this version has started): pass --store or set BATON_STORE",
+            2,
+        )
+    if info.s3_endpoint and not (
+        os.environ.get("BATON_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+    ):
+        os.environ["BATON_S3_ENDPOINT"] = info.s3_endpoint
+    return info.url
+
+
 def _local_name(name: str) -> str:
     """Where a checkpoint file goes in `pull`'s directory: a framework's own file of rank 0
     under the name the framework gave it (the directory is then one it can load), every

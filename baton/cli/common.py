@@ -211,5 +211,17 @@ async def call(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
+def store_of(server: str, explicit: str | None) -> str:
+    """The checkpoint store: --store, else BATON_STORE, else a `baton up` in ./.baton's,
+    else where the hub says it is (`shared.state.hub`): a client with only NATS_URL and
+    credentials finds it."""
+    from baton.cli import client
+
+    try:
+        return client.store_url(explicit)
+    except CliError:
+        return run(lambda: with_nats(server, client.hub_store))
+
+
 def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"

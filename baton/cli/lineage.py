@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from baton.cli.common import Json, Server, app, call, out, print_json, run, with_nats
+from baton.cli.common import Json, Server, app, call, out, print_json, run, store_of, with_nats
 
 DEFAULT = "nats://127.0.0.1:4222"
 Store = Annotated[str | None, typer.Option("--store", envvar="BATON_STORE", help="Store URL.")]
@@ -31,9 +31,9 @@ def rollback(
     The checkpoints after it are abandoned: kept until garbage collection, never restored.
     A running attempt stops at once, without a checkpoint; a PAUSED run goes back when
     resumed; a FAILED one is reopened. A COMPLETED or CANCELLED run is forked instead."""
-    from baton.cli import client, rebase
+    from baton.cli import rebase
 
-    url = run(lambda: call(client.store_url, store))
+    url = store_of(server, store)
 
     async def go(nc: Any) -> tuple[str, Any]:
         before = await rebase.ask_rollback(nc, url, run_id, step, reason)
@@ -91,7 +91,7 @@ def fork(
     prefix, so the parent's retention never touches it; the resume from it is exact."""
     from baton.cli import client, rebase
 
-    url = run(lambda: call(client.store_url, store))
+    url = store_of(server, store)
     job = run(lambda: call(rebase.load_job, job_file))
 
     async def go(nc: Any) -> tuple[str, Any, Any]:

@@ -13,12 +13,12 @@ from baton.cli.common import (
     Server,
     Typer,
     app,
-    call,
     err,
     fail,
     out,
     print_json,
     run,
+    store_of,
     with_nats,
 )
 
@@ -175,6 +175,7 @@ def auth_config(
 @app.command()
 def checkpoints(
     run_id: str,
+    server: Server = DEFAULT,
     store: Store = None,
     pin: Annotated[int | None, typer.Option(help="Pin this step: retention keeps it.")] = None,
     as_json: Json = False,
@@ -184,10 +185,10 @@ def checkpoints(
     and latest ones marked."""
     from rich.table import Table
 
-    from baton.cli import client, inspect
+    from baton.cli import inspect
     from shared.contracts.events import loss_of
 
-    url = run(lambda: call(client.store_url, store))
+    url = store_of(server, store)
     if pin is not None:
         run(lambda: inspect.pin(url, run_id, pin))
     rows = run(lambda: inspect.checkpoints(url, run_id))
@@ -359,10 +360,10 @@ def ui(
     from baton.cli.errors import CliError
     from baton.ui import server as dashboard
 
-    try:  # the store only lists checkpoints: without one, the rest still works
+    try:  # the store only lists checkpoints: without one (nor the hub's), the rest works
         url: str | None = client.store_url(store)
     except CliError:
-        url = None
+        url = None  # the dashboard asks the hub where it is (`shared.state.hub`)
     try:
         dashboard.hosts_for(host, port or 1, allow_host or ())
     except CliError as exc:

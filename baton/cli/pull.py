@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from baton.cli.common import Json, app, call, fail, out, print_json, run
+from baton.cli.common import Json, Server, app, fail, out, print_json, run, store_of
 
 if TYPE_CHECKING:  # `baton --help` imports neither msgspec nor torch
     from shared.contracts import Manifest
@@ -36,6 +36,7 @@ def pull(
     run_id: str,
     dest: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into.")],
     store: Annotated[str | None, typer.Option(envvar="BATON_STORE", help="Store URL.")] = None,
+    server: Server = "nats://127.0.0.1:4222",
     step: Annotated[
         int | None,
         typer.Option(
@@ -67,7 +68,7 @@ def pull(
     shards as a directory per object that plain DCP loads at any size)."""
     from baton.cli import client
 
-    url = run(lambda: call(client.store_url, store))
+    url = store_of(server, store)
     if token is not None and step is None:
         fail("--token needs --step", code=2)
     info = run(lambda: client.pull(url, run_id, dest, step, token, whole=gather))

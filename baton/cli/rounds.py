@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from baton.cli.common import Json, Server, app, out, print_json, run, with_nats
+from baton.cli.common import Json, Server, app, out, print_json, run, store_of, with_nats
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -158,7 +158,6 @@ def rounds(
     deadline or not, stragglers, bytes exchanged, the longest wait."""
     from rich.table import Table
 
-    from baton.cli import client
     from baton.cli.errors import CliError
 
     async def get(nc: Any) -> Replicated:
@@ -169,7 +168,7 @@ def rounds(
 
     rep = run(lambda: with_nats(server, get))
     rows = rep.rounds()
-    checked = run(lambda: _replay(rep, client.store_url(store))) if replay else None
+    checked = run(lambda: _replay(rep, store_of(server, store))) if replay else None
     if as_json:
         print_json({"run_id": run_id, "rounds": rows, "replay": checked})
         return

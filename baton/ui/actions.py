@@ -151,7 +151,11 @@ class Actions:
 
     def _store(self) -> str:
         if self.store_url is None:
-            raise CliError("no checkpoint store given: start `baton ui` with --store", 2)
+            raise CliError(
+                "no checkpoint store given, and the hub does not say: start `baton ui` with"
+                " --store",
+                2,
+            )
         return self.store_url
 
 

@@ -40,7 +40,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from baton.cli import inspect
+from baton.cli import client, inspect
 from baton.cli.errors import CliError
 from baton.cli.inspect import as_json
 from baton.ui import fleet, params, views
@@ -310,7 +310,11 @@ class Dashboard:
 
     def _store(self) -> str:
         if self.store_url is None:
-            raise CliError("no checkpoint store given: start `baton ui` with --store", 2)
+            raise CliError(
+                "no checkpoint store given, and the hub does not say: start `baton ui` with"
+                " --store",
+                2,
+            )
         return self.store_url
 
 
@@ -391,6 +395,9 @@ async def serve(
     """Serve until SIGINT/SIGTERM (uvicorn's handlers only set its exit flag), answering
     only requests for `host`, the loopback names and `allow_hosts` (`guard.Hosts`)."""
     hosts_for(host, 1, allow_hosts)
+    if store_url is None:  # none given: where the hub says (`shared.state.hub`), if it says
+        with contextlib.suppress(CliError):
+            store_url = await client.hub_store(nc)
     dash = Dashboard(nc, store_url)
     await dash.start()
     sock = bind(host, port)

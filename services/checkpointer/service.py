@@ -48,6 +48,7 @@ from shared.config import Settings
 from shared.contracts import CommitRequest, decode
 from shared.contracts.events import CheckpointCommitted, CommitRefused, kind_of
 from shared.errors import IntegrityError, StaleToken
+from shared.state import hub
 
 log = logging.getLogger("baton.checkpointer")
 
@@ -76,6 +77,8 @@ class Checkpointer:
             else:
                 await ensure(self.js, self.replicas)
             await ensure_consumer(self.js, names.CKPT_STREAM, checkpointer_consumer(self.site))
+            if not self.site:  # clients find the store from the hub (`shared.state.hub`)
+                await hub.say_store(self.js, hub.store_info(self.store.url))
 
         await declared(declare, log)
 

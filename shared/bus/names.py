@@ -61,6 +61,9 @@ ALERTS_BUCKET = "baton_alerts"
 # The pools' configuration in force, one key (`shared.state.policy`): priorities, owners'
 # weights and quotas, prices — read by every service, written by operators.
 POLICY_BUCKET = "baton_policy"
+# What the hub tells any client about itself, one key per fact: `store`, where its
+# checkpoint store is (`shared.state.hub`), written by the hub's checkpointer.
+HUB_BUCKET = "baton_hub"
 
 # Durable consumers.
 DISPATCHER_CONSUMER = "dispatcher"

@@ -257,6 +257,11 @@ def kv_configs() -> list[KeyValueConfig]:
         KeyValueConfig(
             bucket=names.GROUPS_BUCKET, history=1, description="Groups of ranks", direct=True
         ),
+        # Where the checkpoint store is, read by key by clients (`shared.state.hub`).
+        KeyValueConfig(
+            bucket=names.HUB_BUCKET, history=1, description="What the hub says of itself",
+            direct=True,
+        ),
         # The pools' table in force, one key, read by key by every service (`shared.state.policy`).
         KeyValueConfig(
             bucket=names.POLICY_BUCKET, history=10, description="The pools' table", direct=True

@@ -125,3 +125,15 @@ class Rewound(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     abandoned: list[str]
     reason: str = ""
     created_at: float
+
+
+class StoreInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Where the hub's checkpoint store is, as its checkpointer says on start (KV
+    `baton_hub`, key `store`): what a client that has only NATS credentials reads to find
+    it (`baton pull`, `checkpoints`, `ui`, `rounds --replay`). Never a secret: the store's
+    own credentials stay with whoever may read it."""
+
+    url: str
+    """`file:///abs/dir` or `s3://bucket/prefix`."""
+    s3_endpoint: str = ""
+    """An S3 store's endpoint, when not AWS's own (`BATON_S3_ENDPOINT`)."""

@@ -15,7 +15,7 @@ import pytest
 from shared.bus import names
 from shared.contracts import RunState, run_id_for
 from tests.e2e.jobs import finished, job, submit
-from tests.support.cli import as_json, baton
+from tests.support.cli import as_json, baton, run_baton
 from tests.support.stack import REPO, Stack, eventually
 
 pytestmark = pytest.mark.asyncio
@@ -27,7 +27,7 @@ async def ops(tmp_path: Path) -> AsyncIterator[Stack]:
         yield s
 
 
-async def test_streams_runs_checkpoints_and_logs(ops: Stack) -> None:
+async def test_streams_runs_checkpoints_and_logs(ops: Stack, tmp_path: Path) -> None:
     nc = await ops.client()
     spec = job(entry_point="tests.support.workloads:chatty", total_steps=40)
     run_id = await submit(nc, spec)
@@ -56,6 +56,17 @@ async def test_streams_runs_checkpoints_and_logs(ops: Stack) -> None:
     assert code == 0, err
     assert "chatty: at step 0" in out and "chatty: at step 30" in out
     assert "completed" in err  # events go to stderr, the program's output to stdout
+    # With only NATS_URL and credentials (no --store, no BATON_STORE, no ./.baton): the
+    # store is where the hub's checkpointer says it is.
+    bare = {
+        **{k: v for k, v in os.environ.items() if k != "BATON_STORE"},
+        "NATS_URL": ops.nats.url, "NATS_AUTH_FILE": str(ops.root / "auth" / "operator.env"),
+    }  # fmt: skip
+    code, out, err = await run_baton("checkpoints", run_id, "--json", env=bare, cwd=tmp_path)
+    assert code == 0 and json.loads(out)[0]["step"] == 40, err
+    code, out, err = await run_baton("pull", run_id, "got", "--json", env=bare, cwd=tmp_path)
+    assert code == 0 and json.loads(out)["step"] == 40, err
+    assert (tmp_path / "got").is_dir()
     code, out, err = await baton(ops, "logs", run_id, "--json")
     assert code == 0, err
     lines = [json.loads(line) for line in out.splitlines()]

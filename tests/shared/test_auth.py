@@ -278,6 +278,26 @@ async def test_a_site_keeps_a_copy_of_the_hubs_run_records_for_its_dispatcher_al
     assert not [r for r in caplog.records if "differs" in r.getMessage()], caplog.text
 
 
+async def test_where_the_store_is_said_by_the_checkpointer_and_read_by_clients(
+    servers: Servers,
+) -> None:
+    """The hub's checkpointer says where its store is; a submitter and the dashboard read it
+    by key (`shared.state.hub`); a trainer may not say it."""
+    from shared.state import hub
+
+    said = hub.store_info("s3://ckpts/team", {"BATON_S3_ENDPOINT": "http://10.0.0.5:8333"})
+    await hub.say_store((await servers.as_user("checkpointer")).jetstream(), said)
+    for role in ("submitter", "dashboard"):
+        reader = await servers.as_user(role)
+        assert await hub.read_store(reader.jetstream()) == said, role
+    trainer = await servers.as_user("trainer")
+    subject = f"$KV.{names.HUB_BUCKET}.{hub.STORE_KEY}"
+    await trainer.publish(subject, b"{}")
+    await trainer.flush()
+    await servers.refused("trainer", subject)
+    assert hub.store_info("file://./rel").url.startswith("file:///"), "made absolute"
+
+
 async def test_generated_credentials_are_owner_only(servers: Servers) -> None:
     v = vault(servers.hub_opts)
     assert v is not None
