@@ -173,7 +173,7 @@ async def events(url: str, path: str) -> AsyncGenerator[tuple[str, Any], None]:
 
 
 @contextlib.asynccontextmanager
-async def served(nc: Client, store_url: str) -> AsyncIterator[str]:
+async def served(nc: Client, store_url: str | None) -> AsyncIterator[str]:
     """The dashboard served in this process on a free loopback port, over `nc`: its URL."""
     from baton.ui.server import serve
 

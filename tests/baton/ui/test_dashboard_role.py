@@ -41,6 +41,7 @@ from shared.contracts.control import WorkerInfo
 from shared.contracts.events import Accepted, Completed, Started
 from shared.contracts.sites import SiteRecord
 from shared.state import archive
+from shared.state import hub as hub_facts
 from shared.state.runs import Runs
 from tests.support.dashboard import events, request, served
 from tests.support.stack import eventually
@@ -91,6 +92,9 @@ async def hub(tmp_path: Path) -> AsyncIterator[Hub]:
         h.clients.append(op)
         js = op.jetstream()
         await ensure(js)
+        # Where the store is, said as the hub's checkpointer says it (`shared.state.hub`).
+        checkpointer = await h.as_user("checkpointer")
+        await hub_facts.say_store(checkpointer.jetstream(), hub_facts.store_info(h.store_url))
         record = RunRecord(
             run_id=RUN, spec=SPEC, spec_hash=spec_hash(SPEC), created_at=1.0, updated_at=2.0,
             state=RunState.COMPLETED, step=5,
@@ -153,8 +157,10 @@ async def first_event(url: str, path: str, kind: str) -> Any:
 
 
 async def test_the_dashboard_role_does_all_the_page_offers_with_no_violation(hub: Hub) -> None:
+    """…given no store: it asks the hub where its store is, as `baton ui` does with only
+    NATS_URL and the dashboard's credentials."""
     nc = await hub.as_user("dashboard")
-    async with served(nc, hub.store_url) as url:
+    async with served(nc, None) as url:
         page = await request(url, "/")
         found = re.search(r'name="baton-token" content="([^"]+)"', page.body.decode())
         assert page.status == 200 and found
