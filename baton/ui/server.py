@@ -396,7 +396,7 @@ async def serve(
     only requests for `host`, the loopback names and `allow_hosts` (`guard.Hosts`)."""
     hosts_for(host, 1, allow_hosts)
     if store_url is None:  # none given: where the hub says (`shared.state.hub`), if it says
-        with contextlib.suppress(CliError):
+        with contextlib.suppress(Exception):  # the store is for the checkpoints' pages only
             store_url = await client.hub_store(nc)
     dash = Dashboard(nc, store_url)
     await dash.start()

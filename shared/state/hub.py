@@ -38,8 +38,11 @@ async def say_store(js: JetStreamContext, info: StoreInfo) -> None:
 
 
 async def read_store(js: JetStreamContext) -> StoreInfo | None:
-    """Where the hub's store is; None when no checkpointer has said so yet."""
+    """Where the hub's store is; None when no checkpointer has said so yet (or the hub is
+    older than this bucket: asked first, as a direct get to a stream that is not there
+    would find no responder, which a patient client waits out)."""
     try:
+        await js.stream_info(f"KV_{names.HUB_BUCKET}")
         entry = await js.get_last_msg(
             f"KV_{names.HUB_BUCKET}", f"$KV.{names.HUB_BUCKET}.{STORE_KEY}", direct=True
         )

@@ -285,6 +285,7 @@ async def test_where_the_store_is_said_by_the_checkpointer_and_read_by_clients(
     by key (`shared.state.hub`); a trainer may not say it."""
     from shared.state import hub
 
+    assert await hub.read_store((await servers.as_user("submitter")).jetstream()) is None
     said = hub.store_info("s3://ckpts/team", {"BATON_S3_ENDPOINT": "http://10.0.0.5:8333"})
     await hub.say_store((await servers.as_user("checkpointer")).jetstream(), said)
     for role in ("submitter", "dashboard"):
