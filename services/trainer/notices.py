@@ -86,9 +86,9 @@ class Metadata:
 
     def _gce(self) -> Notice | None:
         flavor = {"Metadata-Flavor": "Google"}
-        if _get(f"{self.base}/instance/preempted", flavor).strip().upper() == "TRUE":
+        if _request(f"{self.base}/instance/preempted", flavor).strip().upper() == "TRUE":
             return Notice("gce", True, "instance/preempted is TRUE")
-        event = _get(f"{self.base}/instance/maintenance-event", flavor).strip()
+        event = _request(f"{self.base}/instance/maintenance-event", flavor).strip()
         if event and event.upper() != "NONE":
             return Notice("gce", False, f"instance/maintenance-event is {event}")
         return None
@@ -104,7 +104,7 @@ class Metadata:
         auth = {"X-aws-ec2-metadata-token": token}
         meta = f"{self.base}/latest/meta-data"
         try:
-            action = _get(f"{meta}/spot/instance-action", auth, missing_ok=True)
+            action = _request(f"{meta}/spot/instance-action", auth, missing_ok=True)
         except urllib.error.HTTPError as exc:
             if exc.code == 401:  # the token is no longer good: a new one next look
                 self._token = ("", 0.0)
@@ -112,7 +112,7 @@ class Metadata:
         if action:
             said = json.loads(action)
             return Notice("aws", True, f"spot {said.get('action')} at {said.get('time')}")
-        rebalance = _get(f"{meta}/events/recommendations/rebalance", auth, missing_ok=True)
+        rebalance = _request(f"{meta}/events/recommendations/rebalance", auth, missing_ok=True)
         if rebalance:
             when = json.loads(rebalance).get("noticeTime")
             return Notice("aws", False, f"rebalance recommendation at {when}")
@@ -121,12 +121,12 @@ class Metadata:
     def _azure(self) -> Notice | None:
         headers = {"Metadata": "true"}
         if not self._name:
-            self._name = _get(
+            self._name = _request(
                 f"{self.base}/instance/compute/name?api-version=2021-02-01&format=text",
                 headers, missing_ok=True,
             ).strip()  # fmt: skip
         name = self._name
-        said = json.loads(_get(f"{self.base}/scheduledevents?api-version={AZURE_API}", headers))
+        said = json.loads(_request(f"{self.base}/scheduledevents?api-version={AZURE_API}", headers))
         for event in said.get("Events", []):
             kind, resources = event.get("EventType", ""), event.get("Resources") or []
             if name and resources and name not in resources:
@@ -168,10 +168,6 @@ async def watch(
                 obey(notice)
                 return
         await wait_set(stop, every_s)
-
-
-def _get(url: str, headers: dict[str, str], *, missing_ok: bool = False) -> str:
-    return _request(url, headers, missing_ok=missing_ok)
 
 
 def _request(

@@ -41,6 +41,16 @@ def job(**over: Any) -> JobSpec:
     return convert(base, JobSpec)
 
 
+def charlm(total: int, pace: float, *, name: str, seed: int, every: int) -> JobSpec:
+    """examples/charlm.py, small (a user's code: a shuffling data loader that keeps its
+    position across a resume, AdamW, a cosine schedule); `pace` changes no arithmetic."""
+    return job(
+        name=name, entry_point="examples.charlm:train", total_steps=total, seed=seed,
+        checkpoint={"every_steps": every},
+        config={"data": "baton", "num_workers": 1, "hidden": 64, "pace": pace},
+    )  # fmt: skip
+
+
 def paced(total: int, pace: float = 0.05, **over: Any) -> JobSpec:
     """The paced regression (`tests.support.workloads:paced`), a checkpoint every 10 steps
     (unless `over` says otherwise): slow enough that a test can cut a link or kill a process

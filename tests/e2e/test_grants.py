@@ -42,6 +42,7 @@ from shared.contracts.events import (
 from shared.state.drains import Drains
 from shared.state.runs import Runs
 from shared.state.workers import live_workers
+from tests.e2e import jobs
 from tests.e2e.jobs import finished, history, job, paced, submit
 from tests.support.cli import as_json
 from tests.support.ledger import balanced, topup
@@ -537,12 +538,7 @@ async def _site_shows_its_own(site: Site, run_ids: list[str]) -> None:
 
 
 def charlm(total: int, pace: float) -> JobSpec:
-    """examples/charlm.py, small: its data loader keeps its position across a resume."""
-    return job(
-        name="charlm-site", entry_point="examples.charlm:train", total_steps=total, seed=23,
-        checkpoint={"every_steps": 20},
-        config={"data": "baton", "num_workers": 1, "hidden": 64, "pace": pace},
-    )  # fmt: skip
+    return jobs.charlm(total, pace, name="charlm-site", seed=23, every=20)
 
 
 async def _down(nc: Client, site: str) -> bool:

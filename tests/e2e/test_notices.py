@@ -18,7 +18,8 @@ import pytest
 from shared.contracts import JobSpec, RunState
 from shared.contracts.events import CheckpointCommitted, Preempted, Progress, Restored
 from shared.state.workers import live_workers
-from tests.e2e.jobs import EventLog, finished, job, submit
+from tests.e2e import jobs
+from tests.e2e.jobs import EventLog, finished, submit
 from tests.support.metadata import MetadataServer
 from tests.support.stack import Stack
 
@@ -28,11 +29,7 @@ HUB = ("dispatcher", "checkpointer", "reaper")
 
 
 def charlm(total: int, pace: float) -> JobSpec:
-    return job(
-        name="charlm-notice", entry_point="examples.charlm:train", total_steps=total, seed=29,
-        checkpoint={"every_steps": 50},
-        config={"data": "baton", "num_workers": 1, "hidden": 64, "pace": pace},
-    )  # fmt: skip
+    return jobs.charlm(total, pace, name="charlm-notice", seed=29, every=50)
 
 
 def watching(meta: MetadataServer, cloud: str) -> dict[str, str]:
