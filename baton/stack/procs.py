@@ -36,6 +36,7 @@ from typing import BinaryIO
 import msgspec
 
 from shared import backoff
+from shared.signals import REPEAT_S, StopRequests
 
 log = logging.getLogger("baton.procs")
 
@@ -99,32 +100,12 @@ def child_preexec(parent_pid: int, sig: int = signal.SIGTERM) -> Callable[[], No
     return preexec
 
 
-class StopRequests:
-    """What a stop signal means, given the ones before it: the first asks to stop, a later
-    one to hurry. A repeat within `min_gap_s` is the same request delivered twice, not a
-    second one: relays such as GNU `timeout` or a `kill 0` signal the process and its whole
-    group, and that must not cost the trainers their grace period."""
-
-    def __init__(self, stop: asyncio.Event, hurry: asyncio.Event, min_gap_s: float) -> None:
-        self.stop = stop
-        self.hurry = hurry
-        self.min_gap_s = min_gap_s
-        self._first_at: float | None = None
-
-    def request(self, now: float) -> None:
-        if self._first_at is None and not self.stop.is_set():
-            self._first_at = now
-            self.stop.set()
-        elif self._first_at is None or now - self._first_at >= self.min_gap_s:
-            self.hurry.set()
-
-
 def install_stop_signals(
     loop: asyncio.AbstractEventLoop,
     stop: asyncio.Event,
     hurry: asyncio.Event | None = None,
     signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM),
-    min_gap_s: float = 0.5,
+    min_gap_s: float = REPEAT_S,
 ) -> asyncio.Event:
     """First SIGINT/SIGTERM sets `stop`; a later one sets `hurry` (returned, created when
     not given). The handlers only set state: all the work of stopping happens in ordinary

@@ -38,6 +38,7 @@ import atexit
 import contextlib
 import importlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -70,6 +71,12 @@ EXIT_ORPHANED = 70
 
 
 def main(argv: list[str]) -> int:
+    # A stop reaches a training process from its trainer alone (checkpoint, then leave), and
+    # a trainer gone kills it (its parent-death signal). A SIGTERM sent to the whole job —
+    # Slurm ending an allocation, systemd stopping a unit's control group, a `kill 0` —
+    # would otherwise kill it before its trainer could ask for the checkpoint that hands
+    # the run over at its step. (The zygote ignores it too, so the children it forks do.)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if argv[1] == "--zygote":
         from services.trainer.zygote import serve
 

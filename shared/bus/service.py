@@ -21,6 +21,7 @@ from shared import config, telemetry
 from shared.backoff import Backoff
 from shared.bus.connect import connect, finish
 from shared.config import Settings
+from shared.signals import StopRequests
 
 log = logging.getLogger("baton.service")
 
@@ -87,21 +88,18 @@ def setup_logging(name: str, level: str) -> None:
 
 class StopSignals:
     """SIGTERM/SIGINT handlers that only set state. The first asks for a graceful stop
-    (`stop`), a second one says hurry (`hurry`)."""
+    (`stop`), a later one says hurry (`hurry`) — but not the same stop delivered twice, as
+    when a whole job is signalled and the supervisor relays it too (`shared.signals`)."""
 
     def __init__(self) -> None:
         self.stop = asyncio.Event()
         self.hurry = asyncio.Event()
+        self._requests = StopRequests(self.stop, self.hurry)
 
     def install(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal)
-
-    def _on_signal(self) -> None:
-        if self.stop.is_set():
-            self.hurry.set()
-        self.stop.set()
+            loop.add_signal_handler(sig, lambda: self._requests.request(loop.time()))
 
 
 DUMP_SIGNAL = signal.SIGUSR1

@@ -20,11 +20,11 @@ from baton.stack.procs import (
     Backoff,
     ServiceSpec,
     StopGroup,
-    StopRequests,
     Supervisor,
     install_stop_signals,
     remove_stop_signals,
 )
+from shared.signals import StopRequests
 from tests.support.helpers import alive, descendants, read_pid, wait_until
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

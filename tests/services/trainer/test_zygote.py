@@ -62,3 +62,27 @@ async def test_a_dead_zygote_takes_its_children_along_and_is_started_again() -> 
         assert await again.wait() == -signal.SIGKILL
     finally:
         await zygote.stop()
+
+
+async def test_a_sigterm_to_the_whole_job_kills_neither_the_zygote_nor_its_children() -> None:
+    """Slurm ending an allocation, or systemd stopping a unit's control group, signals every
+    process at once: a training process must live on until its trainer has asked it for
+    the checkpoint that hands its run over."""
+    zygote = Zygote(env())
+    await zygote.start()
+    try:
+        child = await zygote.fork()
+        assert zygote._proc is not None
+        first = zygote._proc.pid
+        os.kill(first, signal.SIGTERM)
+        os.kill(child.pid, signal.SIGTERM)
+        again = await zygote.fork()
+        assert zygote._proc.pid == first, "the same zygote forked again: it lived on"
+        # The child leaves only when its trainer lets go of it (its control pipe closed
+        # before any launch: an error, 1) — neither of the signal nor of its zygote's death.
+        child._ctl.close()
+        assert await child.wait() == 1
+        again.kill()
+        assert await again.wait() == -signal.SIGKILL
+    finally:
+        await zygote.stop()
