@@ -213,6 +213,8 @@ def hub_permissions(role: str) -> Permissions | None:
                 *_consume(API, names.REPORTS_STREAM),
                 *_read_kv(API, *_ALL_KV),
                 *_write_kv("", names.RUNS_BUCKET, names.SITES_BUCKET, names.LIVE_BUCKET),
+                # Frees the leases of a revoked machine's runs (`services/reaper/revocations.py`).
+                *_read_kv(API, names.MACHINES_BUCKET), *_write_kv("", names.LEASES_BUCKET),
                 # Settles ended runs' holds, once each (`services/reaper/billing.py`).
                 f"{p}.ledger.*.settle.>", *_read_ledger(API),
                 # Retires ended runs into the archive (`shared.state.runs`).
@@ -354,8 +356,14 @@ _SENT = ("events", "logs", "ckpt", "dlq", "calls")
 """What a trainer publishes (at a site: on its site's subjects, into its outbox)."""
 
 
-def _trainer_publish(api: str, kv_prefix: str, site: str) -> tuple[str, ...]:
-    """A trainer's: its work queue, the KV it reads and writes, and what it sends home."""
+def _trainer_publish(
+    api: str, kv_prefix: str, site: str, workers: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """A trainer's: its work queue, the KV it reads and writes, and what it sends home.
+    `workers`: the only worker ids whose heartbeats it may write (a joined machine's); none
+    named, any."""
+    mine = [f"$KV.{names.WORKERS_BUCKET}.{w}" for w in workers]
+    heartbeats = mine or _write_kv("", names.WORKERS_BUCKET)
     return (
         f"{api}.INFO", *_FLOW, *_consume(api, names.TASKS_STREAM),
         *_read_kv(api, names.RUNS_BUCKET, names.POOLS_BUCKET, names.GROUPS_BUCKET),
@@ -373,8 +381,53 @@ def _trainer_publish(api: str, kv_prefix: str, site: str) -> tuple[str, ...]:
         *(
             [names.site_root(site, k) for k in (*_SENT, "workers")]
             if site
-            else [f"{names.PREFIX}.{k}.>" for k in _SENT] + _write_kv("", names.WORKERS_BUCKET)
+            else [f"{names.PREFIX}.{k}.>" for k in _SENT] + heartbeats
         ),
+    )  # fmt: skip
+
+
+CALLOUT_SUBJECT = "$SYS.REQ.USER.AUTH"
+SYSTEM_USER = "system"
+"""The system account's one user: the registrar, asking the servers which connections a
+revoked machine has and closing them (`$SYS.REQ.SERVER.*.CONNZ`, `.KICK`)."""
+
+
+def machine_permissions(user: str, workers: tuple[str, ...]) -> Permissions:
+    """A machine that joined with a token (`shared.machines`): a hub trainer's rights, but
+    only for its own worker ids — their heartbeats, their commands — and with replies on
+    its own inbox. What NATS subjects cannot tell apart stays shared with every trainer of
+    the pool: any of them may be handed any run, and the lease's key and token fence it."""
+    return Permissions(
+        publish=_trainer_publish(API, "", "", workers),
+        subscribe=(
+            f"{inbox_prefix(user.replace('-', '_'))}.>", f"{names.PREFIX}.events.>",
+            *(names.control_subject(w) for w in workers),
+        ),
+    )  # fmt: skip
+
+
+def joiner_permissions(user: str, token_id: str) -> Permissions:
+    """A new machine holding a join token: it may ask to join, and hear the answer."""
+    inbox = f"{inbox_prefix(user.replace('-', '_'))}.>"
+    return Permissions(publish=(names.join_subject(token_id),), subscribe=(inbox,))
+
+
+def registrar_permissions() -> Permissions:
+    """The registrar (`services/registrar`) answers the servers' auth callout, new machines'
+    joins and operators' revocations — each a reply to the asker, once — and keeps the
+    machines bucket; it reads where the store is, to tell new machines. (Closing a revoked
+    machine's connections it does as the system account's user, `SYSTEM_USER`.)"""
+    return Permissions(
+        publish=(
+            *_DECLARE, f"{API}.STREAM.UPDATE.*", *_FLOW,
+            *_read_kv(API, names.MACHINES_BUCKET), *_write_kv("", names.MACHINES_BUCKET),
+            *_get_by_key(API, names.HUB_BUCKET),
+        ),
+        subscribe=(
+            f"{inbox_prefix('registrar')}.>", CALLOUT_SUBJECT, f"{names.PREFIX}.join.*",
+            names.REVOKE_SUBJECT, names.REGISTRAR_HELLO,
+        ),
+        responses=True,
     )  # fmt: skip
 
 
@@ -477,9 +530,14 @@ def site_link(site: str) -> Permissions:
 # -- server configuration -----------------------------------------------------------
 
 
-def authorization(users: list[tuple[Credentials, Permissions | None]]) -> str:
+def authorization(
+    users: list[tuple[Credentials, Permissions | None]], callout_issuer: str = "",
+    system: Credentials | None = None, bypass: list[str] | None = None,
+) -> str:  # fmt: skip
     """An `authorization { users = [...] }` block. JSON is valid NATS configuration, and
-    quoting every subject keeps `$` and `>` from being read as variables or syntax."""
+    quoting every subject keeps `$` and `>` from being read as variables or syntax. With
+    `callout_issuer` (and the `system` user), every user but those in `bypass` (default:
+    all of `users`) is asked of the registrar (NATS's auth callout, docs/machines.md)."""
     entries = []
     for creds, perms in users:
         entry: dict[str, Any] = {"user": creds.user, "password": creds.password}
@@ -491,7 +549,22 @@ def authorization(users: list[tuple[Credentials, Permissions | None]]) -> str:
             if perms.responses:
                 entry["permissions"]["allow_responses"] = True
         entries.append(entry)
-    return "authorization " + json.dumps({"users": entries}, indent=2)
+    body: dict[str, Any] = {"users": entries}
+    if not callout_issuer:
+        return "authorization " + json.dumps(body, indent=2)
+    assert system is not None, "the callout needs the system account's user"
+    body["auth_callout"] = {
+        "issuer": callout_issuer,
+        "auth_users": [
+            *(bypass if bypass is not None else [c.user for c, _ in users]),
+            system.user,
+        ],
+    }
+    accounts = {"SYS": {"users": [{"user": system.user, "password": system.password}]}}
+    return (
+        "authorization " + json.dumps(body, indent=2)
+        + f"\naccounts {json.dumps(accounts)}\nsystem_account: SYS"
+    )  # fmt: skip
 
 
 def env_name(user: str) -> str:

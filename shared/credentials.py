@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,12 @@ class Vault:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def secret(self, name: str) -> Path:
-        """A generated secret's file (`<name>.secret`), created on first use."""
+    def secret(self, name: str, make: Callable[[], str] | None = None) -> Path:
+        """A generated secret's file (`<name>.secret`), created on first use: `make()`'s,
+        or 32 random bytes, URL-safe."""
         path = self.root / f"{name}.secret"
-        self._create(path, secrets.token_urlsafe(32) + "\n")
+        if not path.exists():
+            self._create(path, (make() if make else secrets.token_urlsafe(32)) + "\n")
         return path
 
     def get(self, user: str) -> Credentials:

@@ -139,6 +139,15 @@ def up(
             "changes.",
         ),
     ] = None,
+    machines: Annotated[
+        bool,
+        typer.Option(
+            "--machines",
+            help="At the hub, with auth: admit machines that join with a token (`baton "
+            "token create`, `baton join`), each with its own identity, revocable "
+            "(docs/machines.md); runs the registrar.",
+        ),
+    ] = False,
 ) -> None:
     """Run the whole stack on this machine: NATS with JetStream, a file:// store, and every
     service as its own process — or, with --site NAME --hub URL, a site: a leaf NATS server
@@ -158,6 +167,9 @@ def up(
             fail("--hub-nodes and --replicas are for the hub, not a site", code=2)
     elif hub or hub_auth:
         fail("--hub and --hub-auth are for a site: add --site NAME", code=2)
+    if machines and (site is not None or not auth):
+        fail("--machines is for the hub, with auth: machines join it as users of their own",
+             code=2)  # fmt: skip
     extra_env = _hub_files(site, alerts, pools)
     if replicas is not None and replicas > hub_nodes:
         fail(f"--replicas {replicas} needs at least as many --hub-nodes, not {hub_nodes}", code=2)
@@ -186,6 +198,7 @@ def up(
         replicas=replicas,
         alerts=str(alerts.absolute()) if alerts is not None else "",
         extra_env=extra_env,
+        machines=machines,
     )
     raise typer.Exit(asyncio.run(run_stack(opts)))
 
@@ -522,6 +535,7 @@ def connection(
 from baton.cli import credits as _credits  # noqa: E402, F401  (balances, holds, top-ups)
 from baton.cli import goodput as _goodput  # noqa: E402, F401  (registers its command)
 from baton.cli import lineage as _lineage  # noqa: E402, F401  (rollback and fork)
+from baton.cli import machines as _machines  # noqa: E402, F401  (tokens, join, machines)
 from baton.cli import operate as _operate  # noqa: E402, F401  (drain, undrain, checkpoint)
 from baton.cli import ops  # noqa: E402, F401  (registers the operator commands)
 from baton.cli import people as _people  # noqa: E402, F401  (add, remove, list)

@@ -53,8 +53,10 @@ from shared import gpus
 from shared.auth import (
     HUB_ROLES,
     SITE_ROLES,
+    SYSTEM_USER,
     authorization,
     hub_permissions,
+    registrar_permissions,
     site_link,
     site_permissions,
     submitter_permissions,
@@ -63,6 +65,7 @@ from shared.bus import names
 from shared.config import Settings
 from shared.credentials import Vault, options_for, read_env_file
 from shared.gpus import Gpu
+from shared.machines.callout import issuer_public, new_issuer_seed
 
 log = logging.getLogger("baton.stack")
 
@@ -127,6 +130,10 @@ class StackOptions(msgspec.Struct, kw_only=True):
     alerts: str = ""
     """At the hub: the alerts file (docs/alerts.md); with one, the notifier runs too, and
     reads it from `BATON_ALERTS`."""
+    machines: bool = False
+    """At the hub, with auth: admit machines that join with a token (`baton token create`,
+    `baton join`), each as itself: the registrar runs, and the hub's servers ask it about
+    every user they do not know themselves (docs/machines.md)."""
 
     gpus: list[Gpu] | None = None
     """The GPUs the trainers are spread over, one each (round-robin when there are more
@@ -166,6 +173,8 @@ def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
     services = ["checkpointer", "dispatcher"] if opts.site else hub_services
     if opts.alerts and not opts.site:
         services.append("notifier")
+    if admits_machines(opts):
+        services.append("registrar")
     usable = devices(opts)
     trainers = [f"{trainer}-{i}" for i in range(1, trainer_count(opts, usable) + 1)]
     # Trainer N's training processes get GPU N (round-robin past the last one).
@@ -193,19 +202,31 @@ def service_specs(opts: StackOptions, nats_url: str) -> list[ServiceSpec]:
             env["BATON_ALERTS"] = str(Path(opts.alerts).absolute())
         env.update(pinned.get(name, {}))
         if (v := vault(opts)) is not None:
-            # A path, not the password: the environment is copied to more places.
-            user = user_of(opts, "trainer" if _is_trainer(name) else name)
-            v.get(user)
-            env["NATS_AUTH_FILE"] = str(v.root / f"{user}.env")
-            if name in ("dispatcher", "reaper"):
-                # They key the runs' leases (shared/state/lease.py); no one else may know how.
-                env["BATON_LEASE_SECRET_FILE"] = str(v.secret("lease"))
+            env.update(_credentials(opts, v, name))
         env.update(opts.extra_env)
         # The user's cwd, so that entry points `module:function` next to them import.
         specs.append(
             ServiceSpec(name=name, argv=[sys.executable, "-m", module], env=env, cwd=os.getcwd())
         )
     return specs
+
+
+def _credentials(opts: StackOptions, v: Vault, name: str) -> dict[str, str]:
+    """Where service `name` finds its credentials: files, never the secrets themselves
+    (the environment is copied to more places)."""
+    user = user_of(opts, "trainer" if _is_trainer(name) else name)
+    v.get(user)
+    env = {"NATS_AUTH_FILE": str(v.root / f"{user}.env")}
+    if name in ("dispatcher", "reaper"):
+        # They key the runs' leases (shared/state/lease.py); no one else may know how.
+        env["BATON_LEASE_SECRET_FILE"] = str(v.secret("lease"))
+    if name == "registrar":
+        # It signs the callout's answers, and closes revoked machines' connections.
+        env["BATON_CALLOUT_SEED_FILE"] = str(callout_seed(v))
+        v.get(SYSTEM_USER)
+        env["BATON_SYSTEM_AUTH_FILE"] = str(v.root / f"{SYSTEM_USER}.env")
+        env["BATON_PEOPLE_DIR"] = str(v.root)
+    return env
 
 
 def devices(opts: StackOptions) -> list[Gpu]:
@@ -252,6 +273,16 @@ def operator_options(opts: StackOptions) -> dict[str, Any]:
     return options_for(v.get(user_of(opts, "operator"))) if v else {}
 
 
+def admits_machines(opts: StackOptions) -> bool:
+    return opts.machines and opts.auth and not opts.site
+
+
+def callout_seed(v: Vault) -> Path:
+    """The account key the registrar signs the callout's answers with; the servers know
+    its public half (`shared.machines.callout`)."""
+    return v.secret("callout", lambda: new_issuer_seed().decode())
+
+
 def _authorization(opts: StackOptions, v: Vault) -> str:
     if opts.site:
         return authorization(
@@ -260,7 +291,14 @@ def _authorization(opts: StackOptions, v: Vault) -> str:
     users = [(v.get(r), hub_permissions(r)) for r in HUB_ROLES]
     users += [(v.get(u), submitter_permissions(u)) for u in opts.submitters]
     users += [(v.get(f"site-{s}"), site_link(s)) for s in opts.sites]
-    return authorization(users)
+    if not admits_machines(opts):
+        return authorization(users)
+    users.append((v.get("registrar"), registrar_permissions()))
+    issuer = issuer_public(callout_seed(v).read_bytes().strip())
+    # The people are asked of the registrar too: the servers' `auth_users` cannot change
+    # while they run, and the people do.
+    bypass = [c.user for c, _ in users if c.user not in opts.submitters]
+    return authorization(users, issuer, v.get(SYSTEM_USER), bypass)
 
 
 def _hub_config(opts: StackOptions, v: Vault | None) -> str:
@@ -334,11 +372,31 @@ async def reload_people(opts: StackOptions, server: HubCluster) -> StackOptions:
     from. The servers close a removed person's connections themselves. Names and
     credentials are read under the people's lock: none is half added or half removed."""
     people = People(opts.data_dir)
+    before = set(opts.submitters)
     with people.locked():
         opts = msgspec.structs.replace(opts, submitters=tuple(people.names()))
         config = _hub_config(opts, vault(opts))
     await server.reload(config)
+    if admits_machines(opts) and (gone := sorted(before - set(opts.submitters))):
+        await _close_people(opts, server.url, gone)
     return opts
+
+
+async def _close_people(opts: StackOptions, url: str, gone: list[str]) -> None:
+    """Close removed people's connections: on a hub that admits machines the registrar
+    admitted them, so the servers' reload does not (`shared.machines.connections`)."""
+    from shared.bus.connect import connect
+    from shared.machines.connections import close_all
+
+    v = vault(opts)
+    assert v is not None
+    nc = await connect(url, "baton-up-system", first_attempt_timeout=10,
+                       options=options_for(v.get(SYSTEM_USER)))  # fmt: skip
+    try:
+        for person in gone:
+            await close_all(nc, person)
+    finally:
+        await nc.close()
 
 
 def _with_people(opts: StackOptions) -> StackOptions:
@@ -422,7 +480,7 @@ async def run_stack(
     for sub in ("nats", "store", "logs", "run", "work"):
         (data / sub).mkdir(parents=True, exist_ok=True)
     try:
-        lock = _lock(data / "run" / "stack.lock")
+        lock = hold_lock(data / "run" / "stack.lock")
     except BlockingIOError:
         print(f"error: a stack is already running on {data}", file=sys.stderr, flush=True)
         return 1
@@ -504,9 +562,10 @@ READY_S = 60.0
 
 async def _until_declared(opts: StackOptions, url: str) -> None:
     """Until the services have declared the stream a client's first publish goes to (the
-    hub's submissions, a site's outbox), so that the banner's URL is ready for `baton
-    submit`. At most `READY_S`: a service that cannot start says why in its log, and the
-    supervisor keeps restarting it meanwhile."""
+    hub's submissions, a site's outbox) — and, on a hub that admits machines, until the
+    registrar answers — so that the banner's URL is ready for `baton submit`. At most
+    `READY_S`: a service that cannot start says why in its log, and the supervisor keeps
+    restarting it meanwhile."""
     from nats.errors import Error as NatsError
     from nats.js.errors import Error as JetStreamError
 
@@ -519,6 +578,9 @@ async def _until_declared(opts: StackOptions, url: str) -> None:
         while time.monotonic() < deadline:
             try:
                 await nc.jetstream().stream_info(stream)
+                if admits_machines(opts):
+                    # The people log in through it: the banner waits for it too.
+                    await nc.request(names.REGISTRAR_HELLO, b"", timeout=2)
                 return
             except (JetStreamError, NatsError, TimeoutError):
                 await asyncio.sleep(0.2)
@@ -547,6 +609,9 @@ def _banner(opts: StackOptions, server: HubCluster, sites_url: str, out: IO[str]
     if (v := vault(opts)) is not None:
         ui = "" if opts.site else "; `baton ui`'s: dashboard.env"
         print(f"auth: on; credentials in {v.root} (the CLI's: operator.env{ui})", file=out)
+    if admits_machines(opts):
+        print("machines: admitted with a token (`baton token create`, then `baton join`)",
+              file=out)  # fmt: skip
 
 
 async def _serve(
@@ -616,7 +681,7 @@ async def _uncancellable(coro: Coroutine[Any, Any, None]) -> None:
         raise asyncio.CancelledError
 
 
-def _lock(path: Path) -> IO[str]:
+def hold_lock(path: Path) -> IO[str]:
     """Two stacks on one data dir would share a JetStream store and the pid files. A lock,
     not a pid check, because the kernel drops it when its holder dies, even by SIGKILL."""
     fh = open(path, "a")  # noqa: SIM115 - held open for as long as the stack runs

@@ -47,6 +47,11 @@ def check_person(name: str) -> str:
         raise ValueError(f"{name!r} is a role of the stack's own, not a person's name")
     if name.startswith("site-"):
         raise ValueError(f"{name!r} cannot name a person: 'site-' starts the sites' links")
+    if name.startswith(("m-", "join-")):
+        raise ValueError(
+            f"{name!r} cannot name a person: 'm-' and 'join-' start machines' users "
+            "(docs/machines.md)"
+        )
     if any(name.endswith((f"-{r}", f"_{r}")) for r in SITE_ROLES):
         raise ValueError(
             f"{name!r} cannot name a person: names ending in -{{role}} or _{{role}} "

@@ -22,6 +22,8 @@ when a run is given up.
     cancel       a run asked to cancel whose trainer is gone: CANCELLED (see lost run)
     lapse        (not a sweep: a watch) a lease expired while its run was RUNNING: the
                  run's task is delivered again now, not after its AckWait (`lapses.py`)
+    revoked      (a watch) a machine revoked: the runs its trainers hold handed over now
+                 (`revocations.py`)
     unannounced  a run that ended without its terminal event (the writer died in between):
                  the event published, once (`shared.state.endings`)
     garbage      checkpoint files never committed, older than `BATON_GC_AGE`: deleted
@@ -57,6 +59,7 @@ from services.reaper.clock import HubClock
 from services.reaper.deliveries import on_advisory
 from services.reaper.grants import Reconciler, TakeBack
 from services.reaper.lapses import Lapses
+from services.reaper.revocations import Revocations
 from services.reaper.sites import SiteWatch
 from shared.bus import names
 from shared.bus.answer import handle
@@ -104,6 +107,7 @@ class Reaper:
         self.store = open_store(settings.store_url)
         self.runs: Runs
         self.lapses: Lapses
+        self.revocations: Revocations
         self.sites = SiteWatch(nc, self.js)
         self.lease_secret = lease_secret()
         self.accounts = Accounts(self.js)
@@ -131,6 +135,8 @@ class Reaper:
         self.take_back = TakeBack(self.nc, self.js, self.runs, self.store, self.policy)
         self.lapses = Lapses(self.nc, self.js, self.runs, self.lease_secret)
         await self.lapses.start()
+        self.revocations = Revocations(self.nc, self.js, self.runs, self.lease_secret)
+        await self.revocations.start()
         await self.sites.start()
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -155,6 +161,7 @@ class Reaper:
         finally:
             await self.sites.stop()
             await self.lapses.stop()
+            await self.revocations.stop()
 
     async def _sweeping(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

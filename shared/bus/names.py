@@ -64,6 +64,10 @@ POLICY_BUCKET = "baton_policy"
 # What the hub tells any client about itself, one key per fact: `store`, where its
 # checkpoint store is (`shared.state.hub`), written by the hub's checkpointer.
 HUB_BUCKET = "baton_hub"
+# Machines that joined with a token, and the tokens: `token.<id>` and `machine.<id>`, written
+# by operators (tokens, revocations) and the registrar (joins), read by the registrar on every
+# connection a machine makes (`shared.machines`).
+MACHINES_BUCKET = "baton_machines"
 
 # Durable consumers.
 DISPATCHER_CONSUMER = "dispatcher"
@@ -234,6 +238,17 @@ def usage_key(pool: str) -> str:
 def drain_key(worker_id: str) -> str:
     """A trainer's key in the drains bucket: there while it is drained."""
     return worker_id
+
+
+def join_subject(token_id: str) -> str:
+    """Where a new machine asks, with its join token, for an identity of its own."""
+    return f"{PREFIX}.join.{token_id}"
+
+
+REVOKE_SUBJECT = f"{PREFIX}.machines.revoke"
+"""Where an operator asks the registrar to revoke a machine (`baton machines revoke`)."""
+REGISTRAR_HELLO = f"{PREFIX}.machines.hello"
+"""Answered by the registrar: whether the hub admits machines at all."""
 
 
 def control_subject(worker_id: str) -> str:

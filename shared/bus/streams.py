@@ -262,6 +262,12 @@ def kv_configs() -> list[KeyValueConfig]:
             bucket=names.HUB_BUCKET, history=1, description="What the hub says of itself",
             direct=True,
         ),
+        # Join tokens and machines, read by key by the registrar at every connection of a
+        # machine; history 1: a token's use and a machine's revocation are CAS writes.
+        KeyValueConfig(
+            bucket=names.MACHINES_BUCKET, history=1, description="Machines and join tokens",
+            direct=True,
+        ),
         # The pools' table in force, one key, read by key by every service (`shared.state.policy`).
         KeyValueConfig(
             bucket=names.POLICY_BUCKET, history=10, description="The pools' table", direct=True

@@ -38,6 +38,9 @@ def imported_by(*args: str) -> set[str]:
         ["runs", "--state"],  # an option without its value
         ["queue", "--pool"],
         ["credits", "topup", "--help"],
+        ["join", "--help"],
+        ["machines", "revoke", "--help"],
+        ["token", "create", "--help"],
         ["pools", "apply", "--help"],
         ["no-such-command"],
     ],

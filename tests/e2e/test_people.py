@@ -18,7 +18,7 @@ from shared.credentials import Credentials, read_env_file
 from tests.support.audit import Audit
 from tests.support.cli import run_baton
 from tests.support.logins import Watched, login
-from tests.support.stack import alive, children_of, eventually
+from tests.support.stack import alive, children_of, eventually, training_processes
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +49,14 @@ async def submit_as(auth_file: Path, job: Path, url: str) -> str:
     return str(json.loads(out)["run_id"])
 
 
-async def start_up(data: Path, said: int) -> tuple[asyncio.subprocess.Process, str]:
-    """`baton up --hub-nodes 3 --submitter carol` as a process, its stderr to the file
+async def start_up(
+    data: Path, said: int, *more: str
+) -> tuple[asyncio.subprocess.Process, str]:
+    """`baton up --hub-nodes 3 --submitter carol [MORE]` as a process, its stderr to the file
     descriptor `said`: it and its NATS URLs. Stopped here if it never says where it listens."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "baton", "up", "--data-dir", str(data), "--port", "0",
-        "--ws-port", "0", "--trainers", "0", "--hub-nodes", "3", "--submitter", "carol",
+        "--ws-port", "0", "--trainers", "0", "--hub-nodes", "3", "--submitter", "carol", *more,
         cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=said,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -166,4 +168,107 @@ async def test_people_are_let_in_and_out_of_a_running_clustered_hub(tmp_path: Pa
         return not any(alive(p) for p in family)
 
     await eventually(none_left, 10, "every process baton up started to exit")
+    audit.check()
+
+
+async def test_a_clustered_hub_that_admits_machines_lets_people_and_machines_in_and_out(
+    tmp_path: Path,
+) -> None:
+    """`baton up --hub-nodes 3 --machines`: every user but the stack's own roles is asked of
+    the registrar (NATS's auth callout) at whichever node it reaches — the people, whom the
+    servers cannot reload into their callout's bypass list, and a machine that joins with a
+    token. A person removed and a machine revoked are closed on every node and refused at
+    each from then on; everyone else is untouched."""
+    data = tmp_path / "data"
+    auth = data / "auth"
+    audit = Audit(tmp_path)
+    audit.allow_server("authentication error|Authorization Violation|Auth callout",
+                       "a removed person's and a revoked machine's logins, refused")  # fmt: skip
+    said = os.open(tmp_path / "up.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        proc, url = await start_up(data, said, "--machines")
+    finally:
+        os.close(said)
+    urls = url.split(",")
+    operator = auth / "operator.env"
+    watched: list[Watched] = []
+    joining: asyncio.subprocess.Process | None = None
+    machine_dir = tmp_path / "machine"
+    try:
+        carol = await Watched().connect(urls[0], read_env_file(auth / "carol.env"))
+        watched.append(carol)
+
+        code, out, err = await baton(
+            "people", "add", "alice", "--data-dir", str(data), "--json", url=url
+        )
+        assert code == 0, err
+        alice = read_env_file(auth / "alice.env")
+        assert [await login(u, alice) for u in urls] == ["ok"] * 3, "every node asks for her"
+        held = await Watched().connect(urls[1], alice)
+        watched.append(held)
+        code, out, err = await baton(
+            "people", "remove", "alice", "--data-dir", str(data), "--json", url=url
+        )
+        assert code == 0, err
+
+        async def closed() -> bool:
+            return held.nc.is_closed
+
+        await eventually(closed, 10, "alice's connection to be closed")
+        assert [await login(u, alice) for u in urls] == ["refused"] * 3
+
+        code, out, err = await baton("token", "create", "--json", url=url, auth_file=operator)
+        assert code == 0, err
+        token = json.loads(out)["token"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "BATON_"))}
+        joining = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "baton", "join", urls[2], "--token", token,
+            "--data-dir", str(machine_dir), "--trainers", "1", cwd=REPO,
+            env={**env, "PYTHONPATH": str(REPO), "BATON_REVOKED_AFTER": "2"},
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+
+        async def listed() -> list[dict[str, object]] | None:
+            code, out, _ = await baton("machines", "--json", url=url, auth_file=operator)
+            rows = json.loads(out) if code == 0 else []
+            return rows if rows and rows[0]["state"] == "up" else None
+
+        rows = await eventually(listed, 90, "the machine to join and heartbeat")
+        machine = str(rows[0]["machine"])
+        creds = read_env_file(machine_dir / "auth" / f"{machine}.env")
+        assert [await login(u, creds) for u in urls] == ["ok"] * 3, "every node asks for it"
+
+        code, out, err = await baton(
+            "machines", "revoke", machine, "--json", url=url, auth_file=operator
+        )
+        assert code == 0 and json.loads(out)["closed"] >= 1, (out, err)
+        assert [await login(u, creds) for u in urls] == ["refused"] * 3
+        assert await asyncio.wait_for(joining.wait(), 60) == 3, "it stopped its trainers itself"
+        code, out, err = await baton(
+            "machines", "revoke", "m-000000000000", url=url, auth_file=operator
+        )
+        assert code == 2 and "no machine m-000000000000" in err, (out, err)
+
+        assert carol.nc.is_connected and carol.disconnects == 0, "carol kept her connection"
+        family = children_of(proc.pid)
+    finally:
+        if joining is not None and joining.returncode is None:
+            joining.kill()
+            await joining.wait()
+        for w in watched:
+            if not w.nc.is_closed:
+                await w.nc.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), 90)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 0
+
+    async def none_left() -> bool:
+        return not any(alive(p) for p in family) and not training_processes(machine_dir)
+
+    await eventually(none_left, 10, "every process baton up and baton join started to exit")
     audit.check()

@@ -327,3 +327,47 @@ def _has(seen: list[str], subject: str):  # type: ignore[no-untyped-def]
         return subject in seen
 
     return check
+
+
+def test_a_machine_speaks_only_for_its_own_trainers() -> None:
+    """A joined machine has a hub trainer's rights but for heartbeats and commands, which are
+    its own workers' only; its replies come on its own inbox (tests/services/registrar has
+    the server refuse the rest)."""
+    from shared.auth import hub_permissions, machine_permissions
+
+    workers = ("m-0123456789ab-trainer-1", "m-0123456789ab-trainer-2")
+    mine = machine_permissions("m-0123456789ab", workers)
+    trainer = hub_permissions("trainer")
+    assert trainer is not None
+    heartbeats = {s for s in mine.publish if s.startswith(f"$KV.{names.WORKERS_BUCKET}.")}
+    assert heartbeats == {f"$KV.{names.WORKERS_BUCKET}.{w}" for w in workers}
+    assert f"$KV.{names.WORKERS_BUCKET}.>" in trainer.publish
+    assert set(mine.publish) - heartbeats == set(trainer.publish) - {
+        f"$KV.{names.WORKERS_BUCKET}.>"
+    }
+    assert set(mine.subscribe) == {
+        "_INBOX_m_0123456789ab.>", f"{names.PREFIX}.events.>",
+        *(names.control_subject(w) for w in workers),
+    }  # fmt: skip
+    assert not mine.responses
+
+
+def test_a_hub_that_admits_machines_asks_the_registrar_of_everyone_but_its_roles() -> None:
+    import json as _json
+
+    from shared.auth import authorization, hub_permissions
+    from shared.credentials import Credentials
+
+    users = [(Credentials(r, "pw"), hub_permissions(r)) for r in ("operator", "trainer")]
+    users.append((Credentials("carol", "pw"), None))
+    block = authorization(users, "AISSUER", Credentials("system", "spw"), ["operator", "trainer"])
+    head, _, rest = block.partition("\naccounts ")
+    body = _json.loads(head.removeprefix("authorization "))
+    assert body["auth_callout"] == {
+        "issuer": "AISSUER", "auth_users": ["operator", "trainer", "system"]
+    }  # fmt: skip
+    assert [u["user"] for u in body["users"]] == ["operator", "trainer", "carol"]
+    accounts, _, system = rest.partition("\n")
+    assert _json.loads(accounts) == {"SYS": {"users": [{"user": "system", "password": "spw"}]}}
+    assert system == "system_account: SYS"
+    assert "auth_callout" not in authorization(users)

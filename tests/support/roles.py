@@ -19,9 +19,11 @@ from tests.support.audit import Audit
 
 
 class AuthorizedHub:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, machines: bool = False) -> None:
+        """`machines`: as `baton up --machines`, users not of the stack's own roles are
+        asked of the registrar (which the test runs itself, `services/registrar`)."""
         self.root = root
-        self.opts = StackOptions(data_dir=root, port=0)
+        self.opts = StackOptions(data_dir=root, port=0, machines=machines)
         self.cluster: HubCluster = hub(self.opts, http_port=0)
         keys = vault(self.opts)
         assert keys is not None, "authorization is on by default"

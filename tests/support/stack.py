@@ -46,7 +46,10 @@ class Stack:
         env: dict[str, str] | None = None,
         hub_nodes: int = 1,
         people: tuple[str, ...] = (),
+        machines: bool = False,
     ) -> None:
+        """`machines`: the hub admits machines that join with a token (start the
+        `registrar` with the other services)."""
         self.root = root
         self.opts = StackOptions(
             data_dir=root,
@@ -54,6 +57,7 @@ class Stack:
             trainers=trainers,
             lease_ttl=lease_ttl,
             hub_nodes=hub_nodes,
+            machines=machines,
             extra_env={
                 "BATON_PROGRESS_INTERVAL": "0.1",
                 "BATON_GRACE": "20",
@@ -143,7 +147,7 @@ class Stack:
                 return False
             except (NatsTimeout, ServiceUnavailableError):
                 return False  # a clustered hub still electing its leaders
-            return True
+            return "registrar" not in services or await registrar_answers(nc)
 
         await eventually(declared, 30, "services to declare their streams")
 
@@ -241,6 +245,20 @@ class Stack:
 
         await eventually(none_left, 10, "every training process to exit")
         self.audit.check()
+
+
+async def registrar_answers(nc: Client) -> bool:
+    """The registrar answers (whether the hub admits machines)."""
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+
+    from shared.bus import names
+
+    try:
+        await nc.request(names.REGISTRAR_HELLO, b"", timeout=2)
+    except (NoRespondersError, NatsTimeout):
+        return False
+    return True
 
 
 @contextlib.asynccontextmanager
