@@ -370,21 +370,28 @@ async def reload_people(opts: StackOptions, server: HubCluster) -> StackOptions:
     """Build the hub's authorization again from the people there are now, and have every
     node reload it (a node down now starts with it); returns the options it was built
     from. The servers close a removed person's connections themselves. Names and
-    credentials are read under the people's lock: none is half added or half removed."""
+    credentials are read under the people's lock: none is half added or half removed.
+
+    On a hub that admits machines nothing is reloaded: the registrar admits the people
+    from their file at every login, and a reload would have the servers ask it again
+    about every connection at once — a machine's or person's whose answer comes late is
+    closed (measured beside CPU hogs). A removed person's connections are closed through
+    the system account instead."""
     people = People(opts.data_dir)
     before = set(opts.submitters)
     with people.locked():
         opts = msgspec.structs.replace(opts, submitters=tuple(people.names()))
         config = _hub_config(opts, vault(opts))
-    await server.reload(config)
-    if admits_machines(opts) and (gone := sorted(before - set(opts.submitters))):
+    if not admits_machines(opts):
+        await server.reload(config)
+    elif gone := sorted(before - set(opts.submitters)):
         await _close_people(opts, server.url, gone)
     return opts
 
 
 async def _close_people(opts: StackOptions, url: str, gone: list[str]) -> None:
-    """Close removed people's connections: on a hub that admits machines the registrar
-    admitted them, so the servers' reload does not (`shared.machines.connections`)."""
+    """Close removed people's connections on a hub that admits machines, where the registrar
+    admitted them (`shared.machines.connections`)."""
     from shared.bus.connect import connect
     from shared.machines.connections import close_all
 
@@ -424,7 +431,8 @@ async def _on_sighup(opts: StackOptions, server: HubCluster) -> StackOptions:
         print(f"error: the people were not reloaded: {exc}", file=sys.stderr, flush=True)
         return opts
     people = ", ".join(opts.submitters) or "none"
-    print(f"people: {people} (every hub node reloaded)", file=sys.stderr, flush=True)
+    how = "the registrar admits them" if admits_machines(opts) else "every hub node reloaded"
+    print(f"people: {people} ({how})", file=sys.stderr, flush=True)
     return opts
 
 

@@ -36,10 +36,11 @@ from baton.stack.procs import (
 )
 from shared import gpus
 from shared.contracts.machines import JoinAnswer, JoinRequest
-from shared.credentials import Vault
 
 CONFIG = "machine.json"
-JOIN_TIMEOUT_S = 10.0
+JOIN_TIMEOUT_S = 30.0
+"""How long a join may take: the registrar of a hub just started waits for its store to be
+said (`services/registrar`, `STORE_WAIT_S`)."""
 
 
 class JoinError(RuntimeError):
@@ -119,11 +120,13 @@ async def join(url: str, token: str, data: Path, trainers: int | None = None) ->
 def keep(data: Path, url: str, answer: JoinAnswer, trainers: int) -> MachineConfig:
     """Write the machine's identity and settings under `data`, owner-only."""
     assert answer.store is not None, "a join answer without the store"
-    vault = Vault(data.absolute() / "auth")
-    vault.root.mkdir(parents=True, exist_ok=True)
-    os.chmod(vault.root, 0o700)
-    auth = vault.root / f"{answer.machine}.env"
-    _write_private(auth, f"NATS_USER={answer.machine}\nNATS_PASSWORD={answer.secret}\n")
+    auth = data.absolute() / "auth"
+    auth.mkdir(parents=True, exist_ok=True)
+    os.chmod(auth, 0o700)
+    _write_private(
+        auth / f"{answer.machine}.env",
+        f"NATS_USER={answer.machine}\nNATS_PASSWORD={answer.secret}\n",
+    )
     env = dict(answer.env)
     if answer.store.s3_endpoint:
         env.setdefault("BATON_S3_ENDPOINT", answer.store.s3_endpoint)

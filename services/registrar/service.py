@@ -11,7 +11,9 @@ its open connections closed, through the system account, on every server of the 
 
 It holds no state of its own: every answer reads the `baton_machines` bucket, so a
 registrar restarted — or a second one — answers the same. While none runs, configured users
-(every service, operators, sites) connect as before; only machines wait.
+(every service, operators, sites) connect as before; machines and the stack's people, whom
+it admits too (docs/machines.md), wait. Logins are answered side by side (`ANSWERING`): a
+hub restarted has every machine log in again at once.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from shared.bus.connect import connect
 from shared.bus.streams import declared, ensure
 from shared.config import Settings
 from shared.contracts import decode, encode
+from shared.contracts.checkpoints import StoreInfo
 from shared.contracts.machines import JoinAnswer, JoinRequest, Machine, Revoke, Revoked
 from shared.credentials import Credentials, options_for, read_env_file
 from shared.errors import ContractError
@@ -50,6 +53,10 @@ from shared.state.hub import read_store
 log = logging.getLogger("baton.registrar")
 
 MAX_TRAINERS = 64
+ANSWERING = 64
+STORE_WAIT_S = 20.0
+STORE_POLL_S = 0.25
+"""Logins answered at once (each a read of the bucket)."""
 SHARED_ENV = (
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
     "AWS_DEFAULT_REGION", "BATON_S3_ENDPOINT", "AWS_ENDPOINT_URL", "BATON_LEASE_TTL",
@@ -76,6 +83,8 @@ class Registrar:
         self.system_user = system
         self.system: Client | None = None
         self.people_dir = people_dir
+        self._answering: set[asyncio.Task[None]] = set()
+        self._room = asyncio.Semaphore(ANSWERING)
 
     async def start(self) -> None:
         await declared(lambda: ensure(self.js, self.settings.replicas), log)
@@ -99,6 +108,8 @@ class Registrar:
         pass
 
     async def close(self) -> None:
+        for task in self._answering:
+            task.cancel()
         if self.system is not None:
             await self.system.close()
 
@@ -108,6 +119,16 @@ class Registrar:
     # -- who is connecting ---------------------------------------------------------
 
     async def _on_auth(self, msg: Msg) -> None:
+        # nats-py runs a subscription's callbacks one after another: each login its own task.
+        task = asyncio.create_task(self._answer_login(msg))
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
+
+    async def _answer_login(self, msg: Msg) -> None:
+        async with self._room:
+            await self._answer_login_now(msg)
+
+    async def _answer_login_now(self, msg: Msg) -> None:
         try:
             req = decode_request(msg.data)
         except ValueError as exc:
@@ -165,6 +186,8 @@ class Registrar:
             answer = await self.join(token_id, decode(msg.data, JoinRequest))
         except ContractError as exc:
             answer = JoinAnswer(error=f"a bad join request: {exc}")
+        if answer.error:
+            log.warning("refused a join with token %s: %s", token_id, answer.error)
         await msg.respond(encode(answer))
 
     async def join(self, token_id: str, req: JoinRequest) -> JoinAnswer:
@@ -178,7 +201,7 @@ class Registrar:
             return JoinAnswer(error=why)
         if token.site:
             return JoinAnswer(error="machines join the hub; a site's trainers join its leaf node")
-        store = await read_store(self.js)
+        store = await self._store()
         if store is None:
             return JoinAnswer(error="the hub does not say where its store is yet; try again")
         secret = registry.new_secret()
@@ -197,6 +220,16 @@ class Registrar:
             machine=machine.id, secret=secret, pool=machine.pool, site=machine.site,
             store=store, env=env,
         )  # fmt: skip
+
+    async def _store(self) -> StoreInfo | None:
+        """Where the store is. A hub just started may not have said so yet — its
+        checkpointer does once it has declared its streams — so a join waits for it, up to
+        `STORE_WAIT_S`, rather than be refused."""
+        for _ in range(int(STORE_WAIT_S / STORE_POLL_S)):
+            if (store := await read_store(self.js)) is not None:
+                return store
+            await asyncio.sleep(STORE_POLL_S)
+        return await read_store(self.js)
 
     # -- revocations ---------------------------------------------------------------
 

@@ -27,15 +27,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from nats.aio.client import Client
 
 from baton.stack.procs import TRAINER_GRACE_S
-from shared.bus import names
 from shared.contracts import JobSpec, RunState
 from shared.contracts.events import CheckpointCommitted, Preempted, Progress, Restored
 from tests.e2e import jobs
 from tests.e2e.jobs import EventLog, finished, submit
-from tests.e2e.test_machines import joined, joining_env
+from tests.e2e.test_machines import heard_from, joined, joining_env
 from tests.support.audit import Audit
 from tests.support.cli import REPO, as_json
 from tests.support.stack import Stack, eventually, training_processes
@@ -141,18 +139,6 @@ def charlm(total: int, pace: float) -> JobSpec:
     return jobs.charlm(total, pace, name="charlm-slurm", seed=17, every=50)
 
 
-async def heartbeats(nc: Client, worker: str) -> None:
-    kv = await nc.jetstream().key_value(names.WORKERS_BUCKET)
-
-    async def beat() -> bool:
-        try:
-            return bool((await kv.get(worker)).value)
-        except Exception:
-            return False
-
-    await eventually(beat, 60, f"{worker} to heartbeat")
-
-
 async def end_allocation(job: asyncio.subprocess.Process, lead_s: float) -> None:
     """The allocation's end as the script asks Slurm to bring it: SIGTERM to the batch
     shell alone (the `--signal=B:TERM@lead` directive); at the time limit, `lead_s` later
@@ -197,7 +183,7 @@ async def test_an_allocation_ending_hands_its_run_over_with_no_step_lost(tmp_pat
             "the run to train on the allocation",
         )  # fmt: skip
         await hub.add_trainer("t-after")
-        await heartbeats(nc, "t-after")
+        await heard_from(nc, "t-after", 60)
 
         await end_allocation(job, signal_lead_s())
         assert job.returncode == 0, (job.returncode, (tmp_path / "baton-4242.out").read_text())

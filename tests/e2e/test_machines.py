@@ -25,6 +25,7 @@ from pathlib import Path
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from shared.bus import names
 from shared.contracts import RunState
@@ -94,16 +95,21 @@ async def joined(nc: Client, data: Path) -> tuple[str, str]:
 
     machine_id = await eventually(identity, 60, f"{data.name} to join")
     worker = f"{machine_id}-trainer-1"
+    await heard_from(nc, worker)
+    return machine_id, worker
+
+
+async def heard_from(nc: Client, worker: str, timeout: float = 90) -> None:
+    """Until `worker` heartbeats (its key in the workers bucket)."""
     kv = await nc.jetstream().key_value(names.WORKERS_BUCKET)
 
     async def heartbeat() -> bool:
         try:
             return bool((await kv.get(worker)).value)
-        except Exception:
+        except (KeyNotFoundError, KeyDeletedError):
             return False
 
-    await eventually(heartbeat, 90, f"{worker} to heartbeat")
-    return machine_id, worker
+    await eventually(heartbeat, timeout, f"{worker} to heartbeat")
 
 
 def connections_of(stack: Stack, user: str) -> int:
@@ -125,8 +131,9 @@ async def refused(url: str, data: Path, machine_id: str) -> bool:
 
 
 async def cannot_act_as(url: str, a: Path, a_id: str, b_id: str, b_worker: str) -> list[str]:
-    """What A's credentials were refused when acting as B: B's inbox, B's heartbeat, B's
-    commands; and what reached the server anyway (must be nothing)."""
+    """What A's credentials were refused when acting as B: B's inbox, B's commands, B's
+    heartbeat, and listing the leases' keys (a lease is written by naming its key, a MAC
+    only the run's task carries: A cannot find B's to renew it)."""
     creds = read_env_file(a / "auth" / f"{a_id}.env")
     errors: list[str] = []
 
@@ -138,10 +145,11 @@ async def cannot_act_as(url: str, a: Path, a_id: str, b_id: str, b_worker: str) 
         await nc.subscribe(f"_INBOX_{b_id.replace('-', '_')}.>")
         await nc.subscribe(names.control_subject(b_worker))
         await nc.publish(f"$KV.{names.WORKERS_BUCKET}.{b_worker}", b"{}")
+        await nc.publish(f"$JS.API.CONSUMER.CREATE.KV_{names.LEASES_BUCKET}", b"{}")
         await nc.flush()
 
         async def all_refused() -> list[str] | None:
-            return errors if len(errors) >= 3 else None
+            return errors if len(errors) >= 4 else None
 
         return await eventually(all_refused, 10, "the server to refuse each")
     finally:

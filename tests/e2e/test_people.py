@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -69,6 +70,21 @@ async def start_up(
         proc.kill()
         await proc.wait()
         raise
+
+
+async def stop_up(proc: asyncio.subprocess.Process, watched: list[Watched]) -> None:
+    """Close the test's clients, then stop `baton up` as a person does (SIGTERM), killing
+    it only if it does not stop."""
+    for w in watched:
+        if not w.nc.is_closed:
+            await w.nc.close()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), 90)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
 
 async def test_people_are_let_in_and_out_of_a_running_clustered_hub(tmp_path: Path) -> None:
@@ -152,16 +168,7 @@ async def test_people_are_let_in_and_out_of_a_running_clustered_hub(tmp_path: Pa
         assert "people: carol (every hub node reloaded)" in log, log
         family = children_of(proc.pid)
     finally:
-        for w in watched:
-            if not w.nc.is_closed:
-                await w.nc.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), 90)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+        await stop_up(proc, watched)
     assert proc.returncode == 0
 
     async def none_left() -> bool:
@@ -221,14 +228,18 @@ async def test_a_clustered_hub_that_admits_machines_lets_people_and_machines_in_
         assert code == 0, err
         token = json.loads(out)["token"]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "BATON_"))}
-        joining = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "baton", "join", urls[2], "--token", token,
-            "--data-dir", str(machine_dir), "--trainers", "1", cwd=REPO,
-            env={**env, "PYTHONPATH": str(REPO), "BATON_REVOKED_AFTER": "2"},
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
+        said_by_join = tmp_path / "join.out"
+        with said_by_join.open("wb") as out_file:
+            joining = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "baton", "join", urls[2], "--token", token,
+                "--data-dir", str(machine_dir), "--trainers", "1", cwd=REPO,
+                env={**env, "PYTHONPATH": str(REPO), "BATON_REVOKED_AFTER": "2"},
+                stdout=out_file, stderr=subprocess.STDOUT,
+            )  # fmt: skip
 
         async def listed() -> list[dict[str, object]] | None:
+            assert joining is not None
+            assert joining.returncode is None, said_by_join.read_text()
             code, out, _ = await baton("machines", "--json", url=url, auth_file=operator)
             rows = json.loads(out) if code == 0 else []
             return rows if rows and rows[0]["state"] == "up" else None
@@ -250,21 +261,15 @@ async def test_a_clustered_hub_that_admits_machines_lets_people_and_machines_in_
         assert code == 2 and "no machine m-000000000000" in err, (out, err)
 
         assert carol.nc.is_connected and carol.disconnects == 0, "carol kept her connection"
+        said = (tmp_path / "up.stderr").read_text()
+        assert "people: alice, carol (the registrar admits them)" in said, said
+        assert "reloaded" not in said, "no reload: it would ask again about every login"
         family = children_of(proc.pid)
     finally:
         if joining is not None and joining.returncode is None:
             joining.kill()
             await joining.wait()
-        for w in watched:
-            if not w.nc.is_closed:
-                await w.nc.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), 90)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+        await stop_up(proc, watched)
     assert proc.returncode == 0
 
     async def none_left() -> bool:

@@ -186,9 +186,7 @@ async def test_a_registrar_starting_closes_what_a_revocation_left_open(
         await second.close()
 
 
-async def test_the_stacks_people_are_asked_of_it(
-    hub: AuthorizedHub, registrar: Registrar
-) -> None:
+async def test_the_stacks_people_are_asked_of_it(hub: AuthorizedHub, registrar: Registrar) -> None:
     people = hub.vault.root / "people.json"
     dana = hub.vault.get("dana")
     assert await login(hub.url, "dana", dana.password) is None, "not a person yet"
