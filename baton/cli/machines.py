@@ -11,7 +11,18 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from baton.cli.common import Json, Server, Typer, app, fail, out, print_json, run, with_nats
+from baton.cli.common import (
+    Json,
+    Server,
+    Typer,
+    app,
+    call,
+    fail,
+    out,
+    print_json,
+    run,
+    with_nats,
+)
 
 if TYPE_CHECKING:
     from shared.contracts.control import WorkerInfo
@@ -52,12 +63,14 @@ def create(
 ) -> None:
     """A one-time token for one machine to join POOL: give it to `baton join URL --token T`
     on that machine. It is refused once used, after TTL, or if altered."""
+    from baton.cli import scheduling
     from shared.machines.registry import Registry
 
     try:
         ttl_s = seconds(ttl)
     except ValueError as exc:
         fail(f"--ttl: {exc}", code=2)
+    run(lambda: call(scheduling.check_pool, pool))
 
     async def make(nc: Any) -> tuple[Any, str]:
         await admits_machines(nc)

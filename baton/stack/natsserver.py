@@ -202,7 +202,11 @@ class NatsServer:
             f"ports_file_dir: {json.dumps(str(self.data_dir))}",
         ]
         if self._http_port is not None:
-            http = self._http_port_known if self._http_port_known else -1
+            # Monitoring keeps its port only when one was asked for: "any" is any again at a
+            # restart, since the one before may have been taken meanwhile (seen in the suite:
+            # a restarted node refusing to start). Clients' and sites' ports are kept: they
+            # reconnect to them.
+            http = self._http_port if self._http_port > 0 else -1
             lines.append(f"http: {HOST}:{http}")
         if self._ws_port is not None:
             ws = self._ws_port_known if self._ws_port_known else -1

@@ -97,9 +97,12 @@ class Registrar:
         await self.nc.flush()
         log.info("registrar answering for machines (issuer %s)", self.signer.issuer)
         # A revocation whose closing a registrar did not finish (it died in between).
-        revoked = {m.id for m in await self.registry.machines() if m.revoked}
-        if revoked and (closed := await close_users(self.system, revoked)):
-            log.info("closed %d connection(s) of revoked machines", closed)
+        try:
+            revoked = {m.id for m in await self.registry.machines() if m.revoked}
+            if revoked and (closed := await close_users(self.system, revoked)):
+                log.info("closed %d connection(s) of revoked machines", closed)
+        except Exception:  # the hub busy: they stay refused at their next login anyway
+            log.exception("could not close what revocations left open")
 
     async def serve(self, stop: asyncio.Event) -> None:
         await stop.wait()
@@ -186,6 +189,9 @@ class Registrar:
             answer = await self.join(token_id, decode(msg.data, JoinRequest))
         except ContractError as exc:
             answer = JoinAnswer(error=f"a bad join request: {exc}")
+        except Exception:  # the bucket unreachable: nothing was used up; the machine may ask again
+            log.exception("could not answer a join with token %s", token_id)
+            answer = JoinAnswer(error="the registrar could not read its records; try again")
         if answer.error:
             log.warning("refused a join with token %s: %s", token_id, answer.error)
         await msg.respond(encode(answer))
@@ -235,15 +241,19 @@ class Registrar:
 
     async def _on_revoke(self, msg: Msg) -> None:
         try:
-            ask = decode(msg.data, Revoke)
+            answer = await self.revoke(decode(msg.data, Revoke))
         except ContractError as exc:
-            await msg.respond(encode(Revoked(error=f"a bad request: {exc}")))
-            return
+            answer = Revoked(error=f"a bad request: {exc}")
+        except Exception:  # what was done stands: the record first, then the closing
+            log.exception("could not finish a revocation")
+            answer = Revoked(error="the revocation did not finish; ask again (it is idempotent)")
+        await msg.respond(encode(answer))
+
+    async def revoke(self, ask: Revoke) -> Revoked:
+        """The record first — every later login is refused — then the open connections."""
         done = await self.registry.revoke(ask.machine, ask.by)
         if done is None:
-            await msg.respond(encode(Revoked(error=f"no machine {ask.machine}")))
-            return
+            return Revoked(error=f"no machine {ask.machine}")
         log.info("%s revoked by %s", done.id, ask.by or "an operator")
         assert self.system is not None
-        closed = await close_all(self.system, done.id)
-        await msg.respond(encode(Revoked(machine=done.id, closed=closed)))
+        return Revoked(machine=done.id, closed=await close_all(self.system, done.id))
