@@ -26,9 +26,8 @@ from typing import Any
 import msgspec
 import nkeys
 
-from shared.auth import CALLOUT_SUBJECT, Permissions
+from shared.auth import Permissions
 
-SUBJECT = CALLOUT_SUBJECT
 ACCOUNT = "$G"
 """The account the hub's users live in: the one a `authorization { users }` block makes."""
 _HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
