@@ -1,34 +1,52 @@
-"""Recovery time at the default lease TTL on the real stack (nats-server, services as
-processes), signal -> first resumed step:
+"""Recovery time on the real stack (nats-server, services as processes, the lease TTL and
+pulse `baton up` gives), signal -> first resumed step:
 
     SIGKILL, supervised   the trainer process killed, restarted by its supervisor as under
-                          `baton up`: its successor hands the run over at once
-    SIGKILL, unsupervised the trainer killed and not restarted (a host gone): the reaper
-                          hands the run over when its lease expires
+                          `baton up`: its successor hands the run over at once, unless the
+                          reaper heard the silence first
+    SIGKILL, unsupervised the trainer killed and not restarted: its pulse stops, and the
+                          reaper hands the run over after `BATON_SILENT_AFTER`
+    silent host           the trainer and its training processes stopped (SIGSTOP), their
+                          TCP connections open, as when a host hangs or its cable is pulled:
+                          the same pulse decides
     SIGTERM               preemption: checkpoint, release, nak
 
-    .venv/bin/python -m bench.recovery [--ttl 10] [--rounds 2]
+    .venv/bin/python -m bench.recovery [--rounds 2] [--hub-nodes 3] [--silent-after 0]
 
-Times come from event timestamps taken on this one host, so no clocks are compared.
+`--hub-nodes 3` runs the three-node hub with its 30 s lease TTL; `--silent-after 0` turns
+the pulse's watch off (the lease TTL alone decides, as before it). Times come from event
+timestamps taken on this one host, so no clocks are compared.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from baton.stack.embedded import CLUSTER_LEASE_TTL
 from shared.config import Settings
-from shared.contracts.events import Progress, Started
+from shared.contracts.events import HandedOver, Progress, Started
 from tests.e2e.jobs import EventLog, finished, job, submit
-from tests.support.stack import Stack
+from tests.support.stack import Stack, children_of
+
+SILENT = -1
+"""Not a signal: SIGSTOP of the trainer and all its processes."""
 
 
-async def one(stack: Stack, sig: int, key: str) -> float:
+def stop_family(pid: int) -> list[int]:
+    family = [pid, *children_of(pid)]
+    for p in family:
+        os.kill(p, signal.SIGSTOP)
+    return family
+
+
+async def one(stack: Stack, sig: int, key: str) -> tuple[float, str]:
     nc = await stack.client()
     spec = job(
         entry_point="tests.support.workloads:paced",
@@ -42,55 +60,78 @@ async def one(stack: Stack, sig: int, key: str) -> float:
     first = await log.wait_for(lambda e: isinstance(e, Started), 60, "start")
     assert isinstance(first, Started)
     await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 50, 60, "step 50")
+    stopped: list[int] = []
     at_signal = time.time()
-    stack.signal(first.worker, sig)
-    again = await log.wait_for(
-        lambda e: isinstance(e, Started) and e.token > first.token, 120, "the next attempt"
-    )
-    assert isinstance(again, Started)
-    resumed = await log.wait_for(
-        lambda e: isinstance(e, Progress) and e.worker == again.worker and e.at >= again.at,
-        120,
-        "its first step",
-    )
+    if sig == SILENT:
+        stopped = stop_family(stack.pid(first.worker))
+    else:
+        stack.signal(first.worker, sig)
+    try:
+        again = await log.wait_for(
+            lambda e: isinstance(e, Started) and e.token > first.token, 120, "the next attempt"
+        )
+        assert isinstance(again, Started)
+        resumed = await log.wait_for(
+            lambda e: isinstance(e, Progress) and e.worker == again.worker and e.at >= again.at,
+            120,
+            "its first step",
+        )
+    finally:
+        for p in stopped:  # it wakes up fenced, and stops its attempt
+            os.kill(p, signal.SIGCONT)
     await finished(nc, run_id, timeout=120)
+    handed = [e for e in log.of(HandedOver) if e.token == first.token]
     log.close()
-    return resumed.at - at_signal
+    how = handed[0].reason if handed else "released (no hand-over)"
+    return resumed.at - at_signal, how
 
 
-async def main(ttl: int, rounds: int) -> None:
+async def main(rounds: int, hub_nodes: int, silent_after: str | None) -> None:
     cases = (
         ("SIGKILL, supervised", signal.SIGKILL, True),
         ("SIGKILL, unsupervised", signal.SIGKILL, False),
+        ("silent host (SIGSTOP)", SILENT, False),
         ("SIGTERM", signal.SIGTERM, False),
     )
+    ttl = CLUSTER_LEASE_TTL if hub_nodes > 1 else Settings().lease_ttl_s
+    env = {"BATON_SILENT_AFTER": silent_after} if silent_after is not None else {}
     results: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    reasons: dict[str, set[str]] = {name: set() for name, _, _ in cases}
     for r in range(rounds):
         for name, sig, supervised in cases:
             with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
-                stack = Stack(Path(tmp) / "s", trainers=0, lease_ttl=ttl)
-                await stack.start(("dispatcher", "checkpointer", "reaper"))
-                for trainer in ("t1", "t2"):
-                    await stack.add_trainer(trainer, restart=supervised)
+                stack = Stack(
+                    Path(tmp) / "s", trainers=0, lease_ttl=ttl, hub_nodes=hub_nodes, env=env
+                )
                 try:
-                    key = f"{name.replace(' ', '').replace(',', '-')}-{r}"
-                    results[name].append(await one(stack, sig, key))
+                    await stack.start(("dispatcher", "checkpointer", "reaper"))
+                    for trainer in ("t1", "t2"):
+                        await stack.add_trainer(trainer, restart=supervised)
+                    key = f"{name.replace(' ', '').replace(',', '-')}-{r}"[:40]
+                    took, how = await one(stack, sig, "".join(c for c in key if c.isalnum()))
+                    results[name].append(took)
+                    reasons[name].add(how.split(":")[0].split(" (")[0][:60])
                 finally:
                     await stack.stop()
     ack_wait = Settings(lease_ttl_s=ttl).ack_wait_s
-    print(f"lease TTL {ttl}s (task AckWait {ack_wait:.0f}s)")
+    watch = silent_after if silent_after is not None else str(Settings().silent_after_s)
+    print(
+        f"hub nodes {hub_nodes}, lease TTL {ttl}s (task AckWait {ack_wait:.0f}s),"
+        f" BATON_SILENT_AFTER {watch}s"
+    )
     for name, values in results.items():
         median = statistics.median(values)
         runs = ", ".join(f"{v:.2f}" for v in values)
         print(
             f"{name} -> first resumed step: median {median:.2f}s (runs: {runs});"
-            f" ratio to TTL {median / ttl:.2f}, to AckWait {median / ack_wait:.2f}"
+            f" ratio to TTL {median / ttl:.2f}; by: {'; '.join(sorted(reasons[name]))}"
         )
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ttl", type=int, default=Settings().lease_ttl_s)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--hub-nodes", type=int, default=1)
+    ap.add_argument("--silent-after", default=None, help="BATON_SILENT_AFTER; 0: watch off")
     a = ap.parse_args()
-    asyncio.run(main(a.ttl, a.rounds))
+    asyncio.run(main(a.rounds, a.hub_nodes, a.silent_after))

@@ -18,8 +18,8 @@ hub:
                   take in sites' records of the runs granted to them; settle ended
                   runs' credits
     trainer       take tasks (its consumer only); write the leases of the runs it was
-                  handed, run records and heartbeats; publish events, logs, commit requests;
-                  read drain keys by key (whether it is drained)
+                  handed, run records and heartbeats; send its pulses; publish events,
+                  logs, commit requests; read drain keys by key (whether it is drained)
     dashboard     `baton ui`: read what its pages show; replay a dead letter to its work
                   queue, and submit a fork (pinning a checkpoint writes to the store, not
                   to NATS); pause, resume, roll back or checkpoint a run (steering); drain
@@ -229,7 +229,8 @@ def hub_permissions(role: str) -> Permissions | None:
                 f"$JS.ACK.{names.TASKS_STREAM}.>",
                 f"{p}.tasks.>", f"{p}.events.>", f"{p}.dlq.>", f"{p}.control.>",
             ),
-            subscribe=(inbox, names.HELLO_ALL),
+            # Hears the hub trainers' pulses (`services/reaper/silences.py`).
+            subscribe=(inbox, names.HELLO_ALL, names.PULSE_ALL),
         )  # fmt: skip
     if role == "trainer":
         return Permissions(
@@ -364,6 +365,8 @@ def _trainer_publish(
     named, any."""
     mine = [f"$KV.{names.WORKERS_BUCKET}.{w}" for w in workers]
     heartbeats = mine or _write_kv("", names.WORKERS_BUCKET)
+    # That it is alive while it holds a run (`services/trainer/pulse.py`).
+    pulses = [names.pulse_subject(w) for w in workers] or [names.PULSE_ALL]
     return (
         f"{api}.INFO", *_FLOW, *_consume(api, names.TASKS_STREAM),
         *_read_kv(api, names.RUNS_BUCKET, names.POOLS_BUCKET, names.GROUPS_BUCKET),
@@ -381,15 +384,38 @@ def _trainer_publish(
         *(
             [names.site_root(site, k) for k in (*_SENT, "workers")]
             if site
-            else [f"{names.PREFIX}.{k}.>" for k in _SENT] + heartbeats
+            else [f"{names.PREFIX}.{k}.>" for k in _SENT] + heartbeats + pulses
         ),
     )  # fmt: skip
 
 
 CALLOUT_SUBJECT = "$SYS.REQ.USER.AUTH"
 SYSTEM_USER = "system"
-"""The system account's one user: the registrar, asking the servers which connections a
-revoked machine has and closing them (`$SYS.REQ.SERVER.*.CONNZ`, `.KICK`)."""
+"""A system account's user with every right there: the registrar, asking the servers which
+connections a revoked machine has and closing them (`$SYS.REQ.SERVER.*.CONNZ`, `.KICK`)."""
+DEPARTURES_USER = "departures"
+"""A system account's user that may only hear connections close (`DISCONNECTS`): the
+reaper's second connection (`services/reaper/departures.py`)."""
+DISCONNECTS = "$SYS.ACCOUNT.*.DISCONNECT"
+"""The servers' advisory for every client connection that closed, whatever its account."""
+
+
+def departures_permissions() -> Permissions:
+    """The reaper's system-account user: it hears the servers' disconnect advisories and
+    nothing else of the system account; it can publish only to its own inbox."""
+    inbox = f"{inbox_prefix(DEPARTURES_USER)}.>"
+    return Permissions(publish=(inbox,), subscribe=(DISCONNECTS,))
+
+
+def system_users(
+    departures: Credentials, system: Credentials | None = None
+) -> list[tuple[Credentials, Permissions | None]]:
+    """The hub's system account: the reaper's `departures`, and the registrar's `system`
+    on a hub that admits machines."""
+    users: list[tuple[Credentials, Permissions | None]] = [
+        (departures, departures_permissions())
+    ]
+    return users + ([(system, None)] if system is not None else [])
 
 
 def machine_permissions(user: str, workers: tuple[str, ...]) -> Permissions:
@@ -531,40 +557,44 @@ def site_link(site: str) -> Permissions:
 
 
 def authorization(
-    users: list[tuple[Credentials, Permissions | None]], callout_issuer: str = "",
-    system: Credentials | None = None, bypass: list[str] | None = None,
+    users: list[tuple[Credentials, Permissions | None]],
+    system: list[tuple[Credentials, Permissions | None]] | None = None,
+    callout_issuer: str = "", bypass: list[str] | None = None,
 ) -> str:  # fmt: skip
     """An `authorization { users = [...] }` block. JSON is valid NATS configuration, and
-    quoting every subject keeps `$` and `>` from being read as variables or syntax. With
-    `callout_issuer` (and the `system` user), every user but those in `bypass` (default:
-    all of `users`) is asked of the registrar (NATS's auth callout, docs/machines.md)."""
-    entries = []
-    for creds, perms in users:
-        entry: dict[str, Any] = {"user": creds.user, "password": creds.password}
-        if perms is not None:
-            entry["permissions"] = {
-                "publish": {"allow": list(perms.publish)},
-                "subscribe": {"allow": list(perms.subscribe)},
-            }
-            if perms.responses:
-                entry["permissions"]["allow_responses"] = True
-        entries.append(entry)
-    body: dict[str, Any] = {"users": entries}
-    if not callout_issuer:
-        return "authorization " + json.dumps(body, indent=2)
-    assert system is not None, "the callout needs the system account's user"
-    body["auth_callout"] = {
-        "issuer": callout_issuer,
-        "auth_users": [
-            *(bypass if bypass is not None else [c.user for c, _ in users]),
-            system.user,
-        ],
-    }
-    accounts = {"SYS": {"users": [{"user": system.user, "password": system.password}]}}
-    return (
-        "authorization " + json.dumps(body, indent=2)
-        + f"\naccounts {json.dumps(accounts)}\nsystem_account: SYS"
-    )  # fmt: skip
+    quoting every subject keeps `$` and `>` from being read as variables or syntax.
+    `system`: the system account's users (the servers' own events), in an account of their
+    own. With `callout_issuer`, every user but those in `bypass` (default: all of `users`)
+    and the system account's is asked of the registrar (NATS's auth callout,
+    docs/machines.md)."""
+    body: dict[str, Any] = {"users": [_user(c, p) for c, p in users]}
+    system = system or []
+    if callout_issuer:
+        assert system, "the callout needs the system account's user"
+        body["auth_callout"] = {
+            "issuer": callout_issuer,
+            "auth_users": [
+                *(bypass if bypass is not None else [c.user for c, _ in users]),
+                *(c.user for c, _ in system),
+            ],
+        }
+    block = "authorization " + json.dumps(body, indent=2)
+    if not system:
+        return block
+    accounts = {"SYS": {"users": [_user(c, p) for c, p in system]}}
+    return block + f"\naccounts {json.dumps(accounts, indent=2)}\nsystem_account: SYS"
+
+
+def _user(creds: Credentials, perms: Permissions | None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"user": creds.user, "password": creds.password}
+    if perms is not None:
+        entry["permissions"] = {
+            "publish": {"allow": list(perms.publish)},
+            "subscribe": {"allow": list(perms.subscribe)},
+        }
+        if perms.responses:
+            entry["permissions"]["allow_responses"] = True
+    return entry
 
 
 def env_name(user: str) -> str:
@@ -577,14 +607,18 @@ def deployment_config(
 ) -> str:
     """The `authorization` block of the hub (`site` None, admitting `sites` and a submitter
     user for each of `submitters`, its people) or of a site's leaf node, with every password
-    a NATS variable (`env_name`): the committed files in deploy/nats hold no secret."""
+    a NATS variable (`env_name`): the committed files in deploy/nats hold no secret. The
+    hub's has its system account too (`system_users`)."""
     if site:
         users = [(f"{site}-{r}", site_permissions(r, site)) for r in SITE_ROLES]
     else:
         users = [(r, hub_permissions(r)) for r in HUB_ROLES]
         users += [(u, submitter_permissions(u)) for u in submitters]
         users += [(f"site-{s}", site_link(s)) for s in sites]
-    block = authorization([(Credentials(u, f"${env_name(u)}"), p) for u, p in users])
-    for user, _ in users:  # a NATS variable is a bare `$NAME`, never inside quotes
+    departures = Credentials(DEPARTURES_USER, f"${env_name(DEPARTURES_USER)}")
+    system = None if site else system_users(departures)
+    block = authorization([(Credentials(u, f"${env_name(u)}"), p) for u, p in users], system)
+    for user in [u for u, _ in users] + [c.user for c, _ in system or []]:
+        # A NATS variable is a bare `$NAME`, never inside quotes.
         block = block.replace(f'"${env_name(user)}"', f"${env_name(user)}")
     return block

@@ -65,6 +65,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     on a few round trips to NATS, so they overlap); 1 handles them one at a time."""
     heartbeat_s: float = 2.0
     """`BATON_HEARTBEAT`: seconds between a trainer's heartbeats in the worker registry."""
+    pulse_s: float = 0.5
+    """`BATON_PULSE`: seconds between the pulses a hub trainer sends while it holds a run
+    (`services/trainer/pulse.py`): one small core-NATS message, nothing stored."""
+    silent_after_s: float = 1.5
+    """`BATON_SILENT_AFTER`: seconds without a pulse after which the reaper hands a run over
+    (`services/reaper/silences.py`): a host lost costs this, not the lease TTL. 0 turns the
+    watch off (the lease's expiry then decides alone)."""
     pools_file: str = ""
     """`BATON_POOLS_FILE`: TOML table of pools (`[pools.<name>] rate_per_hour`,
     `seconds_per_step`) used to estimate cost; measured speeds override it."""
@@ -163,6 +170,8 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             sweep_interval_s=_float(env, "BATON_SWEEP_INTERVAL", 0.0, allow_zero=True),
             gc_age_s=_float(env, "BATON_GC_AGE", d.gc_age_s),
             heartbeat_s=_float(env, "BATON_HEARTBEAT", d.heartbeat_s),
+            pulse_s=_float(env, "BATON_PULSE", d.pulse_s),
+            silent_after_s=_float(env, "BATON_SILENT_AFTER", d.silent_after_s, allow_zero=True),
             dispatch_concurrency=_int(
                 env, "BATON_DISPATCH_CONCURRENCY", d.dispatch_concurrency, minimum=1
             ),

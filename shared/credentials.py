@@ -83,6 +83,20 @@ def lease_secret(env: Mapping[str, str] | None = None) -> bytes | None:
     return None
 
 
+def departures_credentials(env: Mapping[str, str] | None = None) -> Credentials | None:
+    """The reaper's system-account user (`shared.auth.DEPARTURES_USER`), if the environment
+    gives it: `BATON_DEPARTURES_AUTH_FILE` (a file as `Vault` writes), or
+    `BATON_DEPARTURES_USER` with `BATON_DEPARTURES_PASSWORD`."""
+    env = os.environ if env is None else env
+    if env.get("BATON_DEPARTURES_AUTH_FILE"):
+        return read_env_file(Path(env["BATON_DEPARTURES_AUTH_FILE"]))
+    if env.get("BATON_DEPARTURES_USER"):
+        return Credentials(
+            user=env["BATON_DEPARTURES_USER"], password=env.get("BATON_DEPARTURES_PASSWORD", "")
+        )
+    return None
+
+
 def client_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """nats-py options for the credentials in the environment: `NATS_USER` with
     `NATS_PASSWORD` (or `NATS_PASSWORD_FILE`), or `NATS_AUTH_FILE` (a file as `Vault`

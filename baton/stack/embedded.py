@@ -51,6 +51,7 @@ from baton.stack.procs import (
 from baton.stack.routes import RouteAuth
 from shared import gpus
 from shared.auth import (
+    DEPARTURES_USER,
     HUB_ROLES,
     SITE_ROLES,
     SYSTEM_USER,
@@ -60,6 +61,7 @@ from shared.auth import (
     site_link,
     site_permissions,
     submitter_permissions,
+    system_users,
 )
 from shared.bus import names
 from shared.config import Settings
@@ -220,6 +222,10 @@ def _credentials(opts: StackOptions, v: Vault, name: str) -> dict[str, str]:
     if name in ("dispatcher", "reaper"):
         # They key the runs' leases (shared/state/lease.py); no one else may know how.
         env["BATON_LEASE_SECRET_FILE"] = str(v.secret("lease"))
+    if name == "reaper" and not opts.site:
+        # It hears trainers' connections close (services/reaper/departures.py).
+        v.get(DEPARTURES_USER)
+        env["BATON_DEPARTURES_AUTH_FILE"] = str(v.root / f"{DEPARTURES_USER}.env")
     if name == "registrar":
         # It signs the callout's answers, and closes revoked machines' connections.
         env["BATON_CALLOUT_SEED_FILE"] = str(callout_seed(v))
@@ -292,13 +298,14 @@ def _authorization(opts: StackOptions, v: Vault) -> str:
     users += [(v.get(u), submitter_permissions(u)) for u in opts.submitters]
     users += [(v.get(f"site-{s}"), site_link(s)) for s in opts.sites]
     if not admits_machines(opts):
-        return authorization(users)
+        return authorization(users, system_users(v.get(DEPARTURES_USER)))
     users.append((v.get("registrar"), registrar_permissions()))
     issuer = issuer_public(callout_seed(v).read_bytes().strip())
     # The people are asked of the registrar too: the servers' `auth_users` cannot change
     # while they run, and the people do.
     bypass = [c.user for c, _ in users if c.user not in opts.submitters]
-    return authorization(users, issuer, v.get(SYSTEM_USER), bypass)
+    system = system_users(v.get(DEPARTURES_USER), v.get(SYSTEM_USER))
+    return authorization(users, system, issuer, bypass)
 
 
 def _hub_config(opts: StackOptions, v: Vault | None) -> str:

@@ -14,7 +14,6 @@ trainer costs: the lease's TTL (`lapses.py`).
 
 from __future__ import annotations
 
-import json
 import logging
 
 from nats.aio.client import Client
@@ -22,15 +21,13 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from shared.bus import names
-from shared.bus.kvwrite import KvWriter
 from shared.contracts import RunState, decode
 from shared.contracts.machines import Machine
 from shared.errors import ContractError
 from shared.state.handover import hand_over
-from shared.state.lease import lease_key
+from shared.state.lease import free, lease_key
 from shared.state.runs import Runs
 
 log = logging.getLogger("baton.reaper")
@@ -82,22 +79,9 @@ class Revocations:
             r = found[0]
             if r.state is not RunState.RUNNING or r.worker not in workers or r.token is None:
                 continue
-            await self._free_lease(run_id, r.worker)
+            await free(self.js, lease_key(run_id, self.secret), r.worker, r.token)
             reason = f"machine {machine.id} was revoked"
             if await hand_over(self.nc, self.js, self.runs, run_id, r.token, reason):
                 handed.append(run_id)
                 log.info("%s: handed over, its trainer's machine %s revoked", run_id, machine.id)
         return handed
-
-    async def _free_lease(self, run_id: str, worker: str) -> None:
-        key = lease_key(run_id, self.secret)
-        kv = await self.js.key_value(names.LEASES_BUCKET)
-        try:
-            entry = await kv.get(key)
-        except (KeyNotFoundError, KeyDeletedError):
-            return
-        if not entry.value or entry.revision is None:
-            return
-        if json.loads(entry.value).get("worker") != worker:
-            return  # taken by another trainer since
-        await KvWriter(self.js, names.LEASES_BUCKET).delete(key, expected=entry.revision)

@@ -22,6 +22,10 @@ when a run is given up.
     cancel       a run asked to cancel whose trainer is gone: CANCELLED (see lost run)
     lapse        (not a sweep: a watch) a lease expired while its run was RUNNING: the
                  run's task is delivered again now, not after its AckWait (`lapses.py`)
+    silent       (a watch) a hub trainer holding a run sent no pulse for
+                 `BATON_SILENT_AFTER`: its run handed over now (`silences.py`)
+    departed     (a watch) a server closed the connection of a trainer holding a run, its
+                 process gone: its run handed over at once (`departures.py`)
     revoked      (a watch) a machine revoked: the runs its trainers hold handed over now
                  (`revocations.py`)
     unannounced  a run that ended without its terminal event (the writer died in between):
@@ -57,9 +61,11 @@ from services.reaper.accounts import Accounts
 from services.reaper.billing import Billing, billable
 from services.reaper.clock import HubClock
 from services.reaper.deliveries import on_advisory
+from services.reaper.departures import Departures
 from services.reaper.grants import Reconciler, TakeBack
 from services.reaper.lapses import Lapses
 from services.reaper.revocations import Revocations
+from services.reaper.silences import Silences
 from services.reaper.sites import SiteWatch
 from shared.bus import names
 from shared.bus.answer import handle
@@ -78,7 +84,7 @@ from shared.config import Settings
 from shared.contracts import RunRecord, RunState, encode
 from shared.contracts.control import Command, WorkerInfo
 from shared.contracts.events import Redispatched, RunWarning
-from shared.credentials import lease_secret
+from shared.credentials import departures_credentials, lease_secret
 from shared.state import transitions
 from shared.state.endings import repair, settle
 from shared.state.lease import holder as lease_holder
@@ -108,6 +114,8 @@ class Reaper:
         self.runs: Runs
         self.lapses: Lapses
         self.revocations: Revocations
+        self.silences: Silences | None = None
+        self.departures: Departures | None = None
         self.sites = SiteWatch(nc, self.js)
         self.lease_secret = lease_secret()
         self.accounts = Accounts(self.js)
@@ -118,6 +126,8 @@ class Reaper:
         # Pull consumers resume by themselves once NATS is back. The hub's sources may not:
         # if it was the hub's server that restarted, they retry on a back-off.
         self.sites.forget()
+        if self.silences is not None:  # pulses sent while it was away went unheard
+            self.silences.deafened(self.settings.silent_after_s)
 
     async def close(self) -> None:
         await self.store.close()
@@ -137,6 +147,12 @@ class Reaper:
         await self.lapses.start()
         self.revocations = Revocations(self.nc, self.js, self.runs, self.lease_secret)
         await self.revocations.start()
+        self.silences = Silences(self.nc, self.js, self.runs, self.lease_secret, self.settings)
+        await self.silences.start()
+        self.departures = Departures(
+            self.settings.nats_url, self.silences, departures_credentials()
+        )
+        await self.departures.start()
         await self.sites.start()
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -162,6 +178,10 @@ class Reaper:
             await self.sites.stop()
             await self.lapses.stop()
             await self.revocations.stop()
+            if self.departures is not None:
+                await self.departures.stop()
+            if self.silences is not None:
+                await self.silences.stop()
 
     async def _sweeping(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -3,10 +3,11 @@
 The loop holds one task message at a time and answers it only through the outcome of its
 attempt (see `attempt.py`). It never cancels a run because NATS went away: the child keeps
 training through a blip, and the lease — not the connection — decides who owns the run.
-Beside the loop: a heartbeat in the worker registry (`presence.py`: what it is and runs), and
-a subscription to `baton.control.<worker>` for commands (wake up, kill an orphan, an
-operator's checkpoint). A drained trainer (`drain.py`) fetches nothing, hands what it runs
-over at its next checkpoint as on SIGTERM, and lives on until it is undrained.
+Beside the loop: a heartbeat in the worker registry (`presence.py`: what it is and runs), a
+pulse while it holds a run (`pulse.py`: that it is alive), and a subscription to
+`baton.control.<worker>` for commands (wake up, kill an orphan, an operator's checkpoint). A
+drained trainer (`drain.py`) fetches nothing, hands what it runs over at its next
+checkpoint as on SIGTERM, and lives on until it is undrained.
 
 At a site (`BATON_SITE`) the trainer is connected to the site's leaf node. It takes tasks
 from the hub's work queue and reads and writes the hub's KV across the domain boundary
@@ -39,6 +40,7 @@ from services.trainer.drain import Draining
 from services.trainer.granted import Granted
 from services.trainer.group import GaveWay, Leader, Superseded
 from services.trainer.presence import Presence
+from services.trainer.pulse import pulse
 from services.trainer.rank import Member
 from services.trainer.verdicts import Outcome, Scope, Verdict, apply
 from shared import telemetry
@@ -186,6 +188,8 @@ class Trainer:
         drained, the loop fetches nothing and waits to be undrained (`drain.py`)."""
         watches = [self.presence.heartbeat(), self.presence.follow_drain()]
         watches += [self.draining.follow_stop()]
+        if not self.site:  # that it is alive, while it holds a run (`pulse.py`)
+            watches.append(pulse(self.nc, self.settings, lambda: self.attempt))
         if self.settings.cloud:  # a reclaim's notice drains it (`notices.py`)
             watches.append(notices.obeyed(self.settings, self.draining, self.presence.beat, stop))
         beside = [asyncio.create_task(c) for c in watches]

@@ -359,6 +359,14 @@ def hello_subject(site: str) -> str:
 HELLO_ALL = f"{PREFIX}.site.*.hello"
 
 
+PULSE_ALL = f"{PREFIX}.pulse.*"
+
+
+def pulse_subject(worker_id: str) -> str:
+    """Core NATS: a hub trainer's pulse while it holds a run (`shared.contracts.control.Pulse`)."""
+    return f"{PREFIX}.pulse.{worker_id}"
+
+
 def heartbeat_subject(worker_id: str, site: str) -> str:
     """A trainer's heartbeat: straight into the workers bucket at the hub; through the
     outbox (sourced into that bucket) at a site."""

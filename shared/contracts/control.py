@@ -73,6 +73,34 @@ class Command(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     reason: str = ""
 
 
+class Pulse(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Sent on core NATS to `baton.pulse.<worker>` every `BATON_PULSE` seconds by a hub
+    trainer while it holds `run_id`'s lease at `token`: that it is alive. Nothing stores
+    it; the reaper hands the run over when it stops (`services/reaper/silences.py`)."""
+
+    worker: str
+    run_id: str
+    token: int
+
+
+class ClientInfo(msgspec.Struct, frozen=True):
+    """The fields of a server advisory's `client` that Baton uses."""
+
+    name: str = ""
+    """The connection's name (a trainer's is `baton-trainer-<worker>`)."""
+    user: str = ""
+
+
+class Disconnected(msgspec.Struct, frozen=True):
+    """The fields of nats-server's `io.nats.server.advisory.v1.client_disconnect` that Baton
+    uses (`services/reaper/departures.py`; the server's advisory has more, ignored)."""
+
+    client: ClientInfo
+    reason: str = ""
+    """Why the server closed it: "Client Closed" (the socket ended), "Read Error",
+    "Server Shutdown", "Stale Connection", "Slow Consumer (…)", "Kicked"…"""
+
+
 class WorkerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """A trainer's heartbeat in the `baton_workers` bucket (expires by server TTL)."""
 

@@ -34,7 +34,7 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from shared.bus import names
 from shared.bus.kvwrite import KvWriter
 from shared.contracts import encode
-from shared.state.grants import token_of
+from shared.state.grants import epoch_of, token_of
 
 log = logging.getLogger("baton.lease")
 
@@ -192,6 +192,23 @@ async def holder(js: JetStreamContext, key: str) -> str | None:
         return str(json.loads(entry.value or b"{}").get("worker", "?"))
     except ValueError:
         return "?"
+
+
+async def free(js: JetStreamContext, key: str, worker: str, token: int) -> bool:
+    """Free the hub lease under `key` for a holder known dead or cut off — only while it
+    still names `worker` and `token`. True if this call freed it."""
+    kv = await js.key_value(names.LEASES_BUCKET)
+    try:
+        entry = await kv.get(key)
+    except (KeyNotFoundError, KeyDeletedError):
+        return False  # lapsed or released already
+    if not entry.value or entry.revision is None:
+        return False  # the server's expiry marker
+    held = json.loads(entry.value)
+    named = held.get("token") or token_of(epoch_of(token), entry.revision)
+    if held.get("worker") != worker or named != token:
+        return False  # taken by another attempt since
+    return await KvWriter(js, names.LEASES_BUCKET).delete(key, expected=entry.revision)
 
 
 async def is_held(js: JetStreamContext, key: str) -> bool:

@@ -517,6 +517,11 @@ def test_every_service_logs_in_as_its_role_with_the_servers_password() -> None:
         var = auth.env_name(e["NATS_USER"])
         assert var in server, f"{name}: the {host} server does not read {var}"
         assert e["NATS_PASSWORD"] == server[var], f"{name}: password differs from the server's"
+        if "BATON_DEPARTURES_USER" in e:  # the reaper's system-account user
+            assert at_hub and e["BATON_DEPARTURES_USER"] == auth.DEPARTURES_USER, name
+            var = auth.env_name(auth.DEPARTURES_USER)
+            assert e["BATON_DEPARTURES_PASSWORD"] == server[var], f"{name}: departures password"
+    assert "BATON_DEPARTURES_USER" in env(SVC["reaper"]), "the reaper hears departures"
 
 
 def test_every_password_a_server_config_reads_is_in_its_environment() -> None:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.config import Settings
 from tests.support.stack import Stack
 
 
@@ -17,6 +18,8 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
 
 @pytest.fixture
 async def two(tmp_path: Path) -> AsyncIterator[Stack]:
-    """Two trainers and a short lease: one to kill, one to take over."""
-    async with Stack(tmp_path / "stack", trainers=2, lease_ttl=3) as s:
+    """Two trainers, one to kill and one to take over, and `baton up`'s lease TTL: a death
+    is seen by the reaper's watches (a connection closed, a pulse stopped), long before the
+    lease could lapse."""
+    async with Stack(tmp_path / "stack", trainers=2, lease_ttl=Settings().lease_ttl_s) as s:
         yield s

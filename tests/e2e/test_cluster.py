@@ -4,7 +4,11 @@ One stack for the module (3 hub nodes, every stream and bucket on all three; the
 services, a trainer at the hub and a site whose leaf dials every node): each test loses
 nodes — SIGKILLed leaders, a wiped store, a rolling restart — and requires of the runs that
 lived through it what an uninterrupted hub gives: COMPLETED with the reference's weights,
-one attempt, nothing fenced or handed over, every acknowledged submission run once.
+one attempt, nothing fenced or handed over, every acknowledged submission run once. (The
+reaper's silence watch runs throughout: no election may pass for a silent trainer.)
+
+And a trainer's host that goes silent costs its run seconds, not the clustered hub's 30 s
+lease TTL.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from shared.state.runs import Runs
 from shared.state.workers import live_workers
 from tests.e2e.jobs import EventLog, finished, history, job, submit
 from tests.support.cli import REPO, run_baton
+from tests.support.hosts import SILENT_HOST_S, stop_host
 from tests.support.ledger import balanced, topup
 from tests.support.sites import Site
 from tests.support.stack import Stack, eventually
@@ -375,6 +380,41 @@ async def test_a_rolling_restart_mid_run_and_the_sites_link_through_each_loss(hu
         await all_current(nc)
         print(f"{node.server_name}: back and current after {time.time() - lost_at:.1f} s")
     await run.ends_untroubled()
+
+
+async def test_a_silent_host_is_handed_over_in_seconds_not_the_lease_ttl(hub: Stack) -> None:
+    """A hub trainer and its training processes stopped (SIGSTOP: their connections stay
+    open, nothing more is sent), as when a host hangs or loses its cable. The reaper hears
+    its pulse stop and hands the run over: the next attempt's first step comes within
+    `SILENT_HOST_S`, not the lease's 30 s, and the run ends bitwise equal to an
+    uninterrupted one. The stopped trainer, woken, finds itself fenced."""
+    pool = "hang"  # two trainers of their own: the run stays at the hub
+    for name in ("hang-1", "hang-2"):
+        await hub.add_trainer(name, env={"BATON_POOL": pool})
+    nc = await hub.client()
+    want = await reference(nc, MidRun.TOTAL)
+    spec = msgspec.structs.replace(charlm(MidRun.TOTAL, 0.05, "silent-host"), pool=pool)
+    run_id = await submit(nc, spec)
+    log = EventLog(nc, run_id)
+    first = await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 30, 60, "step 30")
+    assert isinstance(first, Progress)
+    async with stop_host(hub, first.worker) as stopped_at:
+        again = await log.wait_for(
+            lambda e: isinstance(e, Started) and e.worker != first.worker, 60, "the hand-over"
+        )
+        resumed = await log.wait_for(
+            lambda e: isinstance(e, Progress) and e.worker == again.worker, 60, "a step"
+        )
+    handed = log.of(HandedOver)
+    assert len(handed) == 1 and "no pulse" in handed[0].reason, handed
+    took = resumed.at - stopped_at
+    print(f"silent host -> first resumed step {took:.2f} s ({handed[0].reason})")
+    assert took < SILENT_HOST_S, f"{took:.2f} s from the silence to the next attempt's step"
+    fenced = await log.wait_for(lambda e: isinstance(e, Fenced), 60, "the woken trainer")
+    assert isinstance(fenced, Fenced) and fenced.worker == first.worker
+    record = await finished(nc, run_id, timeout=180)
+    assert record.state is RunState.COMPLETED and record.digest == want
+    log.close()
 
 
 async def _leaf_links(hub: Stack, down: NatsServer) -> int:

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from shared.contracts.events import (
     CheckpointCommitted,
     CommitRefused,
     Fenced,
+    HandedOver,
     Preempted,
     Progress,
     Redispatched,
@@ -70,6 +72,7 @@ async def test_sigkill_at_three_points_resumes_bitwise_on_the_other_trainer(two:
         last_commit = max((e.step for e in log.of(CheckpointCommitted)), default=0)
         victim = two.pid(first.worker)
         family = children_of(victim)
+        killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
         await all_dead(family, "the killed trainer's training process")
         await two.add_trainer(f"extra-{i}")  # keep two trainers up for the next round
@@ -79,6 +82,12 @@ async def test_sigkill_at_three_points_resumes_bitwise_on_the_other_trainer(two:
         assert record.digest == want, f"kill at step {at}: weights differ from the reference"
         second = log.of(Started)[1]
         assert second.worker != first.worker and second.token > first.token
+        # Handed over by the reaper the moment the server saw the connection close
+        # (services/reaper/departures.py), not when its pulse or its lease ran out.
+        handed = log.of(HandedOver)
+        assert len(handed) == 1 and "connection closed" in handed[0].reason, handed
+        step = next(e for e in log.of(Progress) if e.worker == second.worker)
+        print(f"SIGKILL at step {at}: first resumed step {step.at - killed_at:.2f}s after")
         resumed = log.of(Restored)[1]
         assert last_commit <= resumed.step <= reached.step  # lost ≤ steps since last commit
         assert not log.of(Redispatched), "the task was still queued: nothing to re-dispatch"
@@ -140,6 +149,9 @@ async def test_a_zombie_is_fenced_and_its_commit_refused(two: Stack) -> None:
             lambda e: isinstance(e, Started) and e.worker != first.worker, 30, "takeover"
         )
         assert isinstance(heir, Started) and heir.token > first.token
+        # Its pulse stopped: handed over for the silence, before its lease could lapse.
+        handed = log.of(HandedOver)
+        assert len(handed) == 1 and "no pulse" in handed[0].reason, handed
         await log.wait_for(
             lambda e: isinstance(e, CheckpointCommitted) and e.token == heir.token,
             30,

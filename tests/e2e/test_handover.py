@@ -1,5 +1,10 @@
 """A dead trainer's run is handed over at once when its death is certain, and when its lease
-expires when it is not — never after the AckWait; and a run killed once accounts its goodput."""
+expires when it is not — never after the AckWait; and a run killed once accounts its goodput.
+
+These are the paths that stand when the reaper hears neither pulses nor departures
+(`BATON_SILENT_AFTER=0`, as for a trainer at a site, which sends none): its successor on
+the same host, and the lease's expiry. With them on, a death is seen sooner
+(tests/e2e/test_failures.py, tests/e2e/test_cluster.py)."""
 
 from __future__ import annotations
 
@@ -26,12 +31,14 @@ from tests.support.stack import Stack
 # lease to lapse (TTL) or its task to be redelivered (AckWait, 1.5 × TTL).
 TTL = 60
 WITHIN = 30.0
+UNWATCHED = {"BATON_SILENT_AFTER": "0"}
+"""The reaper's pulse and departure watches off."""
 
 
 async def test_a_trainer_killed_under_its_supervisor_hands_its_run_over_at_once(
     tmp_path: Path,
 ) -> None:
-    s = Stack(tmp_path / "stack", trainers=0, lease_ttl=TTL)
+    s = Stack(tmp_path / "stack", trainers=0, lease_ttl=TTL, env=UNWATCHED)
     try:
         await s.start(("dispatcher", "checkpointer", "reaper"))
         await s.add_trainer("t1", restart=True)  # as under `baton up`
@@ -87,7 +94,7 @@ async def test_a_trainer_gone_without_a_word_hands_its_run_over_when_its_lease_e
     """A host lost: the trainer and whatever supervised it die together, and nobody on that
     host is left to say so. The run is handed over when the lease expires, by the reaper
     watching the leases — not when the task's AckWait (1.5 × TTL) would deliver it again."""
-    s = Stack(tmp_path / "stack", trainers=0, lease_ttl=4)
+    s = Stack(tmp_path / "stack", trainers=0, lease_ttl=4, env=UNWATCHED)
     try:
         await s.start(("dispatcher", "checkpointer", "reaper"))
         await s.add_trainer("t1")  # no supervisor: nothing restarts it

@@ -330,9 +330,9 @@ def _has(seen: list[str], subject: str):  # type: ignore[no-untyped-def]
 
 
 def test_a_machine_speaks_only_for_its_own_trainers() -> None:
-    """A joined machine has a hub trainer's rights but for heartbeats and commands, which are
-    its own workers' only; its replies come on its own inbox (tests/services/registrar has
-    the server refuse the rest)."""
+    """A joined machine has a hub trainer's rights but for heartbeats, pulses and commands,
+    which are its own workers' only; its replies come on its own inbox
+    (tests/services/registrar has the server refuse the rest)."""
     from shared.auth import hub_permissions, machine_permissions
 
     workers = ("m-0123456789ab-trainer-1", "m-0123456789ab-trainer-2")
@@ -342,8 +342,11 @@ def test_a_machine_speaks_only_for_its_own_trainers() -> None:
     heartbeats = {s for s in mine.publish if s.startswith(f"$KV.{names.WORKERS_BUCKET}.")}
     assert heartbeats == {f"$KV.{names.WORKERS_BUCKET}.{w}" for w in workers}
     assert f"$KV.{names.WORKERS_BUCKET}.>" in trainer.publish
-    assert set(mine.publish) - heartbeats == set(trainer.publish) - {
-        f"$KV.{names.WORKERS_BUCKET}.>"
+    pulses = {s for s in mine.publish if s.startswith(f"{names.PREFIX}.pulse.")}
+    assert pulses == {names.pulse_subject(w) for w in workers}
+    assert names.PULSE_ALL in trainer.publish
+    assert set(mine.publish) - heartbeats - pulses == set(trainer.publish) - {
+        f"$KV.{names.WORKERS_BUCKET}.>", names.PULSE_ALL
     }
     assert set(mine.subscribe) == {
         "_INBOX_m_0123456789ab.>", f"{names.PREFIX}.events.>",
@@ -355,19 +358,23 @@ def test_a_machine_speaks_only_for_its_own_trainers() -> None:
 def test_a_hub_that_admits_machines_asks_the_registrar_of_everyone_but_its_roles() -> None:
     import json as _json
 
-    from shared.auth import authorization, hub_permissions
+    from shared.auth import authorization, hub_permissions, system_users
     from shared.credentials import Credentials
 
     users = [(Credentials(r, "pw"), hub_permissions(r)) for r in ("operator", "trainer")]
     users.append((Credentials("carol", "pw"), None))
-    block = authorization(users, "AISSUER", Credentials("system", "spw"), ["operator", "trainer"])
+    system = system_users(Credentials("departures", "dpw"), Credentials("system", "spw"))
+    block = authorization(users, system, "AISSUER", ["operator", "trainer"])
     head, _, rest = block.partition("\naccounts ")
     body = _json.loads(head.removeprefix("authorization "))
     assert body["auth_callout"] == {
-        "issuer": "AISSUER", "auth_users": ["operator", "trainer", "system"]
+        "issuer": "AISSUER", "auth_users": ["operator", "trainer", "departures", "system"]
     }  # fmt: skip
     assert [u["user"] for u in body["users"]] == ["operator", "trainer", "carol"]
-    accounts, _, system = rest.partition("\n")
-    assert _json.loads(accounts) == {"SYS": {"users": [{"user": "system", "password": "spw"}]}}
-    assert system == "system_account: SYS"
-    assert "auth_callout" not in authorization(users)
+    accounts, _, tail = rest.rpartition("\n")
+    sys_users = _json.loads(accounts)["SYS"]["users"]
+    assert [u["user"] for u in sys_users] == ["departures", "system"]
+    assert sys_users[0]["permissions"]["subscribe"] == {"allow": ["$SYS.ACCOUNT.*.DISCONNECT"]}
+    assert "permissions" not in sys_users[1]
+    assert tail == "system_account: SYS"
+    assert "auth_callout" not in authorization(users, system)

@@ -23,7 +23,7 @@ from baton.stack.cluster import HubCluster
 from baton.stack.embedded import StackOptions, hub, reload_people
 from baton.stack.natsserver import NatsServer, NatsServerError
 from baton.stack.people import People, check_person
-from shared.auth import HUB_ROLES, SITE_ROLES, env_name
+from shared.auth import DEPARTURES_USER, HUB_ROLES, SITE_ROLES, env_name
 from shared.credentials import Credentials
 from tests.support.logins import Watched, login
 from tests.support.stack import eventually
@@ -222,7 +222,7 @@ async def test_a_deployed_hub_takes_a_person_in_and_out_on_reload(
     person's password comes from the file `--passwords` includes, which the server reads
     again on reload — and which must name no one the block does not (the server refuses a
     variable it does not use)."""
-    for role in HUB_ROLES:
+    for role in (*HUB_ROLES, DEPARTURES_USER):
         monkeypatch.setenv(env_name(role), f"pw-{role}")  # what compose gives the servers
     data = tmp_path / "nats"
     data.mkdir()

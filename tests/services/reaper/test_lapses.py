@@ -27,19 +27,21 @@ SPEC = convert({"name": "t", "entry_point": "m:f", "total_steps": 5}, JobSpec)
 ACK_WAIT_S = 600.0
 
 
-async def held(js: JetStreamContext, runs: Runs, run_id: str, ttl_s: int) -> tuple[Lease, Msg]:
-    """A run as a trainer holds it: its task delivered and unanswered, its lease taken, and
+async def held(
+    js: JetStreamContext, runs: Runs, run_id: str, ttl_s: int, worker: str = "w1"
+) -> tuple[Lease, Msg]:
+    """A run as `worker` holds it: its task delivered and unanswered, its lease taken, and
     its record RUNNING under the lease's token, naming the delivery."""
     task = Task(run_id=run_id, spec=SPEC, dispatch=1)
     await js.publish(names.task_subject("default", run_id), encode(task))
     sub = await js.pull_subscribe_bind(names.trainer_consumer("default"), names.TASKS_STREAM)
     msg = next(m for m in await sub.fetch(1, timeout=5) if decode(m.data, Task).run_id == run_id)
-    lease = Lease(js, run_id, "w1", ttl_s=ttl_s)
+    lease = Lease(js, run_id, worker, ttl_s=ttl_s)
     assert await lease.acquire()
     now = time.time()
     record = RunRecord(
         run_id=run_id, spec=SPEC, spec_hash=spec_hash(SPEC), created_at=now, updated_at=now,
-        state=RunState.RUNNING, worker="w1", token=lease.token, attempts=1, delivery=msg.reply,
+        state=RunState.RUNNING, worker=worker, token=lease.token, attempts=1, delivery=msg.reply,
     )  # fmt: skip
     assert await runs.create(record)
     return lease, msg
