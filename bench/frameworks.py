@@ -22,10 +22,7 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +37,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 import examples.hf_lm as hf_lm
 from baton.integrations import hf
 from baton.runtime.context import RunContext
+from bench import torchrun
 from bench.hf_torchrun import CONFIG, SEED
 from shared.checkpoint import commit
 from shared.config import Settings
@@ -49,7 +47,7 @@ from shared.contracts.events import Event, Progress, Restored, Started
 from shared.contracts.records import RunState
 from tests.baton.harness import RUN, Run
 from tests.e2e.jobs import EventLog, finished, job, submit
-from tests.support.stack import Stack, alive, children_of
+from tests.support.stack import Stack
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -312,7 +310,7 @@ async def baton_kill(r: int) -> tuple[Phases, int, str]:
             log.close()
             # The killed attempt's process may write a step after the signal: the next
             # attempt's rows are those after its entry point began (step -1).
-            rows = _rows(steps)
+            rows = torchrun.read_rows(steps)
             starts = [i for i, row in enumerate(rows) if row[1] == -1]
             assert len(starts) == 2, f"{len(starts)} attempts"
             began = starts[-1]
@@ -341,96 +339,11 @@ def torchrun_kill() -> tuple[Phases, int, str]:
     """torchrun with one restart, its worker SIGKILLed: seconds from the signal to the
     restarted worker's first step (and its parts), and that step."""
     with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
-        steps, out = Path(tmp) / "steps.txt", Path(tmp) / "out"
-        with socket.socket() as s:  # a free loopback port for the static rendezvous
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-            "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-            str(REPO / "bench" / "hf_torchrun.py"), "--output-dir", str(out),
-            "--step-log", str(steps), "--steps", str(TOTAL), "--save-steps", str(CADENCE),
-            "--pace", str(PACE),
-        ]  # fmt: skip
-        console = open(Path(tmp) / "torchrun.log", "wb")  # noqa: SIM115 - closed in finally
-        agent = subprocess.Popen(
-            cmd, cwd=REPO, stdout=console, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        ours: set[int] = set()
-        try:
-            _wait_rows(steps, agent, lambda rows: rows[-1][1] >= KILL_AT)
-            workers = [p for p in children_of(agent.pid) if _runs_script(p)]
-            ours.update(children_of(agent.pid))
-            assert len(workers) == 1, f"torchrun's workers: {workers}"
-            (worker,) = workers
-            at_signal = time.time()
-            os.kill(worker, signal.SIGKILL)
-            rows = _wait_rows(steps, agent, lambda rows: rows[-1][2] != worker and rows[-1][1] > 0)
-            ours.update(children_of(agent.pid))
-            new = {step: t for t, step, pid in rows if pid != worker}
-            step = min(k for k in new if k > 0)
-            code = agent.wait(timeout=180)
-            assert code == 0, f"torchrun exited {code}: {_tail(Path(tmp) / 'torchrun.log')}"
-            assert _rows(steps)[-1][1] == TOTAL
-            phases = {
-                "total": new[step] - at_signal,
-                "signal -> restarted worker's script began": new[-1] - at_signal,
-                "  -> its train() called (imports, model, Trainer)": new[0] - new[-1],
-                "  -> its first step (loads the checkpoint, one step)": new[step] - new[0],
-            }
-            return phases, step, "the agent's new worker"
-        finally:
-            ours.update(children_of(agent.pid))
-            if agent.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
-            for pid in ours:  # the workers lead sessions of their own
-                if alive(pid) and _runs_script(pid):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-            console.close()
-
-
-def _rows(path: Path) -> list[tuple[float, int, int]]:
-    """(time, step, pid) per complete line of a step log (bench/hf_torchrun.py's `StepLog`);
-    a last line still being written is left for the next read."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().split("\n")[:-1]:
-        parts = line.split()
-        if len(parts) == 3:
-            rows.append((float(parts[0]), int(parts[1]), int(parts[2])))
-    return rows
-
-
-def _wait_rows(
-    path: Path, agent: subprocess.Popen[bytes], done: Callable[[list[tuple[float, int, int]]], bool]
-) -> list[tuple[float, int, int]]:
-    deadline = time.monotonic() + 180
-    while True:
-        rows = _rows(path)
-        if rows and done(rows):
-            return rows
-        if agent.poll() is not None:
-            console = path.parent / "torchrun.log"
-            raise AssertionError(f"torchrun exited {agent.returncode} early: {_tail(console)}")
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the torchrun worker's steps")
-        time.sleep(0.005)
-
-
-def _runs_script(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"hf_torchrun.py" in f.read()
-    except FileNotFoundError:
-        return False
-
-
-def _tail(path: Path) -> str:
-    return path.read_text(errors="replace")[-3000:]
+        args = ["--output-dir", str(Path(tmp) / "out"), "--steps", str(TOTAL)]
+        args += ["--save-steps", str(CADENCE), "--pace", str(PACE)]
+        phases = torchrun.kill_worker(REPO / "bench" / "hf_torchrun.py", args, KILL_AT, TOTAL)
+    step = int(phases.pop("resumed at step"))
+    return phases, step, "the agent's new worker"
 
 
 async def recovery(rounds: int) -> dict[str, list[tuple[Phases, int, str]]]:

@@ -10,6 +10,10 @@ pulse `baton up` gives), signal -> first resumed step:
                           TCP connections open, as when a host hangs or its cable is pulled:
                           the same pulse decides
     SIGTERM               preemption: checkpoint, release, nak
+    torchrun              the baseline: the same job as a torchrun worker script
+                          (bench/paced_torchrun.py: `torch.save` every 20 steps, resumed
+                          from the newest), its worker SIGKILLed at step 50 and restarted
+                          by torchrun's agent (`--max-restarts 1`)
 
     .venv/bin/python -m bench.recovery [--rounds 2] [--hub-nodes 3] [--silent-after 0]
 
@@ -30,6 +34,8 @@ import time
 from pathlib import Path
 
 from baton.stack.embedded import CLUSTER_LEASE_TTL
+from bench import torchrun
+from bench.torchrun import REPO
 from shared.config import Settings
 from shared.contracts.events import HandedOver, Progress, Started
 from tests.e2e.jobs import EventLog, finished, job, submit
@@ -50,16 +56,18 @@ async def one(stack: Stack, sig: int, key: str) -> tuple[float, str]:
     nc = await stack.client()
     spec = job(
         entry_point="tests.support.workloads:paced",
-        total_steps=400,
+        total_steps=TOTAL,
         idempotency_key=key,
-        checkpoint={"every_steps": 20},
-        config={"pace": 0.02},
+        checkpoint={"every_steps": EVERY},
+        config={"pace": PACE},
     )
     run_id = await submit(nc, spec)
     log = EventLog(nc, run_id)
     first = await log.wait_for(lambda e: isinstance(e, Started), 60, "start")
     assert isinstance(first, Started)
-    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 50, 60, "step 50")
+    await log.wait_for(
+        lambda e: isinstance(e, Progress) and e.step >= KILL_AT, 60, f"step {KILL_AT}"
+    )
     stopped: list[int] = []
     at_signal = time.time()
     if sig == SILENT:
@@ -86,6 +94,16 @@ async def one(stack: Stack, sig: int, key: str) -> tuple[float, str]:
     return resumed.at - at_signal, how
 
 
+TORCHRUN = "torchrun, worker SIGKILL"
+TOTAL, EVERY, KILL_AT, PACE = 400, 20, 50, 0.02
+
+
+def torchrun_kill() -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
+        args = ["--dir", tmp, "--steps", str(TOTAL), "--every", str(EVERY), "--pace", str(PACE)]
+        return torchrun.kill_worker(REPO / "bench" / "paced_torchrun.py", args, KILL_AT, TOTAL)
+
+
 async def main(rounds: int, hub_nodes: int, silent_after: str | None) -> None:
     cases = (
         ("SIGKILL, supervised", signal.SIGKILL, True),
@@ -95,8 +113,8 @@ async def main(rounds: int, hub_nodes: int, silent_after: str | None) -> None:
     )
     ttl = CLUSTER_LEASE_TTL if hub_nodes > 1 else Settings().lease_ttl_s
     env = {"BATON_SILENT_AFTER": silent_after} if silent_after is not None else {}
-    results: dict[str, list[float]] = {name: [] for name, _, _ in cases}
-    reasons: dict[str, set[str]] = {name: set() for name, _, _ in cases}
+    results: dict[str, list[float]] = {name: [] for name, _, _ in cases} | {TORCHRUN: []}
+    reasons: dict[str, set[str]] = {name: set() for name in results}
     for r in range(rounds):
         for name, sig, supervised in cases:
             with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
@@ -113,18 +131,23 @@ async def main(rounds: int, hub_nodes: int, silent_after: str | None) -> None:
                     reasons[name].add(how.split(":")[0].split(" (")[0][:60])
                 finally:
                     await stack.stop()
+        torchrun_phases = await asyncio.to_thread(torchrun_kill)
+        results[TORCHRUN].append(torchrun_phases["total"])
+        reasons[TORCHRUN].add(f"resumed at step {torchrun_phases['resumed at step']:.0f}")
     ack_wait = Settings(lease_ttl_s=ttl).ack_wait_s
     watch = silent_after if silent_after is not None else str(Settings().silent_after_s)
     print(
         f"hub nodes {hub_nodes}, lease TTL {ttl}s (task AckWait {ack_wait:.0f}s),"
         f" BATON_SILENT_AFTER {watch}s"
     )
+    base = statistics.median(results[TORCHRUN])
     for name, values in results.items():
         median = statistics.median(values)
         runs = ", ".join(f"{v:.2f}" for v in values)
         print(
             f"{name} -> first resumed step: median {median:.2f}s (runs: {runs});"
-            f" ratio to TTL {median / ttl:.2f}; by: {'; '.join(sorted(reasons[name]))}"
+            f" ratio to torchrun {median / base:.2f}, to TTL {median / ttl:.2f};"
+            f" by: {'; '.join(sorted(reasons[name]))}"
         )
 
 

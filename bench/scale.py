@@ -1,7 +1,8 @@
 """The control plane under many trainers, and the reaper's sweep under a long history.
 
     .venv/bin/python -m bench.scale [--trainers 1000,5000,10000] [--hub-nodes 1,3]
-                                    [--seconds 30] [--ttl 10] [--procs 2]
+                                    [--seconds 30] [--ttl 10] [--procs 2] [--pulse 0.5]
+                                    [--pulses-only]
                                     [--history 0,10000,100000] [--live 100]
 
 **Trainers.** A real hub — one nats-server, or a cluster of three with every stream and
@@ -11,7 +12,9 @@ trainers doing what a real one does to the control plane, spread over `--procs` 
 processes (a few connections each): each holds a task message un-acked and a lease, and
 every third of the TTL touches the message (`in_progress`), renews the lease (a CAS
 publish with TTL) and reads its run record; every `BATON_HEARTBEAT` (2 s) it writes its
-registry heartbeat. The trainers' connections are spread over the hub's nodes, as
+registry heartbeat; every `--pulse` seconds (0.5, `BATON_PULSE`) its pulse, which a
+process running the reaper's silence watch hears (its CPU, and any trainer it judged
+silent, are reported). The trainers' connections are spread over the hub's nodes, as
 clients given every URL spread themselves. Reported per hub and fleet size: renewal latency
 p50/p99, failed renewals, how late the clients' timers fired (when the clients themselves
 are the bottleneck, this says so), and the servers' CPU (cores, from /varz, summed over the
@@ -41,15 +44,19 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from baton.stack.cluster import HubCluster
 from baton.stack.natsserver import ClusterRoutes, NatsServer
+from services.reaper.silences import Heard, Silences
 from shared.bus import names
 from shared.bus.connect import connect, publish
 from shared.bus.streams import ensure
+from shared.config import Settings
 from shared.contracts import RunRecord, RunState, encode
+from shared.contracts.control import Pulse
 from shared.state import archive
 from shared.state.lease import Lease
 from shared.state.runs import Runs
@@ -69,7 +76,9 @@ def record(run_id: str, state: RunState = RunState.RUNNING) -> RunRecord:
 # -- one client process ------------------------------------------------------------------
 
 
-async def worker(url: str, proc: int, count: int, seconds: float, ttl: int) -> dict[str, Any]:
+async def worker(
+    url: str, proc: int, count: int, seconds: float, ttl: int, pulse_s: float
+) -> dict[str, Any]:
     # One node per connection in turn: clients given every URL pick one at random each.
     urls = url.split(",")
     clients = [
@@ -149,10 +158,23 @@ async def worker(url: str, proc: int, count: int, seconds: float, ttl: int) -> d
             except Exception:
                 errors += 1
 
-    await asyncio.gather(*(trainer(i) for i in range(count)))
+    pulses = [
+        pulse(clients[i % CONNS_PER_PROC], leases[i], pulse_s, end) for i in range(count)
+    ] if pulse_s else []  # fmt: skip
+    await asyncio.gather(*(trainer(i) for i in range(count)), *pulses)
     for nc in clients:
         await nc.close()
     return {"renew_ms": renew_ms, "late_ms": late_ms, "failed": failed, "errors": errors}
+
+
+async def pulse(nc: Client, lease: Lease, every_s: float, end: float) -> None:
+    """What `services/trainer/pulse.py` sends while its trainer holds the run."""
+    loop = asyncio.get_running_loop()
+    body = encode(Pulse(worker=lease.worker, run_id=lease.run_id, token=lease.token))
+    await asyncio.sleep(random.uniform(0, every_s))
+    while loop.time() < end:
+        await nc.publish(names.pulse_subject(lease.worker), body)
+        await asyncio.sleep(every_s)
 
 
 class _counted:
@@ -181,11 +203,51 @@ def varz(server: NatsServer) -> dict[str, Any]:
         return data
 
 
-def spawn(url: str, proc: int, count: int, seconds: float, ttl: int) -> subprocess.Popen[str]:
-    """A client process of `count` trainers; JSON on its stdout, "go" on its stdin."""
+def spawn(
+    url: str, proc: int, count: int, seconds: float, ttl: int, pulse_s: float
+) -> subprocess.Popen[str]:
+    """A client process of `count` trainers (`proc` -1: the reaper's silence watch); JSON on
+    its stdout, "go" on its stdin."""
     argv = [sys.executable, "-m", "bench.scale", "--worker", str(proc), "--url", url]
     argv += ["--count", str(count), "--seconds", str(seconds), "--ttl", str(ttl)]
+    argv += ["--pulse", str(pulse_s)]
     return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+async def listener(url: str, seconds: float, pulse_s: float) -> dict[str, Any]:
+    """The reaper's silence watch (`services/reaper/silences.py`, its own code) hearing every
+    pulse: how many it heard, the CPU it spent, and how many trainers it judged silent —
+    none of these trainers is, so every one would be a false alarm."""
+    nc = await connect(url, "scale-reaper")
+    js = nc.jetstream()
+    silences = Silences(nc, js, await Runs.open(js), None, Settings(pulse_s=pulse_s))
+    judged = 0
+    heard = 0
+
+    async def counted(worker: str, h: Heard, reason: str) -> bool:
+        nonlocal judged
+        judged += 1
+        return False  # the bench's records name no delivery: nothing to hand over
+
+    async def on_pulse(msg: Msg) -> None:
+        nonlocal heard
+        heard += 1
+        await hear(msg)
+
+    silences.gone = counted  # type: ignore[method-assign]
+    hear = silences._on_pulse
+    silences._on_pulse = on_pulse  # type: ignore[method-assign]
+    await silences.start()
+    print(json.dumps({"ready": -1}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    # The first window after start the watch judges no one: measure after it.
+    await asyncio.sleep(Settings().silent_after_s)
+    heard, cpu0, t0 = 0, time.process_time(), time.monotonic()
+    await asyncio.sleep(seconds - Settings().silent_after_s)
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - t0
+    await silences.stop()
+    await nc.close()
+    return {"heard_per_s": heard / wall, "cpu_cores": cpu / wall, "judged": judged}
 
 
 def hub(root: Path, nodes: int) -> HubCluster:
@@ -198,7 +260,9 @@ def hub(root: Path, nodes: int) -> HubCluster:
     return HubCluster(nodes, make)
 
 
-async def fleet(trainers: int, nodes: int, procs: int, seconds: float, ttl: int) -> dict[str, Any]:
+async def fleet(
+    trainers: int, nodes: int, procs: int, seconds: float, ttl: int, pulse_s: float
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="baton-scale-") as tmp:
         cluster = hub(Path(tmp), nodes)
         await cluster.start()
@@ -207,7 +271,11 @@ async def fleet(trainers: int, nodes: int, procs: int, seconds: float, ttl: int)
             await ensure(nc.jetstream(), replicas=nodes)
             await nc.close()
             share = [trainers // procs + (p < trainers % procs) for p in range(procs)]
-            children = [spawn(cluster.url, p, n, seconds, ttl) for p, n in enumerate(share)]
+            children = [
+                spawn(cluster.url, p, n, seconds, ttl, pulse_s) for p, n in enumerate(share)
+            ]
+            if pulse_s:
+                children.append(spawn(cluster.url, -1, 0, seconds, ttl, pulse_s))
             try:
                 for c in children:
                     assert c.stdout is not None
@@ -227,6 +295,7 @@ async def fleet(trainers: int, nodes: int, procs: int, seconds: float, ttl: int)
                     mem.append(sum(float(v["mem"]) for v in vs))
                     await asyncio.sleep(1)
                 results = [json.loads((await o)[0].strip().splitlines()[-1]) for o in outputs]
+                heard = results.pop() if pulse_s else {}
             finally:
                 for c in children:
                     if c.poll() is None:
@@ -247,6 +316,82 @@ async def fleet(trainers: int, nodes: int, procs: int, seconds: float, ttl: int)
         "late_p99_ms": pct(late, 0.99),
         "server_cores": statistics.mean(cpu[:-1] or cpu) if cpu else float("nan"),
         "server_mem_mib": max(mem) / 2**20 if mem else float("nan"),
+        "pulses": heard,
+    }
+
+
+async def pulser(url: str, proc: int, count: int, seconds: float, pulse_s: float) -> dict[str, Any]:
+    """`count` trainers that only pulse (no lease, no heartbeat): the pulse's own cost."""
+    urls = url.split(",")
+    clients = [
+        await connect(urls[(proc + i) % len(urls)], f"pulse-{proc}-{i}")
+        for i in range(CONNS_PER_PROC)
+    ]
+    print(json.dumps({"ready": proc}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    sent = 0
+
+    async def one(i: int) -> None:
+        nonlocal sent
+        worker = f"w-p{proc}t{i}"
+        body = encode(Pulse(worker=worker, run_id=f"p{proc}t{i}", token=1))
+        nc = clients[i % CONNS_PER_PROC]
+        await asyncio.sleep(random.uniform(0, pulse_s))
+        while loop.time() < end:
+            await nc.publish(names.pulse_subject(worker), body)
+            sent += 1
+            await asyncio.sleep(pulse_s)
+
+    await asyncio.gather(*(one(i) for i in range(count)))
+    for nc in clients:
+        await nc.close()
+    return {"sent_per_s": sent / seconds}
+
+
+async def pulses_only(trainers: int, procs: int, seconds: float, pulse_s: float) -> dict[str, Any]:
+    """One node, `trainers` pulsing from `procs` processes, the reaper's watch hearing them:
+    the server's and the reaper's CPU for the pulses alone."""
+    with tempfile.TemporaryDirectory(prefix="baton-scale-") as tmp:
+        cluster = hub(Path(tmp), 1)
+        await cluster.start()
+        try:
+            nc = await connect(cluster.url, "scale")
+            await ensure(nc.jetstream())
+            await nc.close()
+            share = [trainers // procs + (p < trainers % procs) for p in range(procs)]
+            children = [
+                spawn(cluster.url, -3 - p, n, seconds, 10, pulse_s) for p, n in enumerate(share)
+            ]
+            children.append(spawn(cluster.url, -1, 0, seconds, 10, pulse_s))
+            try:
+                for c in children:
+                    assert c.stdout is not None
+                    await asyncio.to_thread(c.stdout.readline)
+                for c in children:
+                    assert c.stdin is not None
+                    c.stdin.write("go\n")
+                    c.stdin.flush()
+                outputs = [asyncio.create_task(asyncio.to_thread(c.communicate)) for c in children]
+                await asyncio.sleep(Settings().silent_after_s)
+                cpu = []
+                while not all(o.done() for o in outputs):
+                    cpu.append(float(varz(cluster.nodes[0])["cpu"]) / 100)
+                    await asyncio.sleep(1)
+                results = [json.loads((await o)[0].strip().splitlines()[-1]) for o in outputs]
+            finally:
+                for c in children:
+                    if c.poll() is None:
+                        c.kill()
+                        c.wait()
+        finally:
+            await cluster.stop()
+    heard = results.pop()
+    return {
+        "sent_per_s": sum(r["sent_per_s"] for r in results),
+        "server_cores": statistics.mean(cpu[:-1] or cpu) if cpu else float("nan"),
+        **heard,
     }
 
 
@@ -297,23 +442,48 @@ async def main() -> None:
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--history", default="0,10000,100000")
     p.add_argument("--live", type=int, default=100)
-    p.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--pulse", type=float, default=Settings().pulse_s, help="0: no pulses")
+    p.add_argument("--pulses-only", action="store_true", help="the pulses' own cost")
+    p.add_argument("--worker", type=int, default=-2, help=argparse.SUPPRESS)
     p.add_argument("--url", default="", help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.worker == -1:
+        print(json.dumps(await listener(a.url, a.seconds, a.pulse)), flush=True)
+        return
+    if a.worker <= -3:
+        result = await pulser(a.url, -3 - a.worker, a.count, a.seconds, a.pulse)
+        print(json.dumps(result), flush=True)
+        return
+    if a.pulses_only:
+        for n in (int(x) for x in a.trainers.split(",") if x):
+            r = await pulses_only(n, a.procs, a.seconds, a.pulse)
+            print(
+                f"1 node, {n:>6} trainers pulsing only: {r['sent_per_s']:,.0f} pulses/s sent,"
+                f" {r['heard_per_s']:,.0f}/s heard; server {r['server_cores']:.2f} cores,"
+                f" the reaper's watch {r['cpu_cores']:.2f} cores; {r['judged']} judged silent",
+                flush=True,
+            )
+        return
     if a.worker >= 0:
-        result = await worker(a.url, a.worker, a.count, a.seconds, a.ttl)
+        result = await worker(a.url, a.worker, a.count, a.seconds, a.ttl, a.pulse)
         print(json.dumps(result), flush=True)
         return
     sizes = [int(x) for x in a.hub_nodes.split(",") if x]
     for nodes, n in [(h, t) for h in sizes for t in (int(x) for x in a.trainers.split(",") if x)]:
-        r = await fleet(n, nodes, a.procs, a.seconds, a.ttl)
+        r = await fleet(n, nodes, a.procs, a.seconds, a.ttl, a.pulse)
+        pulses = r["pulses"]
+        heard = (
+            f"; pulses heard {pulses['heard_per_s']:,.0f}/s for {pulses['cpu_cores']:.2f} cores"
+            f" of the reaper's, {pulses['judged']} judged silent"
+            if pulses else ""
+        )  # fmt: skip
         print(
             f"{r['nodes']} node{'s' if nodes > 1 else ''}, {r['trainers']:>6} trainers: "
             f"renewal p50 {r['p50_ms']:.1f} ms, "
             f"p99 {r['p99_ms']:.1f} ms over {r['renewals']:,}; failed {r['failed']}, "
             f"errors {r['errors']}; timers late p99 {r['late_p99_ms']:.0f} ms; server "
-            f"{r['server_cores']:.2f} cores, {r['server_mem_mib']:.0f} MiB",
+            f"{r['server_cores']:.2f} cores, {r['server_mem_mib']:.0f} MiB{heard}",
             flush=True,
         )
     base = None

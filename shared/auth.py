@@ -235,7 +235,7 @@ def hub_permissions(role: str) -> Permissions | None:
     if role == "trainer":
         return Permissions(
             publish=_trainer_publish(API, "", ""),
-            subscribe=(inbox, f"{p}.control.>", f"{p}.events.>"),
+            subscribe=(inbox, f"{p}.control.>", f"{p}.events.>", names.ALIVE_ALL),
         )
     if role == "dashboard":
         return dashboard_permissions()
@@ -365,8 +365,10 @@ def _trainer_publish(
     named, any."""
     mine = [f"$KV.{names.WORKERS_BUCKET}.{w}" for w in workers]
     heartbeats = mine or _write_kv("", names.WORKERS_BUCKET)
-    # That it is alive while it holds a run (`services/trainer/pulse.py`).
+    # That it is alive while it holds a run (`services/trainer/pulse.py`); whether a
+    # member of its group is gone (`shared.bus.probe`).
     pulses = [names.pulse_subject(w) for w in workers] or [names.PULSE_ALL]
+    pulses.append(names.ALIVE_ALL)
     return (
         f"{api}.INFO", *_FLOW, *_consume(api, names.TASKS_STREAM),
         *_read_kv(api, names.RUNS_BUCKET, names.POOLS_BUCKET, names.GROUPS_BUCKET),
@@ -428,6 +430,7 @@ def machine_permissions(user: str, workers: tuple[str, ...]) -> Permissions:
         subscribe=(
             f"{inbox_prefix(user.replace('-', '_'))}.>", f"{names.PREFIX}.events.>",
             *(names.control_subject(w) for w in workers),
+            *(names.alive_subject(w) for w in workers),
         ),
     )  # fmt: skip
 

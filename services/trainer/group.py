@@ -20,9 +20,11 @@ cannot form at all (more ranks than the pool has trainers) gives its leader back
 **Liveness.** Every key has a server-side TTL of a third of the lease TTL (at least 2 s),
 renewed by its writer twice as often. The leader reads its members' keys every half second:
 a key gone means that rank's trainer died or went silent; a key that says its process exited
-tells how. Members read the group's key: gone, or naming another epoch, means the group is
-over and their process is killed at once. So a rank lost is noticed in seconds, whatever
-torch.distributed's own timeout says, and no rank's process outlives its group.
+tells how; a member trainer whose process died is known at once, as nothing listens on its
+alive subject any more (`shared.bus.probe`, hub trainers). Members read the group's key:
+gone, or naming another epoch, means the group is over and their process is killed at
+once. So a rank lost is noticed in seconds, whatever torch.distributed's own timeout says,
+and no rank's process outlives its group.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ import time
 from dataclasses import dataclass
 
 import msgspec
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from shared.bus import names
+from shared.bus import names, probe
 from shared.bus.connect import publish
 from shared.bus.emit import emit
 from shared.contracts import RunRecord, Task, encode
@@ -54,13 +57,17 @@ from shared.waits import still_wanted, wait_set
 log = logging.getLogger("baton.trainer")
 
 POLL_S = 0.5
+FORM_POLL_S = 0.1
+"""While a group forms, how often its leader reads its members' keys, and a member the
+group's key: a group forms, and starts, within this of its last rank being held."""
 MAX_FORM_DELAY_S = 600.0
 SILENT_S = 3 * POLL_S
 """A member whose key was not renewed for this long, once its group broke, is taken for
 lost without waiting for the key's TTL."""
-FORM_GRACE_S = 4 * POLL_S
+FORM_GRACE_S = 2 * POLL_S
 """An elastic group that holds at least its `min` ranks, but not its `max`, forms once it has
-waited this long for more: trainers free now take a call within moments."""
+waited this long for more: trainers free now take a call within moments (and one that comes
+later is grown onto at once)."""
 GIVE_WAY_S = 2.0
 """How long a trainer that gave way keeps its task or call off the queue: long enough that
 its next fetch finds the older group's calls first."""
@@ -94,6 +101,7 @@ class Leader:
 
     def __init__(
         self,
+        nc: Client,
         js: JetStreamContext,
         store: GroupStore,
         runs: Runs,
@@ -107,6 +115,7 @@ class Leader:
     ) -> None:
         """`granted`: the run is granted to `site`, so its group forms there (`store` is the
         site's, its calls go into the site's own work queue)."""
+        self.nc = nc
         self.js = js
         self.store = store
         self.runs = runs
@@ -177,24 +186,30 @@ class Leader:
         for rank in range(1, self.ranks):
             await self._call(rank)
         began = last_beat = time.monotonic()
+        looked = float("-inf")
         while True:
+            # The members' keys every `FORM_POLL_S`, so the group forms the moment its last
+            # rank is held; the rest (older groups, the record, the key's renewal) every
+            # `POLL_S`.
             held = [m for m in [await self._member(r) for r in range(1, self.ranks)] if m]
             waited = time.monotonic() - began
             if len(held) + 1 == self.ranks or (
                 len(held) + 1 >= self.min_ranks and waited >= FORM_GRACE_S
             ):
                 return self._formed(held)
-            gave = await self._give_way(len(held) + 1, waited, wait_s, stop)
-            if gave is not None:
-                return gave
-            await self._say_waiting(self._why_waiting(len(held) + 1))
-            if time.monotonic() - last_beat >= self.lease.ttl_s / 3:
-                last_beat = time.monotonic()
-                await msg.in_progress()
-                if (over := await self._beat()) is not None:
-                    return over
-            await self.renew()
-            await wait_set(stop, POLL_S)
+            if stop.is_set() or time.monotonic() - looked >= POLL_S:
+                looked = time.monotonic()
+                gave = await self._give_way(len(held) + 1, waited, wait_s, stop)
+                if gave is not None:
+                    return gave
+                await self._say_waiting(self._why_waiting(len(held) + 1))
+                if time.monotonic() - last_beat >= self.lease.ttl_s / 3:
+                    last_beat = time.monotonic()
+                    await msg.in_progress()
+                    if (over := await self._beat()) is not None:
+                        return over
+                await self.renew()
+            await wait_set(stop, FORM_POLL_S)
 
     async def _call(self, rank: int, grow: bool = False) -> None:
         call = RankCall(task=self.task, epoch=self.epoch, rank=rank, grow=grow)
@@ -388,8 +403,25 @@ class Leader:
     async def _ends(self) -> dict[int, MemberKey | None]:
         """How each member ended: its exited key, or None for a silent trainer. A dead
         trainer's key outlives it by up to its TTL; it is known silent sooner, once its
-        revision stops moving (a live one renews it every `POLL_S`). At most a key's TTL."""
-        deadline = time.monotonic() + self.store.ttl_s + 2 * POLL_S
+        revision stops moving (a live one renews it every `POLL_S`), and at once when a
+        probe finds its connection gone. At most a key's TTL."""
+        # A member trainer whose process died is known at once: nothing listens on its
+        # alive subject any more (`shared.bus.probe`). At the hub only: a site's trainers
+        # are not heard across its link.
+        probes = {
+            m.rank: asyncio.create_task(probe.gone(self.nc, names.alive_subject(m.worker)))
+            for m in self.members
+            if not m.site and not self.site
+        }
+        try:
+            return await self._ends_by(time.monotonic() + self.store.ttl_s + 2 * POLL_S, probes)
+        finally:
+            for t in probes.values():
+                t.cancel()
+
+    async def _ends_by(
+        self, deadline: float, probes: dict[int, asyncio.Task[bool]]
+    ) -> dict[int, MemberKey | None]:
         ends: dict[int, MemberKey | None] = {}
         seen: dict[int, tuple[int, float]] = {}
         while len(ends) < len(self.members) and time.monotonic() < deadline:
@@ -400,12 +432,17 @@ class Leader:
                 since = seen.setdefault(m.rank, (revision, time.monotonic()))
                 if revision != since[0]:
                     seen[m.rank] = (revision, time.monotonic())
+                gone = m.rank in probes and probes[m.rank].done() and probes[m.rank].result()
                 if now is None or now.state == "exited":
                     ends[m.rank] = now
-                elif time.monotonic() - seen[m.rank][1] >= SILENT_S:
+                elif gone or time.monotonic() - seen[m.rank][1] >= SILENT_S:
                     ends[m.rank] = None
             if len(ends) < len(self.members):
-                await asyncio.sleep(POLL_S)
+                pending = [t for r, t in probes.items() if r not in ends and not t.done()]
+                if pending:  # the next read as soon as a probe has its answer
+                    await asyncio.wait(pending, timeout=POLL_S)
+                else:
+                    await asyncio.sleep(POLL_S)
         return ends
 
     def _rank_of(self, member: MemberKey) -> int:

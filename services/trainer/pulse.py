@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 
 from nats.aio.client import Client
@@ -28,17 +29,25 @@ from shared.config import Settings
 from shared.contracts import encode
 from shared.contracts.control import Pulse
 
+LOOK_S = 0.1
+"""How often it looks whether an attempt took a lease: its first pulse follows within this."""
+
 
 async def pulse(
     nc: Client, settings: Settings, running: Callable[[], Attempt | Member | None]
 ) -> None:
-    """Send this trainer's pulse every `settings.pulse_s` while it holds a lease."""
+    """Send this trainer's pulse every `settings.pulse_s` while it holds a lease, the first
+    as soon as it took one."""
     subject = names.pulse_subject(settings.worker_id)
+    sent_at, sent_token = float("-inf"), 0
     while True:
         a = running()
         # A rank of another's group holds no lease: its leader pulses for the run.
         if isinstance(a, Attempt) and a.token:
-            p = Pulse(worker=settings.worker_id, run_id=a.run_id, token=a.token)
-            with contextlib.suppress(Exception):  # disconnected: nats-py buffers it
-                await nc.publish(subject, encode(p))
-        await asyncio.sleep(settings.pulse_s)
+            now = time.monotonic()
+            if a.token != sent_token or now - sent_at >= settings.pulse_s:
+                p = Pulse(worker=settings.worker_id, run_id=a.run_id, token=a.token)
+                with contextlib.suppress(Exception):  # disconnected: nats-py buffers it
+                    await nc.publish(subject, encode(p))
+                sent_at, sent_token = now, a.token
+        await asyncio.sleep(min(LOOK_S, settings.pulse_s))

@@ -27,7 +27,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from services.trainer.child_proc import FINISH_GRACE_S, OUTPUT_DRAIN_S, Child, Zygote, tail_of
-from services.trainer.group import GIVE_WAY_S, POLL_S, local_rank
+from services.trainer.group import FORM_POLL_S, GIVE_WAY_S, POLL_S, local_rank
 from shared.bus import names
 from shared.contracts.child import (
     EXIT_USER_ERROR,
@@ -59,6 +59,7 @@ class Member:
         signals: tuple[asyncio.Event, asyncio.Event],
         publish_output: Callable[[str, bytes], Awaitable[None]],
         ack_wait_s: float,
+        site: str = "",
     ) -> None:
         self.groups = groups
         self.zygote = zygote
@@ -80,7 +81,7 @@ class Member:
         self.key = names.member_key(self.run_id, call.epoch, call.rank)
         self.me = MemberKey(
             run_id=self.run_id, epoch=call.epoch, rank=call.rank, worker=worker,
-            host=socket.gethostname(),
+            host=socket.gethostname(), site=site,
         )  # fmt: skip
         self._child: Child | None = None
 
@@ -151,9 +152,9 @@ class Member:
         """The group once formed with this trainer in it; None if the call was answered
         otherwise (the group is over, or gave this rank to another, or this trainer gave
         way or is stopping)."""
-        touched = time.monotonic()
+        touched = kept = time.monotonic()
         while True:
-            await wait_set(self.stop, POLL_S)
+            await wait_set(self.stop, FORM_POLL_S)
             if self.stop.is_set():
                 await msg.nak()  # to the next idle trainer, at once
                 return None
@@ -169,6 +170,9 @@ class Member:
                     return group
                 await msg.ack()
                 return None
+            if time.monotonic() - kept < POLL_S:
+                continue  # the rest at the slower cadence
+            kept = time.monotonic()
             older = await self.groups.older_forming(group)
             if older is not None:
                 log.info("%s: rank %d given back: the older run %s is forming",

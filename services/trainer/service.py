@@ -145,6 +145,8 @@ class Trainer:
             self._hub = asyncio.create_task(reach_hub())
         await self.zygote.start()
         await self.nc.subscribe(names.control_subject(self.settings.worker_id), cb=self._on_command)
+        if not self.site:  # a probe finds it there while this process lives (`shared.bus.probe`)
+            await self.nc.subscribe(names.alive_subject(self.settings.worker_id), cb=_unanswered)
 
     async def _hand_over(self, claim: Claim) -> None:
         """This worker's predecessor died during an attempt: free its lease and make its task
@@ -331,7 +333,7 @@ class Trainer:
         task back, saying why in the record (`group.py`)."""
         groups = self.site_groups if task.grant is not None else None
         leader = Leader(
-            self.js, groups or self.groups, scope.runs, task, lease, record,
+            self.nc, self.js, groups or self.groups, scope.runs, task, lease, record,
             self.settings.worker_id, self.settings.host_addr, self.site, groups is not None,
         )  # fmt: skip
         try:
@@ -373,7 +375,7 @@ class Trainer:
         member = Member(
             groups or self.groups, self.zygote, call, self.settings.worker_id, self.store.url,
             Path(self.settings.work_dir), (self.draining.leave, self.signals.hurry),
-            self._publish_output, self.settings.ack_wait_s,
+            self._publish_output, self.settings.ack_wait_s, self.site,
         )  # fmt: skip
         self.attempt = member
         try:
@@ -451,6 +453,10 @@ class Trainer:
         # Required by cuBLAS for deterministic results; harmless without a GPU.
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         return env
+
+
+async def _unanswered(msg: Msg) -> None:
+    """A probe (`shared.bus.probe`): being there is the answer."""
 
 
 UNREACHABLE = (

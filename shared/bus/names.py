@@ -367,6 +367,16 @@ def pulse_subject(worker_id: str) -> str:
     return f"{PREFIX}.pulse.{worker_id}"
 
 
+ALIVE_ALL = f"{PREFIX}.alive.*"
+
+
+def alive_subject(worker_id: str) -> str:
+    """Core NATS: a hub trainer listens here for as long as its process lives, and answers
+    nothing. A request that gets "no responders" means its connection is gone
+    (`shared.bus.probe`)."""
+    return f"{PREFIX}.alive.{worker_id}"
+
+
 def heartbeat_subject(worker_id: str, site: str) -> str:
     """A trainer's heartbeat: straight into the workers bucket at the hub; through the
     outbox (sourced into that bucket) at a site."""

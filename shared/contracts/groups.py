@@ -75,3 +75,5 @@ class MemberKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     """The process ended because the user's code raised (not killed, not a peer lost)."""
     tail: str = ""
     step: int = 0
+    site: str = ""
+    """The site its trainer runs at; "" at the hub."""

@@ -351,6 +351,7 @@ def test_a_machine_speaks_only_for_its_own_trainers() -> None:
     assert set(mine.subscribe) == {
         "_INBOX_m_0123456789ab.>", f"{names.PREFIX}.events.>",
         *(names.control_subject(w) for w in workers),
+        *(names.alive_subject(w) for w in workers),
     }  # fmt: skip
     assert not mine.responses
 

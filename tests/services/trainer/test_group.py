@@ -67,7 +67,7 @@ async def groups(declared: Client) -> AsyncIterator[GroupStore]:
 
 def leader(nc: Client, store: GroupStore, run: Run, runs: Runs) -> Leader:
     return Leader(
-        nc.jetstream(), store, runs, run.task, run.lease, run.record, run.lease.worker,
+        nc, nc.jetstream(), store, runs, run.task, run.lease, run.record, run.lease.worker,
         "127.0.0.1",
     )  # fmt: skip
 
