@@ -250,6 +250,14 @@ async def listener(url: str, seconds: float, pulse_s: float) -> dict[str, Any]:
     return {"heard_per_s": heard / wall, "cpu_cores": cpu / wall, "judged": judged}
 
 
+def reap(children: list[subprocess.Popen[str]]) -> None:
+    """Stop whichever client processes are still running (a failed measurement)."""
+    for c in children:
+        if c.poll() is None:
+            c.kill()
+            c.wait()
+
+
 def hub(root: Path, nodes: int) -> HubCluster:
     def make(i: int, routes: ClusterRoutes | None) -> NatsServer:
         return NatsServer(
@@ -297,10 +305,7 @@ async def fleet(
                 results = [json.loads((await o)[0].strip().splitlines()[-1]) for o in outputs]
                 heard = results.pop() if pulse_s else {}
             finally:
-                for c in children:
-                    if c.poll() is None:
-                        c.kill()
-                        c.wait()
+                reap(children)
         finally:
             await cluster.stop()
     renew = [x for r in results for x in r["renew_ms"]]
@@ -381,10 +386,7 @@ async def pulses_only(trainers: int, procs: int, seconds: float, pulse_s: float)
                     await asyncio.sleep(1)
                 results = [json.loads((await o)[0].strip().splitlines()[-1]) for o in outputs]
             finally:
-                for c in children:
-                    if c.poll() is None:
-                        c.kill()
-                        c.wait()
+                reap(children)
         finally:
             await cluster.stop()
     heard = results.pop()

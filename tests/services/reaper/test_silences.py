@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 
 from services.reaper.departures import Departures, departed_worker
 from services.reaper.silences import Silences
@@ -66,16 +67,23 @@ async def pulsing(
             await task
 
 
-async def test_a_silent_trainer_loses_its_run_and_one_that_pulses_keeps_it(
-    authorized: AuthorizedHub,
-) -> None:
+async def watching(
+    authorized: AuthorizedHub, settings: Settings
+) -> tuple[JetStreamContext, Runs, Silences]:
+    """The test's side (the operator: the runs, the task queue) and the reaper's watch, as
+    the reaper role, not yet started."""
     nc = await authorized.connect("operator")
     js = nc.jetstream()
     await ensure_consumer(js, names.TASKS_STREAM, trainer_consumer("default", ACK_WAIT_S, 100))
-    runs = await Runs.open(js)
     reaper = await authorized.connect("reaper")
     rjs = reaper.jetstream()
-    silences = Silences(reaper, rjs, await Runs.open(rjs), None, QUICK)
+    return js, await Runs.open(js), Silences(reaper, rjs, await Runs.open(rjs), None, settings)
+
+
+async def test_a_silent_trainer_loses_its_run_and_one_that_pulses_keeps_it(
+    authorized: AuthorizedHub,
+) -> None:
+    js, runs, silences = await watching(authorized, QUICK)
     await silences.start()
     try:
         alive, _ = await held(js, runs, "ralive", ttl_s=600, worker="w1")
@@ -97,15 +105,8 @@ async def test_a_silent_trainer_loses_its_run_and_one_that_pulses_keeps_it(
 async def test_a_trainer_whose_connection_closes_is_handed_over_at_once(
     authorized: AuthorizedHub,
 ) -> None:
-    nc = await authorized.connect("operator")
-    js = nc.jetstream()
-    await ensure_consumer(js, names.TASKS_STREAM, trainer_consumer("default", ACK_WAIT_S, 100))
-    runs = await Runs.open(js)
-    reaper = await authorized.connect("reaper")
-    rjs = reaper.jetstream()
     # Silence alone would take an hour: only the departure can hand it over in this test.
-    slow = Settings(pulse_s=0.2, silent_after_s=3600)
-    silences = Silences(reaper, rjs, await Runs.open(rjs), None, slow)
+    js, runs, silences = await watching(authorized, Settings(pulse_s=0.2, silent_after_s=3600))
     await silences.start()
     departures = Departures(authorized.url, silences, authorized.vault.get(DEPARTURES_USER))
     await departures.start()
