@@ -27,6 +27,7 @@ from pathlib import Path
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -260,13 +261,39 @@ class Trainer:
             await dead_letter(self.js, msg, "trainer", str(exc), site=self.site)
             await msg.term()
             return
-        found = await self.runs.confirmed(task.run_id)
+        try:
+            found = await self.runs.confirmed(task.run_id)
+        except HUB_FAULTS as exc:
+            await self._give_back(task, msg, exc)
+            return
         if found is None:
             reason = f"no run record for {task.run_id}"
             await dead_letter(self.js, msg, "trainer", reason, site=self.site)
             await msg.term()
             return
         record = found[0]
+        if await self._not_to_run(task, msg, record):
+            return
+        await self.zygote.warm()  # restarted if it died: before the lease, not after
+        lease = Lease(
+            self.hub, task.run_id, self.settings.worker_id, self.settings.lease_ttl_s,
+            api_prefix=self.settings.hub_api, key=task.lease_key, epoch=record.epoch,
+        )  # fmt: skip
+        try:
+            acquired = await lease.acquire()
+        except HUB_FAULTS as exc:
+            await self._give_back(task, msg, exc)
+            return
+        if not acquired:
+            # Someone holds the run and renews it: this copy is a duplicate. Look again
+            # after a third of the TTL, in case the holder has died by then.
+            await msg.nak(delay=self.settings.lease_ttl_s / 3)
+            return
+        scope = Scope(self.js, self.runs, lease, msg, self.settings.worker_id, self.site)
+        await self._start(task, lease, msg, scope, record)
+
+    async def _not_to_run(self, task: Task, msg: Msg, record: RunRecord) -> bool:
+        """Answer a task its run's record says not to run now; True if it was answered."""
         if record.state is RunState.QUEUED and not record.admitted:
             if task.dispatch >= record.dispatch:
                 # The scheduler admits a run before it publishes its task: a record that
@@ -275,25 +302,22 @@ class Trainer:
                 await msg.nak(delay=STALE_RECORD_S)
             else:  # a task of a run requeued since: the scheduler publishes a new one
                 await msg.ack()
-            return
+            return True
         if record.state.terminal or record.state is RunState.PAUSED or record.site:
             # A duplicate of a run that is already over, or that waits for a human (whose
             # resume queues a task of its own), or one granted to a site, whose own queue
             # holds its task.
             await msg.ack()
-            return
-        await self.zygote.warm()  # restarted if it died: before the lease, not after
-        lease = Lease(
-            self.hub, task.run_id, self.settings.worker_id, self.settings.lease_ttl_s,
-            api_prefix=self.settings.hub_api, key=task.lease_key, epoch=record.epoch,
-        )  # fmt: skip
-        if not await lease.acquire():
-            # Someone holds the run and renews it: this copy is a duplicate. Look again
-            # after a third of the TTL, in case the holder has died by then.
-            await msg.nak(delay=self.settings.lease_ttl_s / 3)
-            return
-        scope = Scope(self.js, self.runs, lease, msg, self.settings.worker_id, self.site)
-        await self._start(task, lease, msg, scope, record)
+            return True
+        return False
+
+    async def _give_back(self, task: Task, msg: Msg, exc: Exception) -> None:
+        """The hub did not answer while this trainer took the run (a clustered hub electing
+        a leader, a link down): its task goes back, and comes again once the hub answers.
+        A lease write that landed unheard is this worker's, and lapses after its TTL."""
+        log.warning("%s: could not take the run (%r); its task goes back", task.run_id, exc)
+        with contextlib.suppress(Exception):
+            await msg.nak(delay=GIVE_BACK_S)
 
     async def _start(
         self, task: Task, lease: Lease, msg: Msg, scope: Scope, record: RunRecord
@@ -458,6 +482,11 @@ class Trainer:
 async def _unanswered(msg: Msg) -> None:
     """A probe (`shared.bus.probe`): being there is the answer."""
 
+
+HUB_FAULTS = (NatsError, TimeoutError, ConnectionError)
+"""What the hub's servers answer (or fail to) while one is lost or a stream elects a leader."""
+GIVE_BACK_S = 1.0
+"""How long a task the hub would not let this trainer take stays off the queue."""
 
 UNREACHABLE = (
     ServiceUnavailableError, NoRespondersError, TimeoutError, NatsTimeoutError, NotFoundError,
