@@ -38,6 +38,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`BATON_GRACE`: seconds a preempted (SIGTERMed) trainer gets to checkpoint and commit."""
     work_dir: str = "./.baton/work"
     """`BATON_WORK_DIR`: local scratch for a trainer (run logs, upload spool)."""
+    snapshots_dir: str = ""
+    """`BATON_SNAPSHOTS`: where the host's trainers keep runs' local snapshots, one
+    directory for all of them (`baton.runtime.local`); "" for `/dev/shm/baton-<uid>`."""
     entry_allow: tuple[str, ...] = ()
     """`BATON_ENTRY_ALLOW`: comma-separated module prefixes a trainer may run entry points
     from (`examples,mylab.models`); a job naming any other module is failed before anything
@@ -159,6 +162,7 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             lease_ttl_s=_int(env, "BATON_LEASE_TTL", d.lease_ttl_s, minimum=2),
             grace_s=_float(env, "BATON_GRACE", d.grace_s),
             work_dir=env.get("BATON_WORK_DIR", d.work_dir),
+            snapshots_dir=env.get("BATON_SNAPSHOTS", d.snapshots_dir),
             entry_allow=tuple(
                 p.strip() for p in env.get("BATON_ENTRY_ALLOW", "").split(",") if p.strip()
             ),

@@ -16,6 +16,20 @@ from tests.support.helpers import descendants, wait_until_sync
 from tests.support.roles import AuthorizedHub
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _local_snapshots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every trainer a test starts keeps its runs' local snapshots (`baton.runtime.local`)
+    under the session's temporary directory, never in the host's shared memory."""
+    root = tmp_path_factory.mktemp("snapshots")
+    before = os.environ.get("BATON_SNAPSHOTS")
+    os.environ["BATON_SNAPSHOTS"] = str(root)
+    yield
+    if before is None:
+        os.environ.pop("BATON_SNAPSHOTS", None)
+    else:
+        os.environ["BATON_SNAPSHOTS"] = before
+
+
 @pytest.fixture
 async def nats_server(tmp_path: Path) -> AsyncIterator[NatsServer]:
     """A real nats-server with JetStream on a free loopback port, one per test."""

@@ -30,26 +30,29 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import torch
 
 from baton.runtime import compat, witness
-from baton.runtime.load import Resumed, chosen, load, rng_state
+from baton.runtime.load import Resumed, chosen, load, load_local, rng_state
+from baton.runtime.local import LocalSnapshots
+from baton.runtime.local import root as local_root
 from baton.runtime.slots import Slot
 from baton.runtime.snapshot import Snapshot, Snapshotter
 from shared.checkpoint import commit
 from shared.checkpoint.digest import weights_digest
 from shared.checkpoint.files import group_of, rank_prefix
 from shared.checkpoint.store import open_store
-from shared.contracts import FileRef, Manifest, Task, spec_hash
+from shared.contracts import FileRef, Manifest, Pointer, Task, spec_hash
 from shared.contracts.child import CheckpointReady, FromChild
-from shared.errors import NotFound
+from shared.errors import IntegrityError, NotFound
 
 if TYPE_CHECKING:
     from baton.runtime.group import Group
@@ -57,10 +60,24 @@ if TYPE_CHECKING:
 Groups = dict[str, dict[str, torch.Tensor]]
 
 
+class Found(NamedTuple):
+    """What `Checkpoints.find` found to resume from."""
+
+    manifest: Manifest | None
+    damaged: list[int]
+    """Steps of newer checkpoints that no longer verify, skipped."""
+    rows: list[witness.Row] | None
+    """The checkpoint's witness (`baton.runtime.witness`)."""
+    latest: Pointer | None
+    """The store's `latest` as read before (rank 0's only): what a local snapshot must
+    continue (`baton.runtime.local`)."""
+
+
 class Checkpoints:
     def __init__(
         self,
         task: Task,
+        token: int,
         store_url: str,
         spool: Path,
         send: Callable[[FromChild], None],
@@ -84,6 +101,14 @@ class Checkpoints:
         self._postponed = False
         self.write_error: BaseException | None = None
         """What the writer thread failed with; the loop raises it at its next checkpoint."""
+        every = task.spec.checkpoint.local_every_seconds
+        self.local = (
+            LocalSnapshots(local_root(), store_url, self.run_id, token, every)
+            if every is not None and group is None and not task.spec.replicated
+            else None
+        )
+        """This host's copy of the newest state (`baton.runtime.local`): one rank only."""
+        self.resumed_local = False
 
     @property
     def sharded(self) -> list[str]:
@@ -119,11 +144,17 @@ class Checkpoints:
     # -- what ----------------------------------------------------------------------------
 
     def state(
-        self, step: int, cursor: dict[str, Any], weights: dict[str, torch.Tensor] | None = None
+        self,
+        step: int,
+        cursor: dict[str, Any],
+        weights: dict[str, torch.Tensor] | None = None,
+        *,
+        digest: bool = True,
     ) -> tuple[Groups, dict[str, Any], dict[str, dict[str, str]]]:
         """This rank's part of a checkpoint of `step`: tensors by file, its meta.json, and
         each sharded file's `__metadata__`. The digest is of `weights`, or else of the first
-        registered object's tensors (a sharded one's: `_written`)."""
+        registered object's tensors (a sharded one's: `_written`); none without `digest`
+        (a local snapshot's: it is never committed)."""
         groups: Groups = {}
         trees: dict[str, Any] = {}
         headers: dict[str, dict[str, str]] = {}
@@ -153,7 +184,8 @@ class Checkpoints:
             meta["rank"] = self.rank
             return groups, meta, headers
         first = next(iter(groups.values())) if weights is None else weights
-        meta["digest"] = "" if self.slots and self.slots[0].sharded else weights_digest(first)
+        digested = digest and not (self.slots and self.slots[0].sharded)
+        meta["digest"] = weights_digest(first) if digested else ""
         meta["versions"] = compat.recorded(self.spec.entry_point)
         if self._ranks() > 1:
             meta["ranks"] = self.world_size
@@ -233,36 +265,55 @@ class Checkpoints:
     def write_witness(self, key: str, data: bytes) -> None:
         self._snap.write_witness(key, data)
 
-    def close(self) -> None:
+    def keep_local(self, step: int, cursor: dict[str, Any], token: int) -> None:
+        """After a step: a local snapshot of it, if one is due (`baton.runtime.local`)."""
+        local = self.local
+        if local is not None and step < self.spec.total_steps and local.due():
+            groups, meta, _ = self.state(step, cursor, digest=False)
+            local.take(step, token, groups, meta)
+
+    def drop_local(self) -> None:
+        """Remove this run's local snapshots: the state since the last checkpoint is not to
+        be resumed."""
+        if self.local is not None:
+            self.local.discard()
+            self.local.on = False
+
+    def close(self, completed: bool = False) -> None:
         self._snap.close()
+        if self.local is not None and completed:  # nothing left to resume on this host
+            self.local.discard()
+        elif self.local is not None:
+            self.local.close()
         self.raise_failed()
 
     # -- resuming ------------------------------------------------------------------------
 
-    async def find(
-        self, witnessed: bool
-    ) -> tuple[Manifest | None, list[int], list[witness.Row] | None]:
+    async def find(self, witnessed: bool) -> Found:
         """The checkpoint to resume from: the newest that verifies, as rank 0 found it (a
         commit landing while the ranks look must not split them), and (`witnessed`) its
         witness."""
         async with open_store(self.store_url) as store:
             damaged: list[int] = []
+            latest = None
             if self._group is not None and self.rank > 0:
                 key = await asyncio.to_thread(self._group.shared, "restore")
                 manifest = await chosen(store, key, self.run_id)
             else:
+                latest = await commit.read_latest(store, self.run_id)
                 manifest, damaged = await commit.restorable(store, self.run_id)
             if self._group is not None and self.rank == 0:
                 self._group.share("restore", commit.key_of(manifest) if manifest else "")
             if manifest is not None:
                 commit.check_ranks(manifest, self.world_size, self.spec.elastic)
+            pointer = latest[0] if latest is not None else None
             if manifest is None or not witnessed:
-                return manifest, damaged, None
+                return Found(manifest, damaged, None, pointer)
             try:
                 data = await store.get(commit.witness_key(self.run_id, manifest.step))
             except NotFound:
-                return manifest, damaged, None
-            return manifest, damaged, witness.decode(data, manifest.step)
+                return Found(manifest, damaged, None, pointer)
+            return Found(manifest, damaged, witness.decode(data, manifest.step), pointer)
 
     def load(self, manifest: Manifest) -> Resumed:
         """Load a checkpoint that `commit.restorable` verified (`baton.runtime.load`)."""
@@ -272,6 +323,31 @@ class Checkpoints:
             rank=0 if self.spec.elastic else self.rank, verify=self.rank > 0,
         )  # fmt: skip
         self.taken(resumed.step)
+        return resumed
+
+    def resume_local(self, latest: Pointer | None) -> Resumed | None:
+        """Load this host's local snapshot, if it continues the store's chain at `latest`
+        and is ahead of it (`baton.runtime.local`); None to resume from the store."""
+        local = self.local
+        if local is not None and self.sharded:
+            local.on = False  # a sharded object's chunks are a group's, not a host's
+        if local is None or not local.on:
+            return None
+        found = local.find(latest)
+        if found is None:
+            return None
+        path, mark = found
+        try:
+            resumed = load_local(
+                path, self.slots, mark.step, run_id=self.run_id, spec_hash=spec_hash(self.spec)
+            )
+        except IntegrityError as exc:
+            print(f"baton: local snapshot {mark.step} not resumed: {exc}", file=sys.stderr)
+            return None
+        print(f"baton: resumed step {mark.step} from this host's local snapshot (the newest"
+              f" checkpoint is step {latest.step if latest else 0})", file=sys.stderr)  # fmt: skip
+        self.taken(resumed.step)
+        self.resumed_local = True
         return resumed
 
 

@@ -114,7 +114,7 @@ class RunContext:
         self._allow_changes = allow_changes
         """The operator let a deterministic run resume under other software (`compat`)."""
         self._spool = spool
-        self._checkpoints = Checkpoints(task, store_url, spool, send, group, self._vet)
+        self._checkpoints = Checkpoints(task, token, store_url, spool, send, group, self._vet)
         self._lock = threading.Lock()
         self._want_checkpoint = False
         self._want_stop = False
@@ -134,24 +134,17 @@ class RunContext:
         `torch.Generator` objects, and dicts/lists of JSON values (put back in place). The
         first registered object's tensors are the weights the run's digest is taken of.
         Anything else is refused with a `TypeError` naming it."""
-        registered = {**state, **{n: b for n, b in self._loaders.items() if n not in state}}
-        if not registered:
-            raise ValueError("restore() needs at least one object, e.g. restore(model=model)")
-        if self._replica is not None:  # its outer state, checkpointed with the rest
-            registered["baton_outer"] = self._replica
-        if self._checkpoints.slots:
-            raise RuntimeError("restore() registers state once per run; call it once")
-        seen: dict[int, str] = {}
-        for name, obj in registered.items():
-            if id(obj) in seen and not isinstance(obj, bool | int | float | str):
-                raise ValueError(f"restore(): {name!r} is the same object as {seen[id(obj)]!r}")
-            seen[id(obj)] = name
-        self._checkpoints.slots = slots_for(registered)
+        self._checkpoints.slots = slots_for(self._registered(state))
         began = time.monotonic()
-        manifest, damaged, rows = asyncio.run(self._checkpoints.find(self._witness.enabled))
+        found = asyncio.run(self._checkpoints.find(self._witness.enabled))
+        manifest, damaged, rows = found.manifest, found.damaged, found.rows
         resharded, read, changed = 0, 0, []
-        if manifest is not None:
+        resumed = self._checkpoints.resume_local(found.latest if not damaged else None)
+        if resumed is not None:
+            manifest = None
+        elif manifest is not None:
             resumed = self._checkpoints.load(manifest)
+        if resumed is not None:
             changed = compat.changes(resumed.versions, compat.recorded(self.spec.entry_point))
             if changed and self.spec.deterministic and not self._allow_changes:
                 raise compat.Changed(
@@ -162,7 +155,7 @@ class RunContext:
             self.step, read = resumed.step, resumed.read_bytes
             self.cursor.clear()  # in place, like registered dicts: a reference taken earlier
             self.cursor.update(resumed.cursor)  # is still the one saved
-            if manifest.sharded and manifest.ranks != self.world_size:
+            if manifest and manifest.sharded and manifest.ranks != self.world_size:
                 resharded, rows = manifest.ranks, None  # no witness across sizes: see shards
                 print(f"baton: resumed step {self.step} written by {manifest.ranks} rank(s) at"
                       f" {self.world_size}; rank {self.rank} read {read} bytes of shards; not"
@@ -171,10 +164,12 @@ class RunContext:
         if self._replica is not None:
             self._replica.attach(next(iter(state.values()), None))
         took = time.monotonic() - began
-        self._witness.resumed(self.step, rows)
+        if not self._checkpoints.resumed_local:  # a witness follows a committed checkpoint
+            self._witness.resumed(self.step, rows)
         setup = max(0.0, began - self._launched_at)
         self._send(Loaded(step=self.step, damaged=damaged, took_s=took, setup_s=setup,
-                          resharded_from=resharded, read_bytes=read, changed=changed))  # fmt: skip
+                          resharded_from=resharded, read_bytes=read, changed=changed,
+                          local=self._checkpoints.resumed_local))  # fmt: skip
         return self.step
 
     def data_loader(
@@ -312,7 +307,7 @@ class RunContext:
                 self.token = token
 
     def close(self) -> None:
-        self._checkpoints.close()
+        self._checkpoints.close(completed=self.step >= self.total_steps)
         self._guarded(None)  # the final checkpoint refused by the guard: no finish
 
     # -- internals -----------------------------------------------------------------------
@@ -325,6 +320,24 @@ class RunContext:
             self._replica.boundary(self.step, self.token, last, lambda: self._want_stop)
         if self._boundary():
             self._save(final=False)
+        self._checkpoints.keep_local(self.step, self.cursor, self.token)
+
+    def _registered(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What `restore(**state)` registers: `state`, the data loaders, a replica's outer
+        state; refused if empty, given twice, or registered before."""
+        registered = {**state, **{n: b for n, b in self._loaders.items() if n not in state}}
+        if not registered:
+            raise ValueError("restore() needs at least one object, e.g. restore(model=model)")
+        if self._replica is not None:  # its outer state, checkpointed with the rest
+            registered["baton_outer"] = self._replica
+        if self._checkpoints.slots:
+            raise RuntimeError("restore() registers state once per run; call it once")
+        seen: dict[int, str] = {}
+        for name, obj in registered.items():
+            if id(obj) in seen and not isinstance(obj, bool | int | float | str):
+                raise ValueError(f"restore(): {name!r} is the same object as {seen[id(obj)]!r}")
+            seen[id(obj)] = name
+        return registered
 
     def _boundary(self, report: bool = True) -> bool:
         """What every rank agrees on once a step is done (a stop is kept in `should_stop`);
@@ -369,14 +382,19 @@ class RunContext:
 
     def _guarded(self, tripped: Tripped | None) -> None:
         """End the attempt here if the guard tripped (`baton.runtime.guard`): at this step,
-        or on a checkpoint the writer thread refused since (`_vet`)."""
+        or on a checkpoint the writer thread refused since (`_vet`). The host's local
+        snapshots go with it: taken unvetted since the last checkpoint, they may hold the
+        state that blew up, and the run must go on from what the guard let through."""
+        with self._lock:
+            refused = self._refused
+        if tripped is None and refused is None:
+            return
+        self._checkpoints.drop_local()
         if tripped is not None:
             self._send(tripped)
             raise guard.GuardTripped(tripped)
-        with self._lock:
-            refused = self._refused
-        if refused is not None:
-            raise guard.GuardTripped(refused)
+        assert refused is not None
+        raise guard.GuardTripped(refused)
 
     def _vet(self, snap: Snapshot) -> bool:
         """On the writer thread, before a checkpoint is written: its tensors are all finite

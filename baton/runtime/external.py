@@ -111,7 +111,7 @@ class ExternalLoop:
             return self._resumed
         self._started = True
         began = time.monotonic()
-        manifest, damaged, rows = asyncio.run(ctx._checkpoints.find(ctx._witness.enabled))
+        manifest, damaged, rows, _ = asyncio.run(ctx._checkpoints.find(ctx._witness.enabled))
         if manifest is not None:
             self._resumed = self._download(manifest)
             ctx.step = manifest.step

@@ -21,7 +21,7 @@ import asyncio
 import random
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -78,9 +78,6 @@ def load(
     size (`baton.runtime.shards`)."""
     step, own = manifest.step, checkpoint_files.rank_prefix(rank)
 
-    def file_of(slot: Slot) -> str:
-        return f"{own if slot.per_rank else ''}{slot.name}{SUFFIX}"
-
     rng_file = f"{own}rng{SUFFIX}"
     whole = [s for s in slots if not s.sharded]
     if was := [s.name for s in whole if s.name in manifest.sharded]:
@@ -88,48 +85,92 @@ def load(
             f"checkpoint {step}: {was[0]!r} was saved sharded (FSDP2) and is registered"
             " whole: shard it as it was before restore()"
         )
-    wanted = {META, own + META, rng_file, *map(file_of, whole)}
+    wanted = {META, own + META, rng_file, *(_file_of(s, own) for s in whole)}
     refs = [f for f in manifest.files if f.name in wanted]
     if missing := sorted(wanted - {f.name for f in refs}):
         raise IntegrityError(f"checkpoint {step} lacks {', '.join(missing)}")
     with tempfile.TemporaryDirectory(prefix="baton-restore-") as tmp:
         local = asyncio.run(download(store_url, refs, Path(tmp), check_hashes=verify))
-        shared = _meta(local[META], step, run_id, spec_hash)
-        mine = shared if not rank else _meta(local[own + META], step, run_id, spec_hash)
-        if mine["step"] != shared["step"] or mine.get("rank", 0) != rank:
-            raise IntegrityError(f"checkpoint {step}: {own}{META} is not rank {rank}'s of it")
-        trees = {slot.name: _tree(slot, mine, shared, step) for slot in slots}
-        for slot in whole:
-            checkpoint_files.check_tensors(
-                local[file_of(slot)],
-                file_of(slot),
-                recorded=declared(trees[slot.name]),
-                live=slot.live(),
-                live_name=f"the {slot.name} being restored",
-            )
+        return _load_files(
+            local, slots, step, rank=rank, run_id=run_id, spec_hash=spec_hash,
+            sharded=lambda slot, tree: _load_sharded(store_url, manifest, slot, tree),
+        )  # fmt: skip
+
+
+def load_local(
+    directory: Path, slots: Sequence[Slot], step: int, *, run_id: str, spec_hash: str
+) -> Resumed:
+    """Load a local snapshot of a single-rank run (`baton.runtime.local`): the files of a
+    checkpoint of `step`, in `directory` on this host, checked as a downloaded checkpoint's
+    are before any object is touched."""
+    if sharded := [s.name for s in slots if s.sharded]:
+        raise IntegrityError(f"a local snapshot cannot hold the sharded {sharded[0]!r}")
+    names = {META, f"rng{SUFFIX}", *(f"{s.name}{SUFFIX}" for s in slots)}
+    local = {name: directory / name for name in names}
+    if missing := sorted(n for n, p in local.items() if not p.is_file()):
+        raise IntegrityError(f"local snapshot {step} lacks {', '.join(missing)}")
+    return _load_files(local, slots, step, rank=0, run_id=run_id, spec_hash=spec_hash)
+
+
+def _load_files(
+    local: dict[str, Path],
+    slots: Sequence[Slot],
+    step: int,
+    *,
+    rank: int,
+    run_id: str,
+    spec_hash: str,
+    sharded: Callable[[Slot, Any], int] | None = None,
+) -> Resumed:
+    """Check and load the files of a checkpoint of `step` that are on this host (`local`,
+    by name); `sharded` loads a sharded object's chunks and says how many bytes it read."""
+    own = checkpoint_files.rank_prefix(rank)
+
+    rng_file = f"{own}rng{SUFFIX}"
+    whole = [s for s in slots if not s.sharded]
+    shared = _meta(local[META], step, run_id, spec_hash)
+    mine = shared if not rank else _meta(local[own + META], step, run_id, spec_hash)
+    if mine["step"] != shared["step"] or mine.get("rank", 0) != rank:
+        raise IntegrityError(f"checkpoint {step}: {own}{META} is not rank {rank}'s of it")
+    trees = {slot.name: _tree(slot, mine, shared, step) for slot in slots}
+    for slot in whole:
         checkpoint_files.check_tensors(
-            local[rng_file],
-            rng_file,
-            live=specs_of(rng_state()[0]),
-            live_name="this process's RNG",
-            required=("torch", "numpy"),
+            local[_file_of(slot, own)],
+            _file_of(slot, own),
+            recorded=declared(trees[slot.name]),
+            live=slot.live(),
+            live_name=f"the {slot.name} being restored",
         )
-        # Objects, then data loaders, then generators (`baton.runtime.slots`); the global
-        # RNGs last.
-        read = 0
-        for slot in sorted(slots, key=lambda s: s.phase):
-            if slot.sharded:
-                read += _load_sharded(store_url, manifest, slot, trees[slot.name])
-            else:
-                _load_whole(slot, trees[slot.name], local[file_of(slot)], file_of(slot), step)
-        rng = checkpoint_files.load_tensors(local[rng_file], rng_file)
-        try:
-            set_rng_state(rng, mine["rng"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise IntegrityError(f"checkpoint {step}: malformed RNG state: {exc!r}") from None
+    checkpoint_files.check_tensors(
+        local[rng_file],
+        rng_file,
+        live=specs_of(rng_state()[0]),
+        live_name="this process's RNG",
+        required=("torch", "numpy"),
+    )
+    # Objects, then data loaders, then generators (`baton.runtime.slots`); the global
+    # RNGs last.
+    read = 0
+    for slot in sorted(slots, key=lambda s: s.phase):
+        if slot.sharded:
+            assert sharded is not None
+            read += sharded(slot, trees[slot.name])
+        else:
+            name = _file_of(slot, own)
+            _load_whole(slot, trees[slot.name], local[name], name, step)
+    rng = checkpoint_files.load_tensors(local[rng_file], rng_file)
+    try:
+        set_rng_state(rng, mine["rng"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise IntegrityError(f"checkpoint {step}: malformed RNG state: {exc!r}") from None
     versions = shared.get("versions")
     recorded = versions if isinstance(versions, dict) else {}
     return Resumed(mine["step"], mine["cursor"], read, recorded)
+
+
+def _file_of(slot: Slot, own: str) -> str:
+    """The file holding a whole slot's tensors, for the rank whose prefix is `own`."""
+    return f"{own if slot.per_rank else ''}{slot.name}{SUFFIX}"
 
 
 def _load_whole(slot: Slot, tree: Any, path: Path, name: str, step: int) -> None:

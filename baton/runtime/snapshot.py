@@ -110,16 +110,7 @@ class Snapshotter:
         how long the caller was blocked (waiting for the previous write plus the copy)."""
         started = time.perf_counter()
         self.wait()
-        copies: dict[str, dict[str, torch.Tensor]] = {}
-        on_gpu = False
-        for group, tensors in groups.items():
-            out = copies[group] = {}
-            for name, t in tensors.items():
-                out[name] = buf = self._buffer(f"{group}/{name}", t)
-                buf.copy_(t.detach(), non_blocking=t.is_cuda)
-                on_gpu = on_gpu or t.is_cuda
-        if on_gpu:
-            torch.cuda.synchronize()
+        copies = copy_into(self._buffers, groups)
         encoded = json.dumps(meta, sort_keys=True).encode()
         return Snapshot(step, copies, encoded, headers), time.perf_counter() - started
 
@@ -171,13 +162,6 @@ class Snapshotter:
         if self._loop is not None and self._store is not None:
             self._pool.submit(self._loop.run_until_complete, self._store.close()).result()
         self._pool.shutdown()
-
-    def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
-            self._buffers[key] = buf
-        return buf
 
     def _open(self) -> Store:
         # On the single writer thread, which owns its own event loop and store client.
@@ -236,6 +220,30 @@ class Snapshotter:
                 )
                 self._outage_since = None
             return
+
+
+def copy_into(
+    buffers: dict[str, torch.Tensor], groups: dict[str, dict[str, torch.Tensor]]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Copy `groups`' tensors into host buffers kept in `buffers` (by group and name) and
+    reused from one capture to the next (pinned when the source is on a GPU); returns the
+    copies, grouped as given, once every copy is done."""
+    copies: dict[str, dict[str, torch.Tensor]] = {}
+    on_gpu = False
+    for group, tensors in groups.items():
+        out = copies[group] = {}
+        for name, t in tensors.items():
+            key = f"{group}/{name}"
+            buf = buffers.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+                buffers[key] = buf
+            out[name] = buf
+            buf.copy_(t.detach(), non_blocking=t.is_cuda)
+            on_gpu = on_gpu or t.is_cuda
+    if on_gpu:
+        torch.cuda.synchronize()
+    return copies
 
 
 async def _upload(

@@ -67,7 +67,7 @@ class Reports:
         restored = Restored(
             run_id=self.run_id, worker=self.worker, step=msg.step, damaged=msg.damaged,
             restore_s=msg.took_s, setup_s=msg.setup_s, resharded_from=msg.resharded_from,
-            read_bytes=msg.read_bytes,
+            read_bytes=msg.read_bytes, local=msg.local,
         )  # fmt: skip
         await self.emit(restored)
 

@@ -473,6 +473,8 @@ class Trainer:
         # NATS credentials, so user code cannot leak or use them.
         env = {k: v for k, v in os.environ.items() if k not in NATS_SECRETS}
         env["BATON_SPOOL"] = str(Path(self.settings.work_dir, "spool").resolve())
+        if self.settings.snapshots_dir:  # shared by the host's trainers (`baton.runtime.local`)
+            env["BATON_SNAPSHOTS"] = str(Path(self.settings.snapshots_dir).resolve())
         env["PYTHONUNBUFFERED"] = "1"
         # Required by cuBLAS for deterministic results; harmless without a GPU.
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -98,6 +98,9 @@ class Loaded(_Msg, tag="loaded", frozen=True):
     size but not the bits the old size would have made (docs/sharded.md)."""
     read_bytes: int = 0
     """Bytes this rank read of other ranks' shard files: the chunks it owns now."""
+    local: bool = False
+    """It resumed from this host's local snapshot, ahead of the newest checkpoint
+    (`baton.runtime.local`)."""
 
 
 class StepDone(_Msg, tag="step", frozen=True):

@@ -61,6 +61,9 @@ class Restored(_Event, tag="restored", frozen=True):
     would have made (docs/sharded.md), so the run's self-check is not made across it."""
     read_bytes: int = 0
     """Bytes of shard files the attempt's first rank read to load it."""
+    local: bool = False
+    """It resumed from its host's local snapshot, ahead of the newest checkpoint: `step`
+    was never committed (`baton.runtime.local`)."""
 
 
 def loss_of(metrics: Mapping[str, float]) -> float | None:

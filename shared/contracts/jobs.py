@@ -28,6 +28,11 @@ class CheckpointPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     every_steps: Annotated[int, Meta(ge=1, le=10**9)] | None = 100
     every_seconds: Seconds | None = None
     keep_last: Annotated[int, Meta(ge=1, le=1000)] = 3
+    local_every_seconds: Annotated[float, Meta(ge=0, le=30 * 86400)] | None = None
+    """Also keep the newest state in the host's memory this often (0: after every step the
+    last one is written), so an attempt killed between checkpoints resumes on this host at
+    the step it reached (`baton.runtime.local`; docs/operations.md). A run of one rank
+    that owns its loop; it costs the host memory one copy of the state."""
 
 
 class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

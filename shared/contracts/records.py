@@ -273,6 +273,8 @@ versions."""
 
 def spec_hash(spec: JobSpec) -> str:
     fields = msgspec.to_builtins(msgspec.structs.replace(spec, idempotency_key=None))
+    # Where a run keeps its state between checkpoints says nothing of what it trains.
+    fields["checkpoint"].pop("local_every_seconds", None)
     for name, default in _ADDED_LATER.items():
         if fields.get(name) == default:
             del fields[name]

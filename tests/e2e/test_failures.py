@@ -8,13 +8,18 @@ deterministic mode on they must be bitwise identical.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from baton.runtime.local import MARK, Mark
 from shared.bus import names
 from shared.checkpoint import commit
 from shared.checkpoint.store import open_store
@@ -42,7 +47,7 @@ def paced(total: int = 100, every: int = 10, pace: float = 0.03, **over: Any) ->
     return job(
         entry_point=PACED,
         total_steps=total,
-        checkpoint={"every_steps": every},
+        checkpoint=over.pop("checkpoint", {"every_steps": every}),
         config={"pace": pace},
         seed=11,
         **over,
@@ -92,6 +97,49 @@ async def test_sigkill_at_three_points_resumes_bitwise_on_the_other_trainer(two:
         assert last_commit <= resumed.step <= reached.step  # lost ≤ steps since last commit
         assert not log.of(Redispatched), "the task was still queued: nothing to re-dispatch"
         log.close()
+
+
+async def test_a_killed_trainer_s_heir_resumes_at_the_host_s_local_snapshot(two: Stack) -> None:
+    """With local snapshots (`baton.runtime.local`), a SIGKILL between two checkpoints costs
+    no step: the heir on the same host resumes where the killed attempt's snapshot is, ahead
+    of the newest commit, and the run ends bitwise the uninterrupted one."""
+    nc = await two.client()
+    want = await reference_digest(two, paced(every=40))
+    local = {"every_steps": 40, "local_every_seconds": 0}
+    run_id = await submit(nc, paced(idempotency_key="local", checkpoint=local))
+    log = EventLog(nc, run_id)
+    first = await log.wait_for(lambda e: isinstance(e, Started), 30, "start")
+    assert isinstance(first, Started)
+    await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step == 40, 30, "40")
+    snapped = await eventually(lambda: _snapshot_after(run_id, 50), 30, "a snapshot past 50")
+    victim = two.pid(first.worker)
+    family = children_of(victim)
+    os.kill(victim, signal.SIGKILL)
+    await all_dead(family, "the killed trainer's training process")
+    resumed = await log.wait_for(
+        lambda e: isinstance(e, Restored) and e.worker != first.worker, 30, "resume"
+    )
+    assert isinstance(resumed, Restored) and resumed.local, resumed
+    committed = max(e.step for e in log.of(CheckpointCommitted))
+    assert resumed.step >= snapped and resumed.step > committed
+    record = await finished(nc, run_id)
+    assert record.state is RunState.COMPLETED and record.digest == want
+    print(f"SIGKILL past step {snapped}: resumed at {resumed.step}, newest commit {committed}")
+    assert not list(_snapshots(run_id)), "a completed run leaves no local snapshot"
+    log.close()
+
+
+def _snapshots(run_id: str) -> Iterator[int]:
+    """The steps of `run_id`'s local snapshots on this host (the tests' `BATON_SNAPSHOTS`)."""
+    for mark in Path(os.environ["BATON_SNAPSHOTS"]).glob(f"*/snap-*/{MARK}"):
+        with contextlib.suppress(OSError, ValueError):  # removed, or not yet whole
+            found = msgspec.json.decode(mark.read_bytes(), type=Mark)
+            if found.run_id == run_id:
+                yield found.step
+
+
+async def _snapshot_after(run_id: str, step: int) -> int | None:
+    return max((s for s in _snapshots(run_id) if s > step), default=None)
 
 
 async def test_sigterm_loses_no_step_and_hands_over_at_once(two: Stack) -> None:
