@@ -392,6 +392,8 @@ def _trainer_publish(
 
 
 CALLOUT_SUBJECT = "$SYS.REQ.USER.AUTH"
+MACHINE_INBOX = "m_"
+"""What every joined machine's inbox prefix starts with (`_INBOX_m_<id>`)."""
 SYSTEM_USER = "system"
 """A system account's user with every right there: the registrar, asking the servers which
 connections a revoked machine has and closing them (`$SYS.REQ.SERVER.*.CONNZ`, `.KICK`)."""
@@ -454,7 +456,52 @@ def registrar_permissions() -> Permissions:
         ),
         subscribe=(
             f"{inbox_prefix('registrar')}.>", CALLOUT_SUBJECT, f"{names.PREFIX}.join.*",
-            names.REVOKE_SUBJECT, names.REGISTRAR_HELLO,
+            names.SITE_JOIN_ALL, names.REVOKE_SUBJECT, names.REGISTRAR_HELLO,
+        ),
+        responses=True,
+    )  # fmt: skip
+
+
+def site_machine_permissions(user: str, workers: tuple[str, ...], site: str) -> Permissions:
+    """A machine that joined at `site`: a site trainer's rights (`site_permissions`), but
+    only for its own worker ids — their heartbeats, their commands — and with replies on
+    its own inbox."""
+    trainer = site_permissions("trainer", site)
+    assert trainer is not None
+    others = names.site_root(site, "workers")
+    heartbeats = tuple(names.heartbeat_subject(w, site) for w in workers)
+    return Permissions(
+        publish=tuple(p for p in trainer.publish if p != others) + heartbeats,
+        subscribe=(
+            f"{inbox_prefix(user.replace('-', '_'))}.>", names.site_root(site, "events"),
+            *(names.control_subject(w) for w in workers),
+        ),
+    )  # fmt: skip
+
+
+_HUB_MACHINE_RECORDS = (
+    f"{HUB_API}.DIRECT.GET.KV_{names.MACHINES_BUCKET}.$KV.{names.MACHINES_BUCKET}.>",
+)
+"""A machine or token record read at the hub by its key, from a site: one the site's copy
+does not hold yet (`shared.machines.copy`)."""
+
+
+def site_registrar_permissions(site: str) -> Permissions:
+    """A site's registrar: it answers its leaf node's auth callout from the site's copy of
+    the hub's machine records (`names.HUB_MACHINES_STREAM`, which it declares and reads),
+    and passes joins made at the site on to the hub's registrar."""
+    stream = names.HUB_MACHINES_STREAM
+    return Permissions(
+        publish=(
+            f"{API}.INFO", f"{API}.STREAM.INFO.{stream}", f"{API}.STREAM.CREATE.{stream}",
+            f"{API}.STREAM.UPDATE.{stream}", f"{API}.DIRECT.GET.{stream}.>",
+            *_create_consumer(API, stream), f"{API}.CONSUMER.INFO.{stream}.>",
+            f"{API}.CONSUMER.DELETE.{stream}.>", *_FLOW,
+            f"{names.PREFIX}.site.{site}.join.*", *_HUB_MACHINE_RECORDS,
+        ),
+        subscribe=(
+            f"{inbox_prefix(f'{site}_registrar')}.>", CALLOUT_SUBJECT,
+            f"{names.PREFIX}.join.*", names.REGISTRAR_HELLO,
         ),
         responses=True,
     )  # fmt: skip
@@ -543,14 +590,18 @@ def site_link(site: str) -> Permissions:
     # The site's JetStream answers the dispatcher's grants (`services/dispatcher/delegation.py`),
     # and sources the hub's run records (`shared.bus.streams`: consumers it creates at the
     # hub, their answers on `$JSC.R.`, their deliveries under the site's own prefix).
-    copied = (f"KV_{names.RUNS_BUCKET}", names.ARCHIVE_STREAM)
+    # And, at a site that admits machines, the hub's machine records (`services/registrar`).
+    copied = (f"KV_{names.RUNS_BUCKET}", names.ARCHIVE_STREAM, f"KV_{names.MACHINES_BUCKET}")
     out = (
         f"{names.PREFIX}.site.{site}.>", *hub_calls, *_FLOW, "$JSC.R.>", "$JS.S.>",
-        f"{inbox_prefix('dispatcher')}.>",
+        f"{inbox_prefix('dispatcher')}.>", *_HUB_MACHINE_RECORDS,
         *(f"{HUB_API}.CONSUMER.CREATE.{s}{tail}" for s in copied for tail in ("", ".>")),
     )  # fmt: skip
+    # Machines that joined at the site: their replies from the hub's JetStream.
+    machines = f"{inbox_prefix(MACHINE_INBOX)}*.>"
     into = (
-        *site_users, f"{names.PREFIX}.control.>", f"$JS.{site}.API.>", *_FLOW,
+        *site_users, f"{inbox_prefix(f'{site}_registrar')}.>", machines,
+        f"{names.PREFIX}.control.>", f"$JS.{site}.API.>", *_FLOW,
         names.site_root(site, "tasks"), f"{names.from_hub(site)}.>", "$JSC.R.>",
     )  # fmt: skip
     return Permissions(publish=out, subscribe=into)

@@ -143,9 +143,10 @@ def up(
         bool,
         typer.Option(
             "--machines",
-            help="At the hub, with auth: admit machines that join with a token (`baton "
-            "token create`, `baton join`), each with its own identity, revocable "
-            "(docs/machines.md); runs the registrar.",
+            help="With auth: admit machines that join with a token (`baton token "
+            "create [--site S]`, `baton join`), each with its own identity, revocable "
+            "(docs/machines.md); runs the registrar. At a site (--site), machines join "
+            "there and log in through cuts; the hub must admit machines too.",
         ),
     ] = False,
 ) -> None:
@@ -167,9 +168,8 @@ def up(
             fail("--hub-nodes and --replicas are for the hub, not a site", code=2)
     elif hub or hub_auth:
         fail("--hub and --hub-auth are for a site: add --site NAME", code=2)
-    if machines and (site is not None or not auth):
-        fail("--machines is for the hub, with auth: machines join it as users of their own",
-             code=2)  # fmt: skip
+    if machines and not auth:
+        fail("--machines needs auth: machines join as users of their own", code=2)
     extra_env = _hub_files(site, alerts, pools)
     if replicas is not None and replicas > hub_nodes:
         fail(f"--replicas {replicas} needs at least as many --hub-nodes, not {hub_nodes}", code=2)

@@ -40,6 +40,7 @@ machines_app = Typer(
 )
 app.add_typer(machines_app, name="machines")
 
+_SITE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 _UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -58,11 +59,17 @@ def create(
     ttl: Annotated[
         str, typer.Option(help="How long the token may be used: 90s, 15m, 1h, 7d.")
     ] = "1h",
+    site: Annotated[
+        str,
+        typer.Option(help="Join at this site's leaf node instead of the hub (it must admit "
+                     "machines: `baton up --site S --machines`)."),
+    ] = "",
     server: Server = DEFAULT,
     as_json: Json = False,
 ) -> None:
     """A one-time token for one machine to join POOL: give it to `baton join URL --token T`
-    on that machine. It is refused once used, after TTL, or if altered."""
+    on that machine (URL: the hub's, or with --site that site's). It is refused once used,
+    after TTL, or if altered."""
     from baton.cli import scheduling
     from shared.machines.registry import Registry
 
@@ -71,19 +78,23 @@ def create(
     except ValueError as exc:
         fail(f"--ttl: {exc}", code=2)
     run(lambda: call(scheduling.check_pool, pool))
+    if site and not _SITE.match(site):
+        fail(f"--site: {site!r} is not a site's name (letters, digits, - and _)", code=2)
 
     async def make(nc: Any) -> tuple[Any, str]:
         await admits_machines(nc)
-        return await Registry(nc.jetstream()).create_token(pool, ttl_s, by="operator")
+        return await Registry(nc.jetstream()).create_token(pool, ttl_s, site, by="operator")
 
     token, text = run(lambda: with_nats(server, make))
     if as_json:
-        print_json({"token": text, "id": token.id, "pool": pool, "expires_at": token.expires_at})
+        print_json({"token": text, "id": token.id, "pool": pool, "site": site,
+                    "expires_at": token.expires_at})  # fmt: skip
         return
-    out.print(f"token {token.id} for pool {pool}, valid for {ttl}, once:", soft_wrap=True)
+    at = f" at site {site}" if site else ""
+    out.print(f"token {token.id} for pool {pool}{at}, valid for {ttl}, once:", soft_wrap=True)
     print(text)
-    out.print(f"on the new machine: baton join {server.split(',')[0]} --token {text}",
-              soft_wrap=True)  # fmt: skip
+    url = f"<site {site}'s NATS URL>" if site else server.split(",")[0]
+    out.print(f"on the new machine: baton join {url} --token {text}", soft_wrap=True)
 
 
 async def admits_machines(nc: Any) -> None:
@@ -186,12 +197,14 @@ def machines(ctx: typer.Context, server: Server = DEFAULT, as_json: Json = False
         return
     from rich.table import Table
 
-    table = Table("machine", "host", "pool", "trainers", "gpus", "last seen", "runs", "state")
+    table = Table(
+        "machine", "host", "pool", "site", "trainers", "gpus", "last seen", "runs", "state"
+    )
     for r in rows:
         seen = f"{r['last_seen_s']:.0f}s ago" if r["last_seen_s"] is not None else "-"
         table.add_row(
-            r["machine"], r["host"], r["pool"], str(r["trainers"]), ", ".join(r["gpus"]) or "-",
-            seen, ", ".join(r["runs"]) or "-", r["state"],
+            r["machine"], r["host"], r["pool"], r["site"] or "-", str(r["trainers"]),
+            ", ".join(r["gpus"]) or "-", seen, ", ".join(r["runs"]) or "-", r["state"],
         )  # fmt: skip
     out.print(table)
 
@@ -202,7 +215,7 @@ def _row(m: Machine, workers: list[WorkerInfo]) -> dict[str, Any]:
     mine = [w for w in workers if w.worker in m.workers()]
     last = max((w.at for w in mine), default=None)
     return {
-        "machine": m.id, "host": m.host, "pool": m.pool, "trainers": m.trainers,
+        "machine": m.id, "host": m.host, "pool": m.pool, "site": m.site, "trainers": m.trainers,
         "gpus": list(m.gpus), "joined_at": m.joined_at,
         "last_seen_s": time.time() - last if last is not None else None,
         "runs": sorted({w.run_id for w in mine if w.run_id}),
@@ -233,6 +246,11 @@ def revoke(
         fail(done.error, code=2)
     if as_json:
         print_json(done)
+        return
+    if done.site:
+        out.print(f"{done.machine} revoked; site {done.site} closes its connections and "
+                  "refuses it once the record reaches it (at once while linked); its runs "
+                  "there are handed over when their leases lapse", soft_wrap=True)  # fmt: skip
         return
     out.print(f"{done.machine} revoked: {done.closed} connection(s) closed; its runs are "
               "handed over", soft_wrap=True)  # fmt: skip

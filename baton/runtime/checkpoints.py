@@ -325,15 +325,17 @@ class Checkpoints:
         self.taken(resumed.step)
         return resumed
 
-    def resume_local(self, latest: Pointer | None) -> Resumed | None:
+    def resume_local(self, latest: Pointer | None, behind: bool = False) -> Resumed | None:
         """Load this host's local snapshot, if it continues the store's chain at `latest`
-        and is ahead of it (`baton.runtime.local`); None to resume from the store."""
+        and is ahead of it (`baton.runtime.local`); None to resume from the store. `behind`:
+        the attempt resumes from a checkpoint older than `latest` (the newer ones were
+        damaged), which no snapshot continues."""
         local = self.local
         if local is not None and self.sharded:
             local.on = False  # a sharded object's chunks are a group's, not a host's
         if local is None or not local.on:
             return None
-        found = local.find(latest)
+        found = local.find(latest, behind)
         if found is None:
             return None
         path, mark = found

@@ -139,7 +139,7 @@ class RunContext:
         found = asyncio.run(self._checkpoints.find(self._witness.enabled))
         manifest, damaged, rows = found.manifest, found.damaged, found.rows
         resharded, read, changed = 0, 0, []
-        resumed = self._checkpoints.resume_local(found.latest if not damaged else None)
+        resumed = self._checkpoints.resume_local(found.latest, behind=bool(damaged))
         if resumed is not None:
             manifest = None
         elif manifest is not None:

@@ -113,11 +113,13 @@ class LocalSnapshots:
 
     # -- resuming ------------------------------------------------------------------------
 
-    def find(self, latest: Pointer | None) -> tuple[Path, Mark] | None:
+    def find(self, latest: Pointer | None, behind: bool = False) -> tuple[Path, Mark] | None:
         """Claim the slot for this attempt, then the newest snapshot in it that continues
         the chain ending at `latest` (None: none does, and the slot is emptied). Called
-        once, as the attempt resumes; `latest` becomes every later snapshot's base."""
-        self.base = latest
+        once, as the attempt resumes; `latest` becomes every later snapshot's base —
+        unless the attempt resumes `behind` it (the checkpoints after were damaged): then
+        none is resumed, and this attempt's continue only what it commits itself."""
+        self.base = None if behind else latest
         try:
             self._sweep()
             self.slot.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -131,7 +133,7 @@ class LocalSnapshots:
         except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
             self._off(f"cannot read this host's local snapshots: {exc}")
             return None
-        if mark.run_id == self.run_id and mark.continues(latest):
+        if mark.run_id == self.run_id and not behind and mark.continues(latest):
             return path, mark
         self._clear(below=None)
         return None

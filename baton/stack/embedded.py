@@ -60,6 +60,7 @@ from shared.auth import (
     registrar_permissions,
     site_link,
     site_permissions,
+    site_registrar_permissions,
     submitter_permissions,
     system_users,
 )
@@ -231,7 +232,8 @@ def _credentials(opts: StackOptions, v: Vault, name: str) -> dict[str, str]:
         env["BATON_CALLOUT_SEED_FILE"] = str(callout_seed(v))
         v.get(SYSTEM_USER)
         env["BATON_SYSTEM_AUTH_FILE"] = str(v.root / f"{SYSTEM_USER}.env")
-        env["BATON_PEOPLE_DIR"] = str(v.root)
+        if not opts.site:  # a site has no people
+            env["BATON_PEOPLE_DIR"] = str(v.root)
     return env
 
 
@@ -280,7 +282,8 @@ def operator_options(opts: StackOptions) -> dict[str, Any]:
 
 
 def admits_machines(opts: StackOptions) -> bool:
-    return opts.machines and opts.auth and not opts.site
+    """Whether the hub (or the site) admits machines through its registrar."""
+    return opts.machines and opts.auth
 
 
 def callout_seed(v: Vault) -> Path:
@@ -291,9 +294,13 @@ def callout_seed(v: Vault) -> Path:
 
 def _authorization(opts: StackOptions, v: Vault) -> str:
     if opts.site:
-        return authorization(
-            [(v.get(user_of(opts, r)), site_permissions(r, opts.site)) for r in SITE_ROLES]
-        )
+        site = [(v.get(user_of(opts, r)), site_permissions(r, opts.site)) for r in SITE_ROLES]
+        if not admits_machines(opts):
+            return authorization(site)
+        # Machines that joined at the site log in here, through its own registrar.
+        site.append((v.get(user_of(opts, "registrar")), site_registrar_permissions(opts.site)))
+        issuer = issuer_public(callout_seed(v).read_bytes().strip())
+        return authorization(site, [(v.get(SYSTEM_USER), None)], issuer)
     users = [(v.get(r), hub_permissions(r)) for r in HUB_ROLES]
     users += [(v.get(u), submitter_permissions(u)) for u in opts.submitters]
     users += [(v.get(f"site-{s}"), site_link(s)) for s in opts.sites]

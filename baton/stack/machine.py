@@ -53,6 +53,8 @@ class MachineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     pool: str
     store: str
     trainers: int
+    site: str = ""
+    """The site it joined at (its URL is that site's leaf node); "" for the hub."""
     env: dict[str, str] = {}
     """The environment the hub hands its machines' trainers (`JoinAnswer.env`)."""
 
@@ -132,7 +134,7 @@ def keep(data: Path, url: str, answer: JoinAnswer, trainers: int) -> MachineConf
         env.setdefault("BATON_S3_ENDPOINT", answer.store.s3_endpoint)
     conf = MachineConfig(
         url=url, machine=answer.machine, pool=answer.pool, store=answer.store.url,
-        trainers=trainers, env=env,
+        trainers=trainers, site=answer.site, env=env,
     )  # fmt: skip
     _write_private(config_path(data), msgspec.json.encode(conf).decode() + "\n")
     return conf
@@ -155,6 +157,8 @@ def specs(conf: MachineConfig, data: Path) -> list[ServiceSpec]:
             "PYTHONUNBUFFERED": "1",
             **conf.env,
         }
+        if conf.site:
+            env["BATON_SITE"] = conf.site
         if pythonpath := _pythonpath():
             env["PYTHONPATH"] = pythonpath
         if usable:
@@ -190,7 +194,8 @@ async def run_machine(conf: MachineConfig, data: Path, stop: asyncio.Event | Non
     try:
         await supervisor.start_all(trainers)
         names = ", ".join(s.name for s in trainers)
-        print(f"machine {conf.machine} in pool {conf.pool} at {conf.url}", flush=True)
+        at = f"site {conf.site} at {conf.url}" if conf.site else conf.url
+        print(f"machine {conf.machine} in pool {conf.pool} at {at}", flush=True)
         print(f"trainers: {names}; logs: {data / 'logs'}", flush=True)
         stopped = asyncio.create_task(stop.wait())
         cut = asyncio.create_task(revoked.wait())

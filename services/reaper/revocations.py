@@ -79,6 +79,8 @@ class Revocations:
             r = found[0]
             if r.state is not RunState.RUNNING or r.worker not in workers or r.token is None:
                 continue
+            if r.site:  # granted to a site: the site's to hand over (services/registrar/site.py)
+                continue
             await free(self.js, lease_key(run_id, self.secret), r.worker, r.token)
             reason = f"machine {machine.id} was revoked"
             if await hand_over(self.nc, self.js, self.runs, run_id, r.token, reason):

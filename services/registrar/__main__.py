@@ -6,8 +6,13 @@ import os
 import sys
 from pathlib import Path
 
+from nats.aio.client import Client
+
 from services.registrar.service import Registrar
+from services.registrar.site import SiteRegistrar
 from shared.bus import service
+from shared.bus.service import Service
+from shared.config import Settings
 from shared.credentials import read_env_file
 
 
@@ -22,7 +27,13 @@ def main() -> None:
         print(f"error: the registrar needs its keys: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     people = Path(os.environ["BATON_PEOPLE_DIR"]) if os.environ.get("BATON_PEOPLE_DIR") else None
-    service.main("registrar", lambda nc, s, _signals: Registrar(nc, s, seed, system, people))
+
+    def make(nc: Client, s: Settings, _signals: object) -> Service:
+        if s.site:  # a site's leaf node asks its own (services/registrar/site.py)
+            return SiteRegistrar(nc, s, seed, system)
+        return Registrar(nc, s, seed, system, people)
+
+    service.main("registrar", make)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from services.registrar.logins import Logins
 from shared.auth import (
     CALLOUT_SUBJECT,
     joiner_permissions,
@@ -45,7 +46,7 @@ from shared.contracts.machines import JoinAnswer, JoinRequest, Machine, Revoke, 
 from shared.credentials import Credentials, options_for, read_env_file
 from shared.errors import ContractError
 from shared.machines import registry
-from shared.machines.callout import Request, Signer, decode_request
+from shared.machines.callout import Request, Signer
 from shared.machines.connections import close_all, close_users
 from shared.machines.registry import Registry
 from shared.state.hub import read_store
@@ -53,10 +54,8 @@ from shared.state.hub import read_store
 log = logging.getLogger("baton.registrar")
 
 MAX_TRAINERS = 64
-ANSWERING = 64
 STORE_WAIT_S = 20.0
 STORE_POLL_S = 0.25
-"""Logins answered at once (each a read of the bucket)."""
 SHARED_ENV = (
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
     "AWS_DEFAULT_REGION", "BATON_S3_ENDPOINT", "AWS_ENDPOINT_URL", "BATON_LEASE_TTL",
@@ -79,19 +78,19 @@ class Registrar:
         self.js = nc.jetstream()
         self.settings = settings
         self.signer = Signer(seed)
+        self.logins = Logins(self.signer, self.admit)
         self.registry = Registry(self.js)
         self.system_user = system
         self.system: Client | None = None
         self.people_dir = people_dir
-        self._answering: set[asyncio.Task[None]] = set()
-        self._room = asyncio.Semaphore(ANSWERING)
 
     async def start(self) -> None:
         await declared(lambda: ensure(self.js, self.settings.replicas), log)
         self.system = await connect(self.settings.nats_url, "baton-registrar-system",
                                     options=options_for(self.system_user))  # fmt: skip
-        await self.nc.subscribe(CALLOUT_SUBJECT, cb=self._on_auth)
+        await self.nc.subscribe(CALLOUT_SUBJECT, cb=self.logins.on_request)
         await self.nc.subscribe(names.join_subject("*"), cb=self._on_join)
+        await self.nc.subscribe(names.SITE_JOIN_ALL, cb=self._on_join)
         await self.nc.subscribe(names.REVOKE_SUBJECT, cb=self._on_revoke)
         await self.nc.subscribe(names.REGISTRAR_HELLO, cb=self._on_hello)
         await self.nc.flush()
@@ -111,8 +110,7 @@ class Registrar:
         pass
 
     async def close(self) -> None:
-        for task in self._answering:
-            task.cancel()
+        self.logins.close()
         if self.system is not None:
             await self.system.close()
 
@@ -120,29 +118,6 @@ class Registrar:
         await msg.respond(b"machines admitted")
 
     # -- who is connecting ---------------------------------------------------------
-
-    async def _on_auth(self, msg: Msg) -> None:
-        # nats-py runs a subscription's callbacks one after another: each login its own task.
-        task = asyncio.create_task(self._answer_login(msg))
-        self._answering.add(task)
-        task.add_done_callback(self._answering.discard)
-
-    async def _answer_login(self, msg: Msg) -> None:
-        async with self._room:
-            await self._answer_login_now(msg)
-
-    async def _answer_login_now(self, msg: Msg) -> None:
-        try:
-            req = decode_request(msg.data)
-        except ValueError as exc:
-            log.warning("ignored a callout request: %s", exc)
-            return
-        try:
-            answer = await self.admit(req)
-        except Exception:  # the bucket unreachable: refused now, asked again at the retry
-            log.exception("could not decide on %r from %s", req.user, req.host)
-            answer = self.signer.deny(req, "the registrar could not read its records")
-        await msg.respond(answer)
 
     async def admit(self, req: Request) -> bytes:
         user = req.user
@@ -158,6 +133,8 @@ class Registrar:
                 return self._deny(req, "not a machine of this hub, or a wrong secret")
             if m[0].revoked:
                 return self._deny(req, f"machine {user} was revoked")
+            if m[0].site:
+                return self._deny(req, f"machine {user} joined site {m[0].site}: it logs in there")
             return self.signer.allow(req, user, machine_permissions(user, m[0].workers()))
         if (person := self._person(user)) is not None:
             if not hmac.compare_digest(person.password.encode(), req.password.encode()):
@@ -178,15 +155,17 @@ class Registrar:
             return None  # removed meanwhile, or the file half written: not a person now
 
     def _deny(self, req: Request, reason: str) -> bytes:
-        log.warning("refused %r from %s: %s", req.user, req.host, reason)
-        return self.signer.deny(req, reason)
+        return self.logins.deny(req, reason)
 
     # -- joins ---------------------------------------------------------------------
 
     async def _on_join(self, msg: Msg) -> None:
-        token_id = msg.subject.rsplit(".", 1)[1]
+        """A join asked here, or passed on by a site's registrar (`names.site_join_subject`:
+        the machine joins that site)."""
+        parts = msg.subject.split(".")
+        token_id, site = parts[-1], (parts[2] if parts[1] == "site" else "")
         try:
-            answer = await self.join(token_id, decode(msg.data, JoinRequest))
+            answer = await self.join(token_id, decode(msg.data, JoinRequest), site)
         except ContractError as exc:
             answer = JoinAnswer(error=f"a bad join request: {exc}")
         except Exception:  # the bucket unreachable: nothing was used up; the machine may ask again
@@ -196,7 +175,9 @@ class Registrar:
             log.warning("refused a join with token %s: %s", token_id, answer.error)
         await msg.respond(encode(answer))
 
-    async def join(self, token_id: str, req: JoinRequest) -> JoinAnswer:
+    async def join(self, token_id: str, req: JoinRequest, site: str = "") -> JoinAnswer:
+        """Use the token for a new machine of its pool, at `site` ("": the hub), which must
+        be the token's."""
         if not 1 <= req.trainers <= MAX_TRAINERS:
             return JoinAnswer(error=f"trainers must be 1 to {MAX_TRAINERS}, not {req.trainers}")
         found = await self.registry.token(token_id)
@@ -205,8 +186,9 @@ class Registrar:
         token, revision = found
         if why := registry.refusal(token, time.time()):
             return JoinAnswer(error=why)
-        if token.site:
-            return JoinAnswer(error="machines join the hub; a site's trainers join its leaf node")
+        if token.site != site:
+            where = f"site {token.site}: join at its leaf node" if token.site else "the hub"
+            return JoinAnswer(error=f"this token is for {where}, not {site or 'the hub'}")
         store = await self._store()
         if store is None:
             return JoinAnswer(error="the hub does not say where its store is yet; try again")
@@ -256,4 +238,5 @@ class Registrar:
             return Revoked(error=f"no machine {ask.machine}")
         log.info("%s revoked by %s", done.id, ask.by or "an operator")
         assert self.system is not None
-        return Revoked(machine=done.id, closed=await close_all(self.system, done.id))
+        closed = await close_all(self.system, done.id)
+        return Revoked(machine=done.id, closed=closed, site=done.site)

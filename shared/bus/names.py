@@ -24,6 +24,10 @@ ARCHIVE_STREAM = "BATON_ARCHIVE"
 # the hub's streams have sourced it (see `shared.bus.sourcing`). The site's commit requests live in
 # a site-domain stream named CKPT_STREAM too, with site subjects.
 OUTBOX_STREAM = "BATON_OUTBOX"
+HUB_MACHINES_STREAM = "BATON_HUB_MACHINES"
+"""At a site that admits machines: the hub's machine and token records, newest per key,
+sourced while the link is up, so a cut-off site still knows its machines
+(`services/registrar`)."""
 # In a site's own domain: the hub's run records (live and archived), newest per run, sourced
 # while the link is up, so a cut-off site still knows every run id the hub used
 # (`services/dispatcher/site.py`).
@@ -244,6 +248,14 @@ def join_subject(token_id: str) -> str:
     """Where a new machine asks, with its join token, for an identity of its own."""
     return f"{PREFIX}.join.{token_id}"
 
+
+def site_join_subject(site: str, token_id: str) -> str:
+    """Where a site's registrar asks the hub's for a machine joining at `site`: a site's
+    own subject, the only kind its link lets out (`shared.auth.site_link`)."""
+    return f"{PREFIX}.site.{site}.join.{token_id}"
+
+
+SITE_JOIN_ALL = f"{PREFIX}.site.*.join.*"
 
 REVOKE_SUBJECT = f"{PREFIX}.machines.revoke"
 """Where an operator asks the registrar to revoke a machine (`baton machines revoke`)."""

@@ -209,6 +209,27 @@ def _hub_runs(site: str, hub_api: str) -> StreamConfig:
     )
 
 
+def hub_machines(site: str, hub_api: str = HUB_API) -> StreamConfig:
+    """The hub's machine and token records as the site last saw them (`shared.machines`),
+    sourced while the link is up, newest per key: a site that admits machines answers its
+    leaf node's logins from it, through a cut too (`services/registrar`). Declared by the
+    site's registrar; read by subject (`$KV.baton_machines.machine.<id>`), as at the hub."""
+    hub = ExternalStream(api=hub_api, deliver=names.from_hub(site))
+    return StreamConfig(
+        name=names.HUB_MACHINES_STREAM,
+        description="The hub's machine and token records, newest per key",
+        sources=[StreamSource(name=f"KV_{names.MACHINES_BUCKET}", external=hub)],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_msgs_per_subject=1,
+        max_bytes=256 * 1024**2,
+        max_msg_size=MAX_MSG_BYTES,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        allow_direct=True,
+    )
+
+
 def site_kv_configs(site: str) -> list[KeyValueConfig]:
     """The records, leases and groups of the runs granted to `site`, in its own domain: the
     site starts, leases, forms and completes them while cut off (`shared.state.grants`). The
@@ -439,6 +460,11 @@ async def ensure_site(js: JetStreamContext, site: str, hub_api: str = HUB_API) -
         await _ensure_stream(js, config)
     for kv in site_kv_configs(site):
         await _ensure_bucket(js, kv)
+
+
+async def ensure_site_machines(js: JetStreamContext, site: str, hub_api: str = HUB_API) -> None:
+    """The site's copy of the hub's machine records (`hub_machines`), for its registrar."""
+    await _ensure_stream(js, hub_machines(site, hub_api))
 
 
 async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> None:

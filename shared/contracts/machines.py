@@ -94,3 +94,6 @@ class Revoked(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     machine: str = ""
     closed: int = 0
     """The machine's connections the hub's servers closed."""
+    site: str = ""
+    """The site the machine joined: its own registrar closes its connections there once
+    the record reaches it (`services/registrar/site.py`)."""

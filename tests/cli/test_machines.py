@@ -26,11 +26,13 @@ def test_durations_read_as_people_write_them() -> None:
             seconds(bad)
 
 
-def test_a_bad_ttl_or_pool_is_refused_before_anything_is_asked() -> None:
+def test_a_bad_ttl_pool_or_site_is_refused_before_anything_is_asked() -> None:
     done = CliRunner().invoke(app, ["token", "create", "--ttl", "soon"])
     assert done.exit_code == 2 and "--ttl: 'soon' is not a duration" in done.output
     done = CliRunner().invoke(app, ["token", "create", "--pool", "a.>"])
     assert done.exit_code == 2 and "not a pool name" in done.output
+    done = CliRunner().invoke(app, ["token", "create", "--site", "lab.1"])
+    assert done.exit_code == 2 and "--site: 'lab.1' is not a site's name" in done.output
 
 
 def test_join_refuses_what_cannot_be_a_token_and_keeps_nothing(tmp_path: Path) -> None:

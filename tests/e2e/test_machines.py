@@ -29,13 +29,14 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from shared.bus import names
 from shared.contracts import RunState
-from shared.contracts.events import Progress, Restored
+from shared.contracts.events import Progress, Restored, Started
 from shared.credentials import options_for, read_env_file
 from tests.e2e import jobs
 from tests.e2e.jobs import EventLog, finished, submit
 from tests.support.audit import Audit
 from tests.support.cli import REPO, as_json, run_baton
 from tests.support.seaweed import SeaweedS3
+from tests.support.sites import Site
 from tests.support.stack import Stack, eventually, training_processes
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.operations]
@@ -242,5 +243,42 @@ async def test_machines_join_with_tokens_train_and_one_revoked_hands_its_run_ove
                 # Machine A, refused from the hub, stopped its trainers by itself.
                 assert await asyncio.wait_for(proc_a.wait(), 60) == 3
             Audit(tmp_path / "b").check()
+            await machine_at_a_site(stack, nc, tmp_path)
         finally:
             await stack.stop()
+
+
+async def machine_at_a_site(stack: Stack, nc: Client, tmp_path: Path) -> None:
+    """A machine joins site lab1 (its leaf node's own registrar, `services/registrar/site.py`),
+    trains a run the hub granted there, logs in there while the link is cut, and, revoked
+    at the hub, is closed and refused at the site once the link is back."""
+    site = Site(stack, "lab1")
+    await site.start(trainers=0)
+    url = site.nats.url
+    hub_token = (await as_json(stack, "token", "create"))["token"]
+    code, said = await join_once(url, hub_token, tmp_path / "wrong-place")
+    assert code == 2 and "this token is for the hub, not lab1" in said, said
+    token = (await as_json(stack, "token", "create", "--site", "lab1"))["token"]
+    code, said = await join_once(stack.nats.url, token, tmp_path / "wrong-place")
+    assert code == 2 and "this token is for site lab1" in said, said
+    async with machine(url, token, tmp_path / "c") as proc_c:
+        c_id, c_worker = await joined(nc, tmp_path / "c")  # its heartbeat came through the outbox
+        run_id = await submit(nc, jobs.charlm(40, 0.0, name="charlm-site", seed=7, every=20))
+        log = EventLog(nc, run_id)
+        done = await finished(nc, run_id, timeout=120)
+        assert done.state is RunState.COMPLETED and done.site == "lab1"
+        assert {e.worker for e in log.of(Started)} == {c_worker}
+        log.close()
+
+        site.proxy.sever()  # cut off: the site admits its machines from its copy of the records
+        assert not await refused(url, tmp_path / "c", c_id)
+        code, said = await join_once(url, token, tmp_path / "cut")  # joining needs the hub
+        assert code == 2 and "cannot reach the hub's registrar" in said, said
+        site.proxy.restore()
+        await site.linked()
+
+        revoked = await as_json(stack, "machines", "revoke", c_id)
+        assert revoked["machine"] == c_id and revoked["site"] == "lab1"
+        await eventually(lambda: refused(url, tmp_path / "c", c_id), 30, "the site to refuse C")
+        assert await asyncio.wait_for(proc_c.wait(), 60) == 3, "C was not closed at the site"
+    Audit(tmp_path / "c").check()

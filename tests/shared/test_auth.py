@@ -358,6 +358,30 @@ def test_a_machine_speaks_only_for_its_own_trainers() -> None:
     assert not mine.responses
 
 
+def test_a_machine_at_a_site_speaks_only_for_its_own_trainers_there() -> None:
+    """A machine that joined site lab1 has a lab1 trainer's rights but for heartbeats and
+    commands, its own workers' only; its replies come on its own inbox, which the site's
+    link lets in from the hub, as it lets in the hub's machine records and lets out joins."""
+    from shared.auth import site_link, site_machine_permissions, site_permissions
+
+    workers = ("m-0123456789ab-trainer-1",)
+    mine = site_machine_permissions("m-0123456789ab", workers, "lab1")
+    trainer = site_permissions("trainer", "lab1")
+    assert trainer is not None
+    everyone = names.site_root("lab1", "workers")
+    assert everyone in trainer.publish and everyone not in mine.publish
+    own = {names.heartbeat_subject(w, "lab1") for w in workers}
+    assert set(mine.publish) == (set(trainer.publish) - {everyone}) | own
+    assert set(mine.subscribe) == {
+        "_INBOX_m_0123456789ab.>", names.site_root("lab1", "events"),
+        *(names.control_subject(w) for w in workers),
+    }  # fmt: skip
+    link = site_link("lab1")
+    assert "_INBOX_m_*.>" in link.subscribe and "_INBOX_lab1_registrar.>" in link.subscribe
+    assert f"$JS.hub.API.CONSUMER.CREATE.KV_{names.MACHINES_BUCKET}.>" in link.publish
+    assert names.site_join_subject("lab1", "0123456789ab").startswith("baton.site.lab1.")
+
+
 def test_a_hub_that_admits_machines_asks_the_registrar_of_everyone_but_its_roles() -> None:
     import json as _json
 

@@ -143,10 +143,27 @@ async def test_tokens_forged_expired_or_for_a_site_are_refused(
     late = await token(hub, ttl_s=-1)
     assert "expired" in (await join(hub, late)).error
     site = await token(hub, site="lab1")
-    assert "site" in (await join(hub, site)).error
+    assert "this token is for site lab1: join at its leaf node" in (await join(hub, site)).error
     assert "trainers must be 1 to 64" in (await join(hub, text, trainers=0)).error
     # Refused asks use nothing up: the token still joins.
     assert not (await join(hub, text)).error
+
+
+async def test_a_machine_joins_a_site_through_its_registrar_and_logs_in_there_only(
+    hub: AuthorizedHub, registrar: Registrar
+) -> None:
+    """A join a site's registrar passes on (`services/registrar/site.py`) makes a machine of
+    that site, which the hub itself refuses: it logs in at its site's leaf node."""
+    text = await token(hub, site="lab1")
+    token_id, _ = parse_token(text)
+    hub_token_id, _ = parse_token(await token(hub))
+    ask = JoinRequest(host="box", trainers=1)
+    assert "for the hub, not lab1" in (await registrar.join(hub_token_id, ask, "lab1")).error
+    answer = await registrar.join(token_id, ask, "lab1")
+    assert not answer.error and answer.site == "lab1", answer
+    machine = await Registry((await hub.connect("operator")).jetstream()).machine(answer.machine)
+    assert machine is not None and machine[0].site == "lab1"
+    assert await login(hub.url, answer.machine, answer.secret) is None
 
 
 async def test_a_revoked_machine_is_closed_and_refused(
