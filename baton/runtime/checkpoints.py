@@ -24,6 +24,10 @@ thread stores the files, and rank 0's writer gathers every rank's files into the
 and shares its choice, so a commit landing while the ranks look cannot split them; each
 rank loads what it needs of it (`baton.runtime.load`), and a sharded object's chunks at
 whatever size the group is now.
+
+**Between checkpoints** (`keep_local`, `resume_local`): a run of one rank may also keep its
+newest state on its host (`baton.runtime.local`), resumed ahead of the newest checkpoint
+only while that snapshot continues the store's chain.
 """
 
 from __future__ import annotations

@@ -125,6 +125,8 @@ class LocalSnapshots:
             self.slot.mkdir(parents=True, exist_ok=True, mode=0o700)
             fence = self._fence()  # as it was before this attempt: its own claim is higher
             (self.slot / f"claim-{self.first_token}").touch()
+            for half in self.slot.glob(".tmp-*"):  # an attempt killed while writing one
+                shutil.rmtree(half, ignore_errors=True)
             found = [(t, s, p) for t, s, p in self._snapshots() if t >= fence]
             if not found:
                 return None

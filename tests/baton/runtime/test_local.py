@@ -159,3 +159,19 @@ def test_a_tripped_guard_takes_the_host_s_snapshots_with_it(tmp_path: Path, _hos
     assert not list(_host.glob("*/snap-*"))
     run.attempt(training)  # (the harness commits nothing of an attempt that raised)
     assert loaded(run).step == 0 and not loaded(run).local
+
+
+def test_an_attempt_behind_the_newest_checkpoint_resumes_no_snapshot(tmp_path: Path) -> None:
+    """Past a damaged newest checkpoint the attempt resumes behind `latest`: nothing taken
+    before continues it, and a snapshot half written by a killed writer is cleared."""
+    root = tmp_path / "host"
+    first = LocalSnapshots(root, "file:///s", RUN, token=1, every_s=0.0)
+    assert first.find(None) is None
+    first.take(5, 1, {"w": {"x": torch.ones(2)}}, {"step": 5})
+    first.close()
+    (first.slot / ".tmp-1-6-999").mkdir()
+    latest = Pointer(run_id=RUN, token=1, step=3, manifest="m3")
+    later = LocalSnapshots(root, "file:///s", RUN, token=2, every_s=0.0)
+    assert later.find(latest, behind=True) is None and later.base is None
+    assert not list(first.slot.glob(".tmp-*")) and not list(first.slot.glob("snap-*"))
+    later.close()
