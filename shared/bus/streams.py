@@ -80,15 +80,31 @@ def _history(
 def _archive() -> StreamConfig:
     # One message per run (the newest replaces any earlier copy), read by subject; no age
     # limit: an ended run stays readable until the archive's size limit drops the oldest.
+    return _newest_per_key(
+        names.ARCHIVE_STREAM, "Ended runs' records, once they left the runs bucket",
+        16 * 1024**3, subjects=[names.ARCHIVE_ALL],
+    )  # fmt: skip
+
+
+def _newest_per_key(
+    name: str,
+    description: str,
+    max_bytes: int,
+    *,
+    subjects: list[str] | None = None,
+    sources: list[StreamSource] | None = None,
+) -> StreamConfig:
+    """Records read by subject, the newest of each kept (on file, up to `max_bytes`)."""
     return StreamConfig(
-        name=names.ARCHIVE_STREAM,
-        description="Ended runs' records, once they left the runs bucket",
-        subjects=[names.ARCHIVE_ALL],
+        name=name,
+        description=description,
+        subjects=subjects,
+        sources=sources,
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
         max_msgs_per_subject=1,
-        max_bytes=16 * 1024**3,
+        max_bytes=max_bytes,
         max_msg_size=MAX_MSG_BYTES,
         duplicate_window=DUPLICATE_WINDOW_S,
         allow_direct=True,
@@ -191,22 +207,14 @@ def _hub_runs(site: str, hub_api: str) -> StreamConfig:
     subject, as at the hub. The hub delivers them under the site's own subjects
     (`names.from_hub`), which are all its link lets in of them (`shared.auth.site_link`)."""
     hub = ExternalStream(api=hub_api, deliver=names.from_hub(site))
-    return StreamConfig(
-        name=names.HUB_RUNS_STREAM,
-        description="The hub's run records (live and archived), newest per run",
-        sources=[
-            StreamSource(name=f"KV_{names.RUNS_BUCKET}", external=hub),
-            StreamSource(name=names.ARCHIVE_STREAM, external=hub),
-        ],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        discard=DiscardPolicy.OLD,
-        max_msgs_per_subject=1,
-        max_bytes=4 * 1024**3,
-        max_msg_size=MAX_MSG_BYTES,
-        duplicate_window=DUPLICATE_WINDOW_S,
-        allow_direct=True,
-    )
+    sources = [
+        StreamSource(name=f"KV_{names.RUNS_BUCKET}", external=hub),
+        StreamSource(name=names.ARCHIVE_STREAM, external=hub),
+    ]
+    return _newest_per_key(
+        names.HUB_RUNS_STREAM, "The hub's run records (live and archived), newest per run",
+        4 * 1024**3, sources=sources,
+    )  # fmt: skip
 
 
 def hub_machines(site: str, hub_api: str = HUB_API) -> StreamConfig:
@@ -215,19 +223,10 @@ def hub_machines(site: str, hub_api: str = HUB_API) -> StreamConfig:
     leaf node's logins from it, through a cut too (`services/registrar`). Declared by the
     site's registrar; read by subject (`$KV.baton_machines.machine.<id>`), as at the hub."""
     hub = ExternalStream(api=hub_api, deliver=names.from_hub(site))
-    return StreamConfig(
-        name=names.HUB_MACHINES_STREAM,
-        description="The hub's machine and token records, newest per key",
-        sources=[StreamSource(name=f"KV_{names.MACHINES_BUCKET}", external=hub)],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        discard=DiscardPolicy.OLD,
-        max_msgs_per_subject=1,
-        max_bytes=256 * 1024**2,
-        max_msg_size=MAX_MSG_BYTES,
-        duplicate_window=DUPLICATE_WINDOW_S,
-        allow_direct=True,
-    )
+    return _newest_per_key(
+        names.HUB_MACHINES_STREAM, "The hub's machine and token records, newest per key",
+        256 * 1024**2, sources=[StreamSource(name=f"KV_{names.MACHINES_BUCKET}", external=hub)],
+    )  # fmt: skip
 
 
 def site_kv_configs(site: str) -> list[KeyValueConfig]:
