@@ -5,6 +5,7 @@ role, the test's set-up as the operator, so a permission the role lacks fails th
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from nats.aio.client import Client
@@ -13,9 +14,11 @@ from baton.stack.cluster import HubCluster
 from baton.stack.embedded import StackOptions, hub, vault
 from baton.stack.natsserver import NatsServer
 from shared.bus.connect import connect
-from shared.bus.streams import ensure
+from shared.bus.streams import declared, ensure
 from shared.credentials import Vault, options_for
 from tests.support.audit import Audit
+
+log = logging.getLogger("tests.roles")
 
 
 class AuthorizedHub:
@@ -40,9 +43,12 @@ class AuthorizedHub:
         return self.cluster.url
 
     async def start(self) -> None:
-        """The server, with Baton's streams and buckets declared (by the operator)."""
+        """The server, with Baton's streams and buckets declared (by the operator), as a
+        service declares them: until JetStream answers (a server just started on a loaded
+        machine may leave the first request unanswered)."""
         await self.cluster.start()
-        await ensure((await self.connect("operator")).jetstream())
+        js = (await self.connect("operator")).jetstream()
+        await declared(lambda: ensure(js), log)
 
     async def connect(self, role: str, name: str = "") -> Client:
         """A client logged in as `role` (named `name`, for the server's connection list)."""
