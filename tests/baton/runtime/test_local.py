@@ -175,3 +175,47 @@ def test_an_attempt_behind_the_newest_checkpoint_resumes_no_snapshot(tmp_path: P
     assert later.find(latest, behind=True) is None and later.base is None
     assert not list(first.slot.glob(".tmp-*")) and not list(first.slot.glob("snap-*"))
     later.close()
+
+
+class _Numbers(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((4,), float(i))
+
+
+def loader_training(ctx: RunContext) -> Callable[[int], None]:
+    """User-shaped: a shuffling data loader with a worker, AdamW and a cosine schedule, so
+    the data position, the sampler's generator and the scheduler come back from the host."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=ctx.total_steps)
+    batches = ctx.data_loader(_Numbers(), batch_size=5, num_workers=1)
+    ctx.restore(model=model, optimizer=opt, scheduler=sched)
+
+    def body(step: int) -> None:
+        local = ctx._checkpoints.local
+        if local is not None:
+            local.wait()
+        loss = model(next(batches)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        ctx.report(loss=loss.item())
+
+    return body
+
+
+def test_a_data_loader_s_run_resumes_at_its_local_snapshot_bitwise(
+    tmp_path: Path, _host: Path
+) -> None:
+    whole = Run(tmp_path / "whole", job(total=14, local=None))
+    reference = whole.attempt(loader_training).checkpoints()[-1].digest
+    run = Run(tmp_path / "cut", job(total=14))
+    run.attempt(loader_training, until=7)  # mid-epoch (24 samples, 5 a batch), past step 4
+    final = run.attempt(loader_training).checkpoints()[-1]
+    assert loaded(run).local and loaded(run).step == 6
+    assert final.digest == reference
