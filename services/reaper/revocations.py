@@ -23,9 +23,9 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
 from shared.bus import names
-from shared.contracts import RunState, decode
+from shared.contracts import RunState
 from shared.contracts.machines import Machine
-from shared.errors import ContractError
+from shared.machines.registry import revoked_in
 from shared.state.handover import hand_over
 from shared.state.lease import free, lease_key
 from shared.state.runs import Runs
@@ -56,13 +56,8 @@ class Revocations:
             self._sub = None
 
     async def _on_entry(self, msg: Msg) -> None:
-        if not msg.data:
-            return
-        try:
-            machine = decode(msg.data, Machine)
-        except ContractError:
-            return
-        if not machine.revoked:
+        machine = revoked_in(msg.data)
+        if machine is None:
             return
         try:
             await self.revoked(machine)

@@ -39,14 +39,14 @@ from shared.bus import names
 from shared.bus.connect import connect
 from shared.bus.streams import declared, ensure_site_machines
 from shared.config import Settings
-from shared.contracts import decode, encode
-from shared.contracts.machines import JoinAnswer, Machine
+from shared.contracts import encode
+from shared.contracts.machines import JoinAnswer
 from shared.credentials import Credentials, options_for
-from shared.errors import ContractError
 from shared.machines import registry
 from shared.machines.callout import Request, Signer
 from shared.machines.connections import close_all
 from shared.machines.copy import SiteCopy, record_subject
+from shared.machines.registry import revoked_in
 
 log = logging.getLogger("baton.registrar")
 
@@ -145,13 +145,8 @@ class SiteRegistrar:
     # -- revocations ---------------------------------------------------------------
 
     async def _on_record(self, msg: Msg) -> None:
-        if not msg.data:
-            return
-        try:
-            machine = decode(msg.data, Machine)
-        except ContractError:
-            return
-        if not machine.revoked or machine.site != self.site or self.system is None:
+        machine = revoked_in(msg.data)
+        if machine is None or machine.site != self.site or self.system is None:
             return
         try:
             closed = await close_all(self.system, machine.id)

@@ -87,6 +87,18 @@ def refusal(token: JoinToken, now: float) -> str:
     return ""
 
 
+def revoked_in(data: bytes) -> Machine | None:
+    """The machine a record of the bucket (or of a site's copy) holds, if it is revoked;
+    None for anything else: a deletion, a record that breaks its contract, a live one."""
+    if not data:
+        return None
+    try:
+        machine = decode(data, Machine)
+    except ContractError:
+        return None
+    return machine if machine.revoked else None
+
+
 class Registry:
     """The bucket's records, read by key and changed by compare-and-swap."""
 
