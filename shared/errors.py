@@ -43,6 +43,11 @@ class StaleToken(PermanentError):
     """The caller's lease token is no longer the newest; its work must stop."""
 
 
+class FinalCommitted(StaleToken):
+    """The run's final checkpoint is committed: the store takes nothing after it, from any
+    token (`shared.checkpoint.commit.check_open`)."""
+
+
 class ConfigError(BatonError):
     """A setting is missing or malformed; raised at start-up, before anything runs."""
 

@@ -88,6 +88,13 @@ NATS_RESTART_DELAY_S = 1.0
 # third of its TTL must outlast that gap plus a renewal interval: 10 + 30/3 < 30.
 CLUSTER_LEASE_TTL = 30
 
+SINGLE_NODE_SYNC = "always"
+"""A single server (the hub of one node, a site's leaf) fsyncs every acknowledged write:
+JetStream acknowledges before it syncs (every 2 min by default), so a host crash would roll
+its records, leases and ledger back while the checkpoint store kept everything
+(docs/architecture.md, "The hub may forget"; cost in docs/benchmarks.md). A clustered hub
+keeps the default: an acknowledged write is on a majority of its nodes."""
+
 
 class StackOptions(msgspec.Struct, kw_only=True):
     data_dir: Path = Path(".baton")
@@ -342,13 +349,13 @@ def nats_server(
         return NatsServer(
             data / "nats", port=opts.port, server_name=opts.site, domain=opts.site,
             extra_config=leaf_fragment(hub_urls) + "\n" + auth, stop_timeout_s=stop_timeout_s,
-            http_port=http_port, probe=probe,
+            http_port=http_port, probe=probe, sync_interval=SINGLE_NODE_SYNC,
         )  # fmt: skip
     if routes is None:
         return NatsServer(
             data / "nats", port=opts.port, domain=names.HUB_DOMAIN, ws_port=opts.hub_ws_port,
             extra_config=_hub_config(opts, v), stop_timeout_s=stop_timeout_s,
-            http_port=http_port, probe=probe,
+            http_port=http_port, probe=probe, sync_interval=SINGLE_NODE_SYNC,
         )  # fmt: skip
     return NatsServer(
         data_dir(data / "nats", node), port=_nth(opts.port, node), server_name=f"hub-{node + 1}",

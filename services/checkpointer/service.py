@@ -121,9 +121,9 @@ class Checkpointer:
         try:
             async with _in_progress(msg):
                 if req.base is not None:
-                    rebased = await rebase.rebase(self.store, req)
+                    rebased = await rebase.rebase(self.store, req, self.site)
                 else:
-                    pointer, size = await commit.commit(self.store, req)
+                    pointer, size = await commit.commit(self.store, req, self.site)
         except (StaleToken, IntegrityError) as exc:
             log.warning("refused %s step %d token %d: %s", req.run_id, req.step, req.token, exc)
             refused = CommitRefused(

@@ -4,7 +4,8 @@ A job submitted at a site (`baton submit --site`) lands in the site's own `BATON
 stream, in the site's domain. This dispatcher takes it with the hub's rules — the same
 spec validation, the same run id (`run_id_for(key, owner)`, the owner being the subject's
 last token, which the servers enforce), the same idempotency — and makes the run a grant
-to its own site from the start: its record, under epoch 1, in the site's runs bucket, and
+to its own site from the start: its record, under the site's own first epoch
+(`grants.site_epoch`: no other side issues tokens of it), in the site's runs bucket, and
 its task, carrying that record, in the site's work queue, where the site's trainers take
 it as any run the hub granted (`services/trainer/granted.py`). Its events go through the
 outbox. The hub takes the record in at heal (`services/reaper/grants.py`): one run per id.
@@ -44,13 +45,11 @@ from shared.contracts.events import Accepted, Event, Rejected, kind_of
 from shared.contracts.jobs import MAX_SPEC_BYTES
 from shared.contracts.records import run_id_for
 from shared.errors import ContractError
+from shared.state import grants
 from shared.state.runs import Runs
 
 log = logging.getLogger("baton.dispatcher")
 
-SITE_EPOCH = 1
-"""The grant epoch of a run submitted at a site: above the hub's own (0), so the store
-orders the site's tokens above any the hub issued for the same id."""
 HUB_READ_S = 3.0
 
 
@@ -124,7 +123,7 @@ class SiteDispatcher:
         record = RunRecord(
             run_id=run_id, spec=spec, spec_hash=spec_hash(spec), created_at=now,
             updated_at=now, on_failure=spec.on_failure or "retry", site=self.site,
-            epoch=SITE_EPOCH,
+            epoch=grants.site_epoch(self.site),
         )  # fmt: skip
         duplicate = not await self.runs.adopt(record)
         if duplicate:
@@ -132,7 +131,7 @@ class SiteDispatcher:
             assert found is not None
             record = found[0]
             await self._same_job(record, spec)
-        if record.state is RunState.QUEUED and record.epoch == SITE_EPOCH:
+        if record.state is RunState.QUEUED and record.epoch == grants.site_epoch(self.site):
             task = Task(run_id=run_id, spec=spec, dispatch=record.dispatch, grant=record)
             await publish(
                 self.js, names.site_task_subject(self.site, spec.pool, run_id), encode(task),

@@ -12,6 +12,12 @@ included). So a run that finished at a cut-off site is COMPLETED at the hub once
 site's own record, when the link heals — no lease is taken, no attempt started and no commit made at
 the hub for it. A report of a grant the hub has since taken back changes nothing.
 
+**Two sides.** A report of a run the hub holds otherwise — it ran the same job too, or
+granted it to another site — is taken in only when the store's chain is the reporting
+site's under the reported epoch (`shared.state.owner`): the record follows the store, and a
+`superseded` event names both sides and what the other trained in vain. The other side's
+attempt is stopped by its next look at the store.
+
 **Taking back.** The reaper's sweep looks at every live run granted to a site; once the
 site has been silent (no greeting, on the hub server's clock) for the run's `lost_after` —
 or, for a run nobody there trains now, linked but without an undrained trainer of its pool
@@ -36,12 +42,13 @@ from nats.js import JetStreamContext
 from shared.bus import names
 from shared.bus import sourcing as sites
 from shared.bus.emit import emit
+from shared.checkpoint import commit
 from shared.checkpoint.store import Store
 from shared.contracts import RunRecord, decode
 from shared.contracts.control import WorkerInfo
-from shared.contracts.events import TakenBack
+from shared.contracts.events import Superseded, TakenBack
 from shared.errors import ContractError
-from shared.state import grants, transitions
+from shared.state import grants, owner, transitions
 from shared.state.policy import Policy, disconnect_of
 from shared.state.runs import Runs
 
@@ -49,8 +56,10 @@ log = logging.getLogger("baton.reaper")
 
 
 class Reconciler:
-    def __init__(self, runs: Runs) -> None:
+    def __init__(self, js: JetStreamContext, runs: Runs, store: Store) -> None:
+        self.js = js
         self.runs = runs
+        self.store = store
 
     async def on_report(self, msg: Msg) -> None:
         """One revision of a site's record of a run granted to it."""
@@ -63,21 +72,43 @@ class Reconciler:
                 f"site {site} reported a record of {reported.run_id!r} granted to "
                 f"{reported.site or 'the hub'!r}"
             )
-        change = transitions.reconcile(site, reported)
+        held = await self.runs.find(reported.run_id)
+        owns = False
+        if held is not None and (held.site, held.epoch) != (site, reported.epoch):
+            # The hub ran it too, or granted it elsewhere: the store's chain decides.
+            latest = await commit.read_latest(self.store, reported.run_id)
+            owns = owner.wins_report(site, reported.epoch, latest[0] if latest else None)
+        change = transitions.reconcile(site, reported, owns)
         new = await self.runs.update(reported.run_id, change)
+        if owns and new is not None and held is not None:
+            await self._superseded(held, new)
         if new is None and await self.runs.find(reported.run_id) is None:
             # Submitted at the site, unknown here (nor archived): the hub's record is the
             # site's, once — for a run id the site's own users may make (an operator's, or
             # a `<site>-` submitter's).
-            owner = reported.run_id.rpartition(".")[0]
-            if owner and not owner.startswith(f"{site}-"):
-                raise ContractError(f"site {site} reported a run of {owner!r}, which it cannot own")
+            submitter = reported.run_id.rpartition(".")[0]
+            if submitter and not submitter.startswith(f"{site}-"):
+                raise ContractError(
+                    f"site {site} reported a run of {submitter!r}, which it cannot own"
+                )
             if await self.runs.create(reported):
                 log.info("%s: submitted at site %s; taken in", reported.run_id, site)
                 return
             new = await self.runs.update(reported.run_id, change)  # created meanwhile
         if new is not None and new.state.terminal:
             log.info("%s: %s at site %s; taken in", new.run_id, new.state.value, site)
+
+    async def _superseded(self, held: RunRecord, new: RunRecord) -> None:
+        """Say, once, that the hub's copy of the run gave way to a site's (`owner`): the
+        side it was held by and what that side trained in vain."""
+        loser = f"site {held.site}" if held.site else "the hub"
+        log.warning("%s: trained at %s and at site %s; the store chose site %s (epoch %d)",
+                    new.run_id, loser, new.site, new.site, new.epoch)  # fmt: skip
+        event = Superseded(
+            run_id=new.run_id, owner=new.site, epoch=new.epoch, loser=held.site,
+            loser_token=held.token or 0, wasted_steps=held.step,
+        )  # fmt: skip
+        await emit(self.js, event, msg_id=f"superseded.{new.run_id}.{new.epoch}")
 
 
 class TakeBack:

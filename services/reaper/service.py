@@ -140,7 +140,7 @@ class Reaper:
 
         await declared(declare, log)
         self.runs = await Runs.open(self.js)
-        self.reconciler = Reconciler(self.runs)
+        self.reconciler = Reconciler(self.js, self.runs, self.store)
         self.billing = Billing(self.js, self.runs, self.sites)
         self.take_back = TakeBack(self.nc, self.js, self.runs, self.store, self.policy)
         self.lapses = Lapses(self.nc, self.js, self.runs, self.lease_secret)

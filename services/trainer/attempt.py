@@ -4,7 +4,9 @@ An attempt ends in exactly one verdict (`verdicts.py` holds the outcome table an
 each verdict from the attempt), decided once, by `_decide`, from the first of these to
 happen, strongest first:
 
-    fenced (lease taken over, or the final commit refused)   -> FENCED
+    fenced (lease taken over, or the final commit refused)   -> FENCED, or YIELDED when
+                                                                the store's chain is
+                                                                another side's (`owner.py`)
     the run ended elsewhere (hard timeout)                   -> STOPPED
     the training process stalled (`stall.py`)                -> RETRY, FAILED or PAUSED
     asked to stop (cancel, pause, SIGTERM), the grace ran out -> CANCELLED, PAUSED or
@@ -14,6 +16,10 @@ happen, strongest first:
     the child stopped early after its checkpoint             -> CANCELLED, PAUSED or
                                                                 PREEMPTED
     the child finished with its final checkpoint committed   -> COMPLETED
+
+Before any of it, the store is asked whose run it is (`owner.py`): a run whose chain ends
+in a final commit is COMPLETED from the store, another side's is YIELDED, and a token the
+hub forgot it issued gives the task back under a new epoch — nothing trains.
 
 and carried out by `verdicts.apply` while the lease is still kept, so a record write that
 waits out an outage does not lose the run.
@@ -36,7 +42,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from opentelemetry import trace
 
-from services.trainer import rewind, verdicts
+from services.trainer import owner, rewind, verdicts
 from services.trainer.child_proc import FINISH_GRACE_S, OUTPUT_DRAIN_S, Child
 from services.trainer.commits import Commits
 from services.trainer.group import Leader
@@ -51,7 +57,7 @@ from shared.bus.emit import emit
 from shared.checkpoint import commit
 from shared.checkpoint.store import Store
 from shared.config import Settings
-from shared.contracts import Skip, Task
+from shared.contracts import Pointer, RunRecord, Skip, Task
 from shared.contracts.child import (
     CheckpointReady,
     Control,
@@ -207,10 +213,10 @@ class Attempt:
         granted_to = self.task.grant.site if self.task.grant is not None else ""
         running = transitions.mark_running(self.worker, token, self._delivery, group, granted_to)
         record = await self.runs.update(self.run_id, running)
-        if record is None:  # over, or someone newer holds it: the attempt never starts
-            unchanged = transitions.unchanged
-            return await apply(Verdict(Outcome.FENCED, change=unchanged, quiet=True), scope)
         latest = await commit.read_latest(self.store, self.run_id)
+        if (verdict := await self._not_to_train(record, latest)) is not None:
+            return await apply(verdict, scope)
+        assert record is not None
         latest = await rewind.prepare(self, msg, record, latest)
         self.step = self.start_step = latest[0].step if latest else 0
         # A rollback forgets the data left out after the checkpoints it abandons.
@@ -280,6 +286,16 @@ class Attempt:
             await asyncio.gather(*background, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def _not_to_train(
+        self, record: RunRecord | None, latest: tuple[Pointer, str] | None
+    ) -> Verdict | None:
+        """The verdict of an attempt that must not train: its record refused it (the run is
+        over, or someone newer holds it), or the store says the run is not its to train
+        (`owner.py`); None when it may."""
+        if record is None:
+            return Verdict(Outcome.FENCED, change=transitions.unchanged, quiet=True)
+        return await owner.before_training(self, latest[0] if latest else None)
 
     async def _publish_output(self, chunk: bytes) -> None:
         # The captured output goes to the run's log stream for `baton logs`; it is best
@@ -366,7 +382,7 @@ class Attempt:
         """The verdict, strongest cause first (the module's table)."""
         given = self.orders.given
         if given is Order.FENCE:
-            return verdicts.fenced(self, self.orders.reason)
+            return await owner.after_refusal(self) or verdicts.fenced(self, self.orders.reason)
         if given is Order.OVER:
             self.child.kill()
             log.warning("%s: stopped: %s", self.run_id, self.orders.reason)
@@ -391,7 +407,10 @@ class Attempt:
                      "stopped", self.run_id, FINISH_GRACE_S)  # fmt: skip
         if finished.stopped:
             return await verdicts.stopped_early(self, finished)
-        return await verdicts.finished(self)
+        verdict = await verdicts.finished(self)
+        if verdict.outcome is Outcome.FENCED:  # its final commit refused: by whom?
+            return await owner.after_refusal(self) or verdict
+        return verdict
 
     async def _read(self) -> Finished | None:
         async for msg in self.child.messages():

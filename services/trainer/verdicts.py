@@ -18,6 +18,8 @@ one order: the record change (retried through outages; a terminal one announces 
                fast)
     PAUSED     PAUSED (asked, the policy, or a     paused            released  ack
                resume under other software)
+    YIELDED    the store's chain is another side's: superseded        released  ack
+               the record follows it (`owner.py`)
     FENCED     none                                fenced            kept      none
 
 The record decides the outcome the change leads to: a RETRY whose change finds the retries
@@ -89,6 +91,7 @@ class Outcome(enum.Enum):
     FAILED = "failed"
     FENCED = "fenced"
     PAUSED = "paused"
+    YIELDED = "yielded"
 
 
 _ENDED = {

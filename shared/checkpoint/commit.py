@@ -45,6 +45,7 @@ from shared.contracts import CommitRequest, FileRef, Manifest, Pointer, decode, 
 from shared.errors import (
     AlreadyExists,
     ContractError,
+    FinalCommitted,
     IntegrityError,
     NotFound,
     PreconditionFailed,
@@ -138,8 +139,9 @@ async def verify(store: Store, files: list[FileRef], sharded: Collection[str] = 
     return total
 
 
-async def commit(store: Store, req: CommitRequest) -> tuple[Pointer, int]:
-    """Commit a checkpoint; returns the new pointer and the bytes committed.
+async def commit(store: Store, req: CommitRequest, site: str = "") -> tuple[Pointer, int]:
+    """Commit a checkpoint; returns the new pointer and the bytes committed. `site`: the
+    side whose checkpointer commits it ("" the hub), written into the pointer.
 
     Raises `IntegrityError` if a file does not match its declaration, `StaleToken` if `latest`
     already names a checkpoint that this one cannot supersede, `ContractError` if the request
@@ -163,6 +165,7 @@ async def commit(store: Store, req: CommitRequest) -> tuple[Pointer, int]:
         step=req.step,
         manifest=manifest_key(req.run_id, req.step, req.token),
         final=req.final,
+        site=site,
     )
     current = await read_latest(store, req.run_id)
     if current is not None and current[0] == wanted:
@@ -222,11 +225,28 @@ def check_ranks(manifest: Manifest, ranks: int, elastic: bool = False) -> None:
 
 
 def _check_order(wanted: Pointer, current: tuple[Pointer, str] | None) -> None:
-    if current is not None and not wanted.supersedes(current[0]):
-        have = current[0]
+    """Refuse `wanted` unless it supersedes `latest`. A final checkpoint is terminal: once
+    `latest` names one, the run was trained to the end and nothing follows it, whatever
+    its token (`check_open`)."""
+    if current is None:
+        return
+    have = current[0]
+    check_open(have)
+    if not wanted.supersedes(have):
         raise StaleToken(
             f"latest is token {have.token} step {have.step}; "
             f"token {wanted.token} step {wanted.step} cannot supersede it"
+        )
+
+
+def check_open(latest: Pointer) -> None:
+    """`FinalCommitted` if `latest` is the run's final checkpoint: the store refuses any
+    commit, rewind or fence after it."""
+    if latest.final:
+        side = f"site {latest.site}" if latest.site else "the hub"
+        raise FinalCommitted(
+            f"the run's final checkpoint (step {latest.step}, token {latest.token}, by "
+            f"{side}) is committed: nothing may follow it"
         )
 
 

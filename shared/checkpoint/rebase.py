@@ -43,6 +43,7 @@ from shared.checkpoint import files as checkpoint_files
 from shared.checkpoint import lineage, retention
 from shared.checkpoint.commit import (
     check,
+    check_open,
     data_key,
     key_of,
     latest_key,
@@ -91,7 +92,7 @@ class Rebased(msgspec.Struct, frozen=True, kw_only=True):
         )  # fmt: skip
 
 
-async def rebase(store: Store, req: CommitRequest) -> Rebased:
+async def rebase(store: Store, req: CommitRequest, site: str = "") -> Rebased:
     """Carry out `req` (its `base` set): a rewind of the run's own, or a graft of another
     run's checkpoint. `IntegrityError` when the checkpoint cannot be used (not committed on
     the chain, gone, damaged, not the submitter's); `StaleToken` when `latest` names a
@@ -100,11 +101,13 @@ async def rebase(store: Store, req: CommitRequest) -> Rebased:
     if base is None or req.files or req.final or base.step != req.step:
         raise ContractError("a rebase names its checkpoint in `base` alone, at its `step`")
     if base.run_id == req.run_id:
-        return await rewind(store, req.run_id, req.token, base)
-    return await graft(store, req.run_id, req.token, req.worker, base)
+        return await rewind(store, req.run_id, req.token, base, site)
+    return await graft(store, req.run_id, req.token, req.worker, base, site)
 
 
-async def rewind(store: Store, run_id: str, token: int, base: Base) -> Rebased:
+async def rewind(
+    store: Store, run_id: str, token: int, base: Base, site: str = ""
+) -> Rebased:
     """Point `latest` back at the run's committed checkpoint at `base.step`, under `token`."""
     while True:
         current = await read_latest(store, run_id)
@@ -113,12 +116,15 @@ async def rewind(store: Store, run_id: str, token: int, base: Base) -> Rebased:
         now, version = current
         if now.token == token and now.step == base.step:
             return Rebased(pointer=now, rewound=await _note(store, run_id, now))
+        check_open(now)  # a run trained to the end is forked, never rewound
         target = await lineage.find(store, run_id, base.step, resumable=True)
         chain = await retention.committed_chain(store, run_id)
         keys = [key_of(m) for m in chain]
         if target.key not in keys:  # latest moved between the two reads: look again
             continue
-        wanted = Pointer(run_id=run_id, token=token, step=base.step, manifest=target.key)
+        wanted = Pointer(
+            run_id=run_id, token=token, step=base.step, manifest=target.key, site=site
+        )
         if not wanted.supersedes(now):
             raise StaleToken(
                 f"latest is token {now.token} step {now.step}; a rollback under token "
@@ -159,14 +165,16 @@ async def _note(store: Store, run_id: str, pointer: Pointer) -> Rewound:
     return max(notes, key=lambda n: (n.from_token, n.from_step))
 
 
-async def graft(store: Store, run_id: str, token: int, worker: str, base: Base) -> Rebased:
+async def graft(
+    store: Store, run_id: str, token: int, worker: str, base: Base, site: str = ""
+) -> Rebased:
     """Copy `base` (another run's committed checkpoint) into `run_id` as its first."""
     if _owner(run_id) and _owner(base.run_id) != _owner(run_id):
         raise IntegrityError(f"run {run_id} may not fork {base.run_id}: a submitter forks its own")
     if not base.spec_hash:
         raise ContractError("a fork's graft names the fork's spec hash", "$.base.spec_hash")
     key = manifest_key(run_id, base.step, token)
-    wanted = Pointer(run_id=run_id, token=token, step=base.step, manifest=key)
+    wanted = Pointer(run_id=run_id, token=token, step=base.step, manifest=key, site=site)
     current = await read_latest(store, run_id)
     fenced = current is not None and current[0].checkpoint is None
     if current is not None and not (fenced and wanted.supersedes(current[0])):

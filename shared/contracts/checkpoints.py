@@ -89,18 +89,28 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 class Pointer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The run's `latest`. Ordered by (token, step): a higher token always wins, the same
-    token needs a higher step. A `manifest` of "" is a fence that no checkpoint follows yet
-    (step 0): a run taken back from a site before any checkpoint of it was committed, whose
-    old grant's tokens are refused from then on (`shared.state.grants.fence`)."""
+    token needs a higher step — until a final checkpoint is named, after which nothing
+    moves it (`shared.checkpoint.commit`). A `manifest` of "" is a fence that no checkpoint
+    follows yet (step 0): a run taken back from a site before any checkpoint of it was
+    committed, whose old grant's tokens are refused from then on
+    (`shared.state.grants.fence`)."""
 
     run_id: str
     token: int
     step: int
     manifest: str
     final: bool = False
+    site: str = ""
+    """The side whose authority wrote it ("" the hub, else a site's name): with the token's
+    epoch, who owns the run's chain (`shared.state.owner`)."""
 
     def supersedes(self, other: Pointer) -> bool:
         return (self.token, self.step) > (other.token, other.step)
+
+    @property
+    def epoch(self) -> int:
+        """The grant epoch of its token (`shared.state.grants.token_of`)."""
+        return self.token >> 32
 
     @property
     def checkpoint(self) -> str | None:

@@ -238,6 +238,19 @@ class TakenBack(_Event, tag="taken_back", frozen=True):
     reason: str
 
 
+class Superseded(_Event, tag="superseded", frozen=True):
+    """Two sides ran the run (the same job accepted at the hub and at a cut-off site): the
+    store's chain chose `owner` under `epoch` ("" the hub, else a site), and the other
+    side's attempt, `loser` under `loser_token`, was stopped; `wasted_steps` it trained
+    count for nothing (`shared.state.owner`)."""
+
+    owner: str
+    epoch: int
+    loser: str
+    loser_token: int
+    wasted_steps: int
+
+
 class RunWarning(_Event, tag="warning", frozen=True):
     """Something needs attention but nothing was stopped (yet): `soft_timeout`, `stalled`,
     `budget_<percent>`."""
@@ -343,6 +356,7 @@ Event = (
     | Redispatched
     | Delegated
     | TakenBack
+    | Superseded
     | RunWarning
     | Cancelled
     | StallRecovered

@@ -29,12 +29,21 @@ A run granted to a site is ended by the site; the hub records what the site repo
 
 from __future__ import annotations
 
+import hashlib
+
 from shared.checkpoint import commit
 from shared.checkpoint.store import Store
 from shared.contracts import Pointer, encode
 from shared.errors import PreconditionFailed
 
 EPOCH_SHIFT = 32
+SITE_EPOCHS = 1 << 10
+"""Above this, an epoch was first taken by a site for a run submitted there (`site_epoch`);
+the hub's own epochs of a run count up from 0, or from the site's epoch once the hub took
+the run in, one per grant or taking back."""
+SITE_EPOCH_SPACING = 1 << 10
+"""Epochs between two sites' first epochs: how many grants and takings back a run first
+submitted at a site may see before its epochs could meet another site's."""
 
 
 def token_of(epoch: int, revision: int) -> int:
@@ -45,6 +54,17 @@ def token_of(epoch: int, revision: int) -> int:
 
 def epoch_of(token: int) -> int:
     return token >> EPOCH_SHIFT
+
+
+def site_epoch(site: str) -> int:
+    """The first epoch of a run submitted at `site` (`services/dispatcher/site.py`): above
+    any the hub reaches by counting grants, and a site's own, so that when the same job was
+    accepted at the hub and at one or more cut-off sites no two sides issue tokens of one
+    epoch. Sites are told apart by a hash of their names (two names meet with a chance of
+    2**-20), spaced `SITE_EPOCH_SPACING` apart; the epoch stays below 2**31, so every token
+    fits a signed 64-bit integer."""
+    code = int.from_bytes(hashlib.blake2s(site.encode(), digest_size=4).digest(), "big")
+    return SITE_EPOCHS + (code % (1 << 20)) * SITE_EPOCH_SPACING
 
 
 async def fence(store: Store, run_id: str, epoch: int) -> bool:

@@ -20,7 +20,8 @@ newer one), so a fenced attempt writes nothing.
                    cancel_attempt, pause_attempt, release, requeue, roll_back,
                    count_failure, fail (entry point refused), pause_unowned,
                    cancel_unowned, requeue_unowned, unchanged, rewound and drop_rollback
-                   (a rollback)
+                   (a rollback), yield_to and past_store (the store decides:
+                   `shared.state.owner`)
     reaper         end, fail (deliveries used up), warn, redispatch, pause_unowned,
                    take_back and reconcile (a site's grant), settled (the ledger)
     delegator      delegate (the scheduler granting queued runs to sites)
@@ -67,6 +68,7 @@ __all__ = [
     "mark_running",
     "note_waiting",
     "order_rollback",
+    "past_store",
     "pause",
     "pause_attempt",
     "pause_unowned",
@@ -85,6 +87,7 @@ __all__ = [
     "unchanged",
     "wait",
     "warn",
+    "yield_to",
 ]
 
 _replace = msgspec.structs.replace
@@ -611,18 +614,21 @@ def take_back(site: str, epoch: int) -> Change:
     return change
 
 
-def reconcile(site: str, reported: RunRecord) -> Change:
+def reconcile(site: str, reported: RunRecord, owns: bool = False) -> Change:
     """The record `site` keeps of a run granted to it, taken in at the hub: while the hub's
     record still grants the run to `site` under the reported epoch and is not over, it
     becomes the site's, keeping what was asked at the hub meanwhile (cancel, pause,
     checkpoints). An ended record only has its announcement mark cleared, once the site's
     is. A run submitted at `site` whose job the hub also queued, and never started, becomes
-    the site's (the same job submitted at both sides of a cut is one run). None when there
-    is nothing to take in (a report of a revoked grant, or a repeat). The hub's copy's
-    credits, if it held any, go with the run."""
+    the site's (the same job submitted at both sides of a cut is one run); so does one the
+    hub also started, or granted elsewhere, when the store's chain is the site's under the
+    reported epoch (`owns`: `shared.state.owner.wins_report`) — the store decides, and the
+    record follows it. None when there is nothing to take in (a report of a revoked grant,
+    a side the store did not choose, or a repeat). The hub's copy's credits, if it held
+    any, go with the run."""
 
     def change(r: RunRecord) -> RunRecord | None:
-        if _submitted_at_both(r, site, reported):
+        if _submitted_at_both(r, site, reported) or _chosen_by_store(r, site, reported, owns):
             # The hub's copy held credits at submit: the run settles them when it ends.
             return _replace(reported, price=r.price, holds=r.holds) if r.holds else reported
         if r.site != site or r.epoch != reported.epoch:
@@ -638,6 +644,53 @@ def reconcile(site: str, reported: RunRecord) -> Change:
             dispatch=max(r.dispatch, reported.dispatch),
         )
         return None if _replace(new, updated_at=r.updated_at) == r else new
+
+    return change
+
+
+def _chosen_by_store(r: RunRecord, site: str, reported: RunRecord, owns: bool) -> bool:
+    """The hub's record of a run it also ran (or granted elsewhere) gives way to `site`'s:
+    the store's chain is the site's, under an epoch the hub's record has not reached."""
+    return (
+        owns and not r.state.terminal and (r.site, r.epoch) != (site, reported.epoch)
+        and reported.epoch > r.epoch and r.spec_hash == reported.spec_hash
+    )  # fmt: skip
+
+
+def yield_to(token: int, site: str, epoch: int, side: str = "") -> Change:
+    """The store's chain is `site`'s under `epoch` ("" the hub; `shared.state.owner`), not
+    the run of the attempt holding `token` at `side`: while the run is not over and still
+    names `token`. At the hub the record follows the store: a grant to `site` under
+    `epoch`, held by nobody here, whose site's reports are then taken in (`reconcile`) and
+    which is taken back if that site stays silent (`take_back`). At a site, the site's own
+    record only lets the run go (nobody holds it, the reason says whose it is); the hub
+    ignores it."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or r.token != token:
+            return None
+        whose = f"site {site}" if site else "the hub"
+        if side:
+            return _replace(r, worker=None, delivery=None, reason=f"trained by {whose}")
+        state = RunState.PAUSED if r.state is RunState.PAUSED else RunState.RUNNING
+        return _replace(
+            r, site=site, epoch=epoch, state=state, worker=None, delivery=None, group=[],
+            admitted=True, reason=f"trained by {whose}: its checkpoints are the run's",
+        )  # fmt: skip
+
+    return change
+
+
+def past_store(token: int, epoch: int) -> Change:
+    """The store holds a token of this side at or above `token`, which the hub issued
+    and then forgot (the unsynced tail of its streams lost in a crash): while the run is
+    not over and still names `token`, its epoch moves to `epoch`, so the next lease's
+    token is above every one the store has seen (`shared.state.owner`); nobody holds it."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or r.token != token:
+            return None
+        return _replace(r, epoch=max(r.epoch, epoch), worker=None, delivery=None)
 
     return change
 

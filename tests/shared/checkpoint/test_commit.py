@@ -17,7 +17,14 @@ from shared.checkpoint import commit
 from shared.checkpoint.store.file import FileStore
 from shared.checkpoint.tensors import flatten, unflatten
 from shared.contracts import CommitRequest, FileRef, JobSpec, Task, encode
-from shared.errors import AlreadyExists, ContractError, IntegrityError, NotFound, StaleToken
+from shared.errors import (
+    AlreadyExists,
+    ContractError,
+    FinalCommitted,
+    IntegrityError,
+    NotFound,
+    StaleToken,
+)
 
 
 async def files(store: FileStore, run: str, token: int, step: int, payload: bytes) -> list[FileRef]:
@@ -59,6 +66,26 @@ async def test_lower_token_and_same_token_lower_step_are_refused(tmp_path: Path)
     await commit.commit(store, request("r", 6, 15, await files(store, "r", 6, 15, b"d")))
     latest = await commit.read_latest(store, "r")
     assert latest is not None and (latest[0].token, latest[0].step) == (6, 15)
+
+
+async def test_a_final_commit_is_terminal_for_the_store(tmp_path: Path) -> None:
+    """Once `latest` is final, nothing follows it: not a higher token (another side that
+    trained the same run), not a later step of the same token; a redelivery of the final
+    commit itself is still answered with its pointer."""
+    store = FileStore(tmp_path)
+    final = CommitRequest(
+        run_id="r", token=5, step=20, worker="w", files=await files(store, "r", 5, 20, b"a"),
+        final=True,
+    )  # fmt: skip
+    done, _ = await commit.commit(store, final, site="lab1")
+    assert done.final and done.site == "lab1" and done.epoch == 0, done
+    for token, step in ((1 << 32 | 7, 20), (1 << 40, 30), (5, 25)):
+        with pytest.raises(FinalCommitted):
+            refs = await files(store, "r", token, step, b"b")
+            await commit.commit(store, request("r", token, step, refs))
+    assert (await commit.commit(store, final, site="lab1"))[0] == done
+    latest = await commit.read_latest(store, "r")
+    assert latest is not None and latest[0] == done, latest
 
 
 async def test_racing_committers_leave_one_increasing_lineage(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from shared.checkpoint.store.base import Store, open_store
 from shared.contracts import CommitRequest, FileRef, decode
 from shared.contracts.checkpoints import Base, Rewound
 from shared.contracts.events import Forked, RolledBack
-from shared.errors import ContractError, IntegrityError, StaleToken
+from shared.errors import ContractError, FinalCommitted, IntegrityError, StaleToken
 from tests.support.seaweed import SeaweedS3
 
 RUN, FORK = "r1", "r2"
@@ -196,12 +196,22 @@ async def test_restore_never_walks_onto_an_abandoned_checkpoint(store: Store) ->
     assert manifest is not None and manifest.step == 2 and damaged == [3], (manifest, damaged)
 
 
-async def test_garbage_collection_takes_abandoned_checkpoints_final_too_but_no_chain(
-    store: Store,
-) -> None:
+async def test_a_final_checkpoint_is_never_rewound(store: Store) -> None:
+    """A run trained to the end is forked, never rolled back: the store refuses it."""
     for step in range(1, 5):
         await commit_step(store, 1, step)
     await commit_step(store, 1, 5, final=True)
+    before = await commit.read_latest(store, RUN)
+    with pytest.raises(FinalCommitted):
+        await rebase.rebase(store, rewind_request(2, 2))
+    assert await commit.read_latest(store, RUN) == before
+
+
+async def test_garbage_collection_takes_abandoned_checkpoints_but_no_chain(
+    store: Store,
+) -> None:
+    for step in range(1, 6):
+        await commit_step(store, 1, step)
     await retention.pin(store, RUN, 4)
     await rebase.rebase(store, rewind_request(2, 2))
     await commit_step(store, 2, 3)
@@ -211,7 +221,7 @@ async def test_garbage_collection_takes_abandoned_checkpoints_final_too_but_no_c
     clock.now += 2 * HOUR
     deleted = await retention.collect_garbage(store, RUN, HOUR, seen)
     gone = {(commit.step_of(k), k.split("/")[3]) for k in deleted if "/manifests/" in k}
-    assert {s for s, _ in gone} == {3, 5}, deleted  # 4 is pinned; 5 was final, abandoned
+    assert {s for s, _ in gone} == {3, 5}, deleted  # 4 is pinned; 5 was abandoned
     listed = await statuses(store)
     assert listed == {(2, 3): "chain", (1, 4): "abandoned", (1, 2): "chain", (1, 1): "chain"}, (
         listed
@@ -301,8 +311,8 @@ async def test_notes_decode(store: Store) -> None:
 async def test_a_run_does_not_go_back_to_its_final_checkpoint(store: Store) -> None:
     await commit_step(store, 1, 10)
     await commit_step(store, 1, 20, final=True)
-    with pytest.raises(IntegrityError, match="final one"):
-        await rebase.rebase(store, rewind_request(2, 20))
-    assert (await rebase.rebase(store, rewind_request(2, 10))).pointer.step == 10
+    for step in (20, 10):  # a final checkpoint is terminal for the store
+        with pytest.raises(FinalCommitted):
+            await rebase.rebase(store, rewind_request(2, step))
     # A fork may start from it (with more steps to train: its own spec says so).
     assert (await rebase.rebase(store, graft_request(3, 20))).pointer.step == 20

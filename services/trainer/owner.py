@@ -1,0 +1,89 @@
+"""An attempt asks the store whose run it is (`shared.state.owner`) before it trains, and
+again when the store refuses its commit; here is what it does with each answer.
+
+    decision    before training                      after a refused commit (at the hub)
+    TRAIN       trains                               fenced, as before
+    COMPLETE    COMPLETED from the final checkpoint  —
+                the store holds: nothing trained
+    YIELD       YIELDED: the record follows the      YIELDED, with the steps it trained
+                store, `superseded` says so (at a     reported as wasted
+                site, only for a final chain: a run
+                taken back is fenced, as before)
+    FORGOTTEN   the record's epoch moves past the    —
+                store's, the task goes back now (at
+                the hub; a site trains as before)
+
+Without this, an attempt whose tokens the store refuses (another side's chain is ahead, or
+the run is over) was fenced, its task delivered again after AckWait, and the next attempt
+restored the other side's checkpoint and was refused again — up to the task's deliveries.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from services.trainer.verdicts import Outcome, Verdict
+from shared.checkpoint import commit
+from shared.contracts import Pointer, RunRecord
+from shared.contracts.events import Event, Superseded
+from shared.state import owner, transitions
+from shared.state.owner import Decision
+
+if TYPE_CHECKING:
+    from services.trainer.attempt import Attempt
+
+log = logging.getLogger("baton.trainer")
+
+
+async def before_training(a: Attempt, latest: Pointer | None) -> Verdict | None:
+    """The verdict when the store says this attempt must not train; None when it may."""
+    said = owner.decide(a.site, a.token, latest)
+    if said.decision is Decision.TRAIN or latest is None:
+        return None
+    if said.decision is Decision.COMPLETE:
+        manifest = await commit.load_manifest(a.store, latest.manifest)
+        log.warning("%s: its final checkpoint (step %d) is committed already; completed from "
+                    "the store, nothing trained", a.run_id, manifest.step)  # fmt: skip
+        done = transitions.complete(a.spent(), manifest.step, manifest.digest, manifest.metrics)
+        return Verdict(Outcome.COMPLETED, change=done)
+    if said.decision is Decision.YIELD:
+        if a.site and not latest.final:
+            return None  # taken back: its keeper and its commits fence it, as before
+        return yielded(a, said.site, said.epoch, wasted=0)
+    if a.site:  # a site cannot move an epoch the hub counts: its commits tell
+        log.warning("%s: the store holds token %d of this site, at or above ours (%d)",
+                    a.run_id, latest.token, a.token)  # fmt: skip
+        return None
+    log.warning("%s: the store holds token %d, at or above the lease's %d: the hub forgot its "
+                "newest writes; the run moves to epoch %d", a.run_id, latest.token, a.token,
+                said.epoch)  # fmt: skip
+    return Verdict(Outcome.PREEMPTED, change=transitions.past_store(a.token, said.epoch))
+
+
+async def after_refusal(a: Attempt) -> Verdict | None:
+    """At the hub, once the store refused this attempt's commit: YIELDED if another side's
+    chain is the run's, None to be fenced as before."""
+    if a.site:
+        return None
+    latest = await commit.read_latest(a.store, a.run_id)
+    said = owner.decide(a.site, a.token, latest[0] if latest else None)
+    if said.decision is not Decision.YIELD:
+        return None
+    a.child.kill()
+    return yielded(a, said.site, said.epoch, wasted=max(0, a.step - a.start_step))
+
+
+def yielded(a: Attempt, site: str, epoch: int, wasted: int) -> Verdict:
+    whose = f"site {site}" if site else "the hub"
+    log.warning("%s: the store's chain is %s's (epoch %d); this attempt stops, %d step(s) "
+                "trained in vain", a.run_id, whose, epoch, wasted)  # fmt: skip
+
+    def superseded(r: RunRecord) -> Event:
+        return Superseded(
+            run_id=a.run_id, owner=site, epoch=epoch, loser=a.site, loser_token=a.token,
+            wasted_steps=wasted,
+        )  # fmt: skip
+
+    change = transitions.yield_to(a.token, site, epoch, side=a.site)
+    return Verdict(Outcome.YIELDED, change=change, event=superseded)
