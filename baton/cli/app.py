@@ -315,10 +315,15 @@ def submit(
     if isinstance(answer, Rejected):
         err.print(f"[red]rejected:[/red] {answer.reason} (at {answer.path})")
         raise typer.Exit(2)
+    unconfirmed = getattr(answer, "unconfirmed", False)
     if as_json:
-        print_json({"run_id": run_id, "accepted": answer is not None})
+        print_json({"run_id": run_id, "accepted": answer is not None, "unconfirmed": unconfirmed})
     else:
         out.print(run_id)
+        if unconfirmed:
+            err.print(f"[yellow]accepted at site {site} while it is cut off from the hub: if the"
+                      " hub runs the same job too, the checkpoint store decides at heal which"
+                      " run counts[/yellow]")  # fmt: skip
         if answer is None and wait > 0:
             where = f"site {site}'s outbox until the hub takes it" if site else "the queue"
             err.print(f"[yellow]no answer from a dispatcher yet; the job waits in {where}[/yellow]")

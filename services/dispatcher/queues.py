@@ -192,7 +192,10 @@ class Reckoner:
         now = time.monotonic()
         workers = [w for w in self.workers() if w.pool == pool and not w.drained]
         steps = {w.run_id: w.step for w in workers if w.run_id and w.step is not None}
-        runs = list(self._holding[pool].values())
+        # A run held by a site none of whose trainers is counted (cut off, its heartbeats
+        # gone) holds none of the trainers counted here: the hub's own stay free for work.
+        sites = {w.site for w in workers}
+        runs = [r for r in self._holding[pool].values() if not r.site or r.site in sites]
         for run in runs:
             r = self._records[run.run_id][0]
             if run.phase is Phase.RUNNING and r.worker:

@@ -15,8 +15,10 @@ a repeat of a job the hub knows is answered as the hub would answer it (`accepte
 duplicate, or refused for another spec under the same key), and never run again. Cut off,
 it reads the site's copy of the hub's records instead (`BATON_HUB_RUNS`, sourced from the
 hub while the link is up): every id the hub used before the cut is known there. Only the
-same job submitted at the hub *during* the cut and started there runs at both sides; the
-site's record is then not taken in at heal (docs/sites.md, "Submitting at a site").
+same job submitted at the hub *during* the cut (or just before it, past the copy) can run at
+both sides: a job accepted while cut off is answered `unconfirmed`, and at heal the
+checkpoint store decides which side's run counts (`shared.state.owner`; docs/sites.md,
+"Submitting at a site").
 
 A job of a pool none of the site's trainers serve is rejected here, saying so: nothing at
 the site could ever start it.
@@ -113,7 +115,7 @@ class SiteDispatcher:
 
     async def dispatch(self, spec: JobSpec, key: str, owner: str) -> None:
         run_id = run_id_for(key, owner)
-        known = await self._at_hub(run_id)
+        known, asked = await self._at_hub(run_id)
         if known is not None:
             await self._same_job(known, spec)
             log.info("%s: known at the hub already; not run again", run_id)
@@ -137,7 +139,10 @@ class SiteDispatcher:
                 self.js, names.site_task_subject(self.site, spec.pool, run_id), encode(task),
                 msg_id=f"grant.{run_id}.{record.epoch}",
             )  # fmt: skip
-        await self._accepted(spec, run_id, duplicate=duplicate)
+        if not asked:
+            log.warning("%s: accepted while cut off from the hub: if the hub ran it too, the "
+                        "store decides at heal", run_id)  # fmt: skip
+        await self._accepted(spec, run_id, duplicate=duplicate, unconfirmed=not asked)
         log.info("%s %s (%s) at site %s", "re-accepted" if duplicate else "accepted", run_id,
                  spec.name, self.site)  # fmt: skip
 
@@ -151,17 +156,19 @@ class SiteDispatcher:
             await self._emit(Rejected(run_id=record.run_id, reason=reason, path=path))
             raise ContractError(reason, path)
 
-    async def _at_hub(self, run_id: str) -> RunRecord | None:
-        """The hub's record of `run_id` (live or archived), None if the hub has none; read
-        from the site's copy of the hub's records when the hub cannot be asked (a cut)."""
+    async def _at_hub(self, run_id: str) -> tuple[RunRecord | None, bool]:
+        """The hub's record of `run_id` (live or archived), None if the hub has none; and
+        whether the hub itself answered. Read from the site's copy of the hub's records
+        when the hub cannot be asked (a cut): the copy holds what had reached it when the
+        link went, which may be behind the hub by a moment."""
         try:
             async with asyncio.timeout(HUB_READ_S):
                 if self._hub_runs is None:
                     self._hub_runs = await Runs.open(self.hub, self.settings.hub_api)
-                return await self._hub_runs.find(run_id)
+                return await self._hub_runs.find(run_id), True
         except Exception as exc:
             log.info("%s: the hub cannot be asked (%s); reading its records as copied", run_id, exc)
-        return await self._copied(run_id)
+        return await self._copied(run_id), False
 
     async def _copied(self, run_id: str) -> RunRecord | None:
         """`run_id`'s record in the site's copy of the hub's records: the live one, else the
@@ -183,10 +190,12 @@ class SiteDispatcher:
             return False
         return True
 
-    async def _accepted(self, spec: JobSpec, run_id: str, *, duplicate: bool) -> None:
+    async def _accepted(
+        self, spec: JobSpec, run_id: str, *, duplicate: bool, unconfirmed: bool = False
+    ) -> None:
         accepted = Accepted(
             run_id=run_id, name=spec.name, pool=spec.pool, total_steps=spec.total_steps,
-            duplicate=duplicate,
+            duplicate=duplicate, unconfirmed=unconfirmed,
         )  # fmt: skip
         await self._emit(accepted, msg_id=None if duplicate else f"accepted.{run_id}")
 

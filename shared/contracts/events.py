@@ -25,6 +25,10 @@ class Accepted(_Event, tag="accepted", frozen=True):
     pool: str
     total_steps: int
     duplicate: bool = False
+    unconfirmed: bool = False
+    """Accepted at a site cut off from the hub, which knows the hub's runs only as far as
+    its copy of them had caught up when the link went: if the hub ran the same job too, the
+    checkpoint store decides at heal which side's run counts (docs/sites.md)."""
 
 
 class Rejected(_Event, tag="rejected", frozen=True):
