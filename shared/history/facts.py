@@ -36,7 +36,9 @@ class Posted(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class LeaseHeld(msgspec.Struct, frozen=True, kw_only=True):
-    """A lease in `baton_leases` as it stands: its key, holder, token and revision."""
+    """A lease in `baton_leases` as it stands: its key (the run id, suffixed with a MAC
+    under a lease secret), holder, the token its value names (0 in the acquiring write,
+    whose token is its revision under the run's epoch) and its revision."""
 
     key: str
     worker: str

@@ -14,6 +14,7 @@ from collections import defaultdict
 from shared.contracts import events as ev
 from shared.contracts.records import RunState
 from shared.history.facts import History, Logged, Violation
+from shared.state.grants import token_of
 
 RUN_KEPT = "run-kept"
 ENDS_STAY = "ends-stay"
@@ -207,7 +208,8 @@ def tokens_grow(history: History) -> list[Violation]:
 
 def token_one_attempt(history: History) -> list[Violation]:
     """4c. No two attempts of a run used one token: the workers its `started` events name,
-    and those its stored manifests name, are one per token (a group's members count as its
+    those its stored manifests name and the one its lease names (the lease's token, else its
+    revision's under the record's epoch) are one per token (a group's members count as its
     leader, by the `group_formed` event of that token)."""
     out = []
     events = by_run(history)
@@ -223,6 +225,12 @@ def token_one_attempt(history: History) -> list[Violation]:
         store = history.checkpoints.get(run_id)
         for key, m in store.manifests.items() if store is not None else ():
             used[m.token].setdefault(leader.get((m.token, m.worker), m.worker), key)
+        record = history.record(run_id)
+        for lease in history.leases:
+            if run_id in (lease.key, lease.key.rpartition(".")[0]):
+                epoch = record.epoch if record is not None else 0
+                token = lease.token or token_of(epoch, lease.revision)
+                used[token].setdefault(lease.worker, f"lease {lease.key}")
         for token, workers in sorted(used.items()):
             if len(workers) > 1:
                 out.append(

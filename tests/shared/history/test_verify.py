@@ -17,6 +17,7 @@ from shared.history import accounts, invariants
 from shared.history.facts import (
     Checkpoints,
     History,
+    LeaseHeld,
     Logged,
     Posted,
     Sighting,
@@ -120,6 +121,8 @@ def clean() -> History:
 
 def test_a_clean_history_breaks_nothing() -> None:
     assert check(clean(), settled_exactly=True) == []
+    leased = [LeaseHeld(key=A, worker="w1", token=5, revision=9)]  # renewed: its token named
+    assert check(replace(clean(), leases=leased)) == []
 
 
 def _events(h: History, fn: Callable[[list[ev.Event]], list[ev.Event]]) -> History:
@@ -204,6 +207,10 @@ PLANTED: dict[str, tuple[str, Callable[[History], History]]] = {
         invariants.TOKEN_ONE_ATTEMPT,
         lambda h: _store(h, B, manifests={**h.checkpoints[B].manifests,
                                           key(B, 10, 6): manifest(B, 10, 6, "w5", None)})),
+    "a lease held by another worker under a started token": (
+        invariants.TOKEN_ONE_ATTEMPT,
+        lambda h: replace(h, leases=[LeaseHeld(key=f"{A}.mac", worker="w8", token=0,
+                                               revision=5)])),
     "a settlement giving back more than was held": (
         accounts.LEDGER_SUMS,
         lambda h: _ledger(h, lambda ps: [*ps[:3], replace(ps[3], entry=replace(ps[3].entry,
