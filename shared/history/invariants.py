@@ -12,7 +12,7 @@ import itertools
 from collections import defaultdict
 
 from shared.contracts import events as ev
-from shared.contracts.records import RunState
+from shared.contracts.records import RunState, replica_of
 from shared.history.facts import History, Logged, Violation
 from shared.state.grants import token_of
 
@@ -40,16 +40,20 @@ def by_run(history: History) -> dict[str, list[Logged]]:
 
 def run_kept(history: History) -> list[Violation]:
     """1. A run accepted is never lost: every run with an `accepted` event has a record, in
-    the runs bucket or the archive; one found in the archive alone is terminal; and one whose
+    the runs bucket or the archive (a replicated run: its replicas have, each accepted and
+    checked as a run of its own); one found in the archive alone is terminal; and one whose
     record is not terminal is live (in `baton_live`, what the control plane sweeps)."""
     out = []
     live = set(history.live)
+    replicated = {found[0] for r in history.run_ids() if (found := replica_of(r)) is not None}
     for run_id, logged in by_run(history).items():
         accepted = [lg for lg in logged if isinstance(lg.event, ev.Accepted)]
         if not accepted:
             continue
         seq = f"event {accepted[0].seq}"
         record = history.record(run_id)
+        if record is None and run_id in replicated:
+            continue
         if record is None:
             why = f"run {run_id} was accepted but has no record, live or archived"
         elif run_id not in history.records and not record.state.terminal:

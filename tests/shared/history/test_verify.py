@@ -266,6 +266,21 @@ def test_a_rollback_after_the_end_lets_a_new_attempt_start() -> None:
     assert check(_events(clean(), swap)) == []
 
 
+def test_a_replicated_run_is_kept_by_its_replicas() -> None:
+    """A replicated job's own id is accepted and has no record: each replica is a run."""
+    parent, replica = "rP", "rP-replica-0"
+    accepted = [ev.Accepted(run_id=r, name="t", pool="p", total_steps=1) for r in (parent, replica)]
+    h = clean()
+    h = replace(
+        h, events=[*h.events, *(Logged(seq=100 + i, stamp=2000.0, event=e)
+                                for i, e in enumerate(accepted))], live=[replica],
+        records={**h.records, replica: record(replica, RunState.RUNNING)},
+    )  # fmt: skip
+    assert check(h) == [], [describe(v) for v in check(h)]
+    lost = replace(h, records=h.records | {replica: record(replica, RunState.RUNNING)}, live=[])
+    assert [v.runs for v in check(lost)] == [[replica]], check(lost)
+
+
 def test_a_violation_names_its_runs_and_entries() -> None:
     h = replace(clean(), archived={A: replace(clean().archived[A], digest="other")})
     (found,) = [v for v in check(h) if v.invariant == invariants.COMPLETED_DIGEST]
