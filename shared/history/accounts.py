@@ -70,8 +70,8 @@ def _entry(why: str, p: Posted, run_id: str = "") -> Violation:
 
 def settled_once(history: History, exactly: bool = False) -> list[Violation]:
     """5b. Each ended run is settled at most once: one `settle` entry at most per run, and a
-    record marked `settled` has one. With `exactly` (once the reaper has had its chance):
-    every ended run with a price and an owner has exactly one."""
+    record marked `settled` has one. With `exactly` (`baton verify --settled`: once the
+    reaper has had its chance), every ended run with a price and an owner has exactly one."""
     out = []
     settles: dict[str, list[str]] = defaultdict(list)
     for p in history.ledger:
@@ -120,7 +120,8 @@ def nothing_after_settle(history: History) -> list[Violation]:
 
 def topups_kept(history: History) -> list[Violation]:
     """5d. No acknowledged top-up is lost: each top-up's identity (owner, id) is stored
-    once, and every top-up a writer was told was stored is in the ledger."""
+    once, and every top-up a writer was told was stored (`History.acknowledged_topups`) is
+    in the ledger."""
     out = []
     stored = Counter(
         (p.entry.owner, p.entry.id) for p in history.ledger if isinstance(p.entry, TopUp)
@@ -142,9 +143,9 @@ def _topup(why: str, owner: str, topup: str) -> Violation:
 
 def process_ends(history: History, grace_s: float = GRACE_S) -> list[Violation]:
     """6. No training process of a run outlives its terminal state by more than a grace:
-    no process of the run is seen alive (`History.sightings`) more than `grace_s` after the
-    hub stored the run's terminal event — the last one, when a rollback reopened it — unless
-    a `started` event, a newer attempt, was stored after that end."""
+    no process of the run is seen alive (`History.sightings`) more than `grace_s` (30 s by
+    default) after the hub stored the run's terminal event — the last one, when a rollback
+    reopened it — unless a `started` event, a newer attempt, was stored after that end."""
     ends: dict[str, float] = {}
     for lg in history.events:
         e = lg.event

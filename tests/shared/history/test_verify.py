@@ -4,6 +4,7 @@ with a fault of each kind planted in it is caught, by the invariant that forbids
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -293,3 +294,13 @@ def test_a_violation_names_its_runs_and_entries() -> None:
 def test_a_history_round_trips_as_json() -> None:
     h = clean()
     assert msgspec.json.decode(msgspec.json.encode(h), type=History) == h
+
+
+def test_docs_state_each_invariant_as_the_checker_does() -> None:
+    """docs/verify.md's table is each check's docstring, word for word."""
+    docs = (Path(__file__).resolve().parents[3] / "docs" / "verify.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in docs.splitlines()
+            if line.startswith("| `")}  # fmt: skip
+    for name, fn in CHECKS:
+        stated = " ".join((fn.__doc__ or "").split())
+        assert name in rows and stated and stated in rows[name], (name, stated)
