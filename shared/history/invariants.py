@@ -18,6 +18,7 @@ from shared.state.grants import token_of
 
 RUN_KEPT = "run-kept"
 ENDS_STAY = "ends-stay"
+END_TOLD = "end-told"
 COMPLETED_ONCE = "completed-once"
 COMPLETED_DIGEST = "completed-digest"
 FINAL_LAST = "final-last"
@@ -67,7 +68,7 @@ def run_kept(history: History) -> list[Violation]:
 
 
 def ends_stay(history: History) -> list[Violation]:
-    """2. A run leaves a terminal state only when an operator reopens it, and its events say
+    """2a. A run leaves a terminal state only when an operator reopens it, and its events say
     so: after a `completed`, `failed` or `cancelled` event, no other such event and no
     `started` appears, nor any `progress`, `restored` or `checkpoint_committed` but the
     attempt's that was training when it ended (its last words), until a `rolled_back` event
@@ -86,9 +87,7 @@ def ends_stay(history: History) -> list[Violation]:
                 elif isinstance(e, ENDINGS):
                     ended, worker, token = lg, last_worker, last_token
                 continue
-            if isinstance(e, ev.RolledBack) or (
-                isinstance(e, ev.RunWarning) and e.kind == REOPENED_BY
-            ):
+            if _reopens(e):
                 ended = None
                 continue
             if isinstance(e, ev.Completed) and isinstance(ended.event, ev.Completed):
@@ -105,6 +104,42 @@ def ends_stay(history: History) -> list[Violation]:
                     )
                 )
     return out
+
+
+def end_told(history: History) -> list[Violation]:
+    """2b. A FAILED or CANCELLED run's end is told: once its record is no longer
+    `announce_pending`, its events after the last that reopened it (`rolled_back`, or the
+    reopened attempt's `rollback_refused` warning) hold its `failed` or `cancelled` event. (A
+    COMPLETED run's is `completed-once`'s to say.)"""
+    out = []
+    events = by_run(history)
+    for run_id in history.run_ids():
+        record = history.record(run_id)
+        if record is None or record.announce_pending:
+            continue
+        kind = {RunState.FAILED: ev.Failed, RunState.CANCELLED: ev.Cancelled}.get(record.state)
+        if kind is None:
+            continue
+        told = False
+        for lg in events.get(run_id, []):
+            if _reopens(lg.event):
+                told = False
+            elif isinstance(lg.event, kind):
+                told = True
+        if not told:
+            out.append(
+                Violation(
+                    invariant=END_TOLD,
+                    detail=f"run {run_id} is {record.state.value} and no "
+                    f"`{record.state.value.lower()}` event tells it (since it was last reopened)",
+                    runs=[run_id],
+                )
+            )
+    return out
+
+
+def _reopens(e: ev.Event) -> bool:
+    return isinstance(e, ev.RolledBack) or (isinstance(e, ev.RunWarning) and e.kind == REOPENED_BY)
 
 
 def _goes_on(e: ev.Event, worker: str, token: int) -> bool:

@@ -18,6 +18,7 @@ Check = Callable[[History], list[Violation]]
 CHECKS: tuple[tuple[str, Check], ...] = (
     (invariants.RUN_KEPT, invariants.run_kept),
     (invariants.ENDS_STAY, invariants.ends_stay),
+    (invariants.END_TOLD, invariants.end_told),
     (invariants.COMPLETED_ONCE, invariants.completed_once),
     (invariants.COMPLETED_DIGEST, invariants.completed_digest),
     (invariants.FINAL_LAST, invariants.final_last),

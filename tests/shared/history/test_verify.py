@@ -182,6 +182,10 @@ PLANTED: dict[str, tuple[str, Callable[[History], History]]] = {
         invariants.ENDS_STAY, lambda h: _events(h, _without(ev.RolledBack))),
     "another worker's progress after the end": (
         invariants.ENDS_STAY, lambda h: _events(h, _stranger_after_end)),
+    "a reopened run failed again and no event says so": (
+        invariants.END_TOLD,
+        lambda h: _events(replace(h, records={B: replace(h.records[B], state=RunState.FAILED)}),
+                          lambda es: es[:-1])),
     "two completed events": (
         invariants.COMPLETED_ONCE, lambda h: _events(h, _dup_completed)),
     "completed with no completed event": (
