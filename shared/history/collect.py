@@ -7,8 +7,9 @@ is counted in `unreadable` — so that whatever is wrong is found by the pure ch
 writes nothing, but the ephemeral consumers that read the streams.
 
 The reads are not one snapshot: a stack that is busy while they run may show a run between
-two writes that belong together (a record terminal, its event not yet stored). Check a
-stack that is at rest, or expect what a moment's race explains.
+two writes that belong together (a record terminal, its event not yet stored: the checks
+pass over a record still `announce_pending`). Check a stack that is at rest, or expect what
+a moment's race explains.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -44,7 +46,11 @@ AT_ONCE = 8
 
 
 async def collect(nc: Client, store: Store) -> History:
-    """The stack's history as stored now: its hub (through `nc`) and its store."""
+    """The stack's history as stored now: its hub (through `nc`) and its store. Read in the
+    order its writers write — events before records (a terminal record is written before its
+    event), records before the ledger (a record is marked settled after its settlement), the
+    store last (a checkpoint is committed before a record names it) — so that what one read
+    implies of an earlier one holds however busy the stack."""
     js = nc.jetstream()
     unreadable = 0
     events: list[Logged] = []
@@ -56,6 +62,10 @@ async def collect(nc: Client, store: Store) -> History:
             continue
         seq = msg.metadata.sequence.stream
         events.append(Logged(seq=seq, stamp=stamp(msg.metadata.timestamp), event=event))
+    runs = await Runs.open(js)
+    records = {r.run_id: r for r in await runs.all()}
+    archived = {r.run_id: r for r in await archive.records(js)}
+    live = await runs.live_ids()
     ledger: list[Posted] = []
     for msg in await stored(js, names.LEDGER_STREAM, names.LEDGER_ALL):
         try:
@@ -64,12 +74,9 @@ async def collect(nc: Client, store: Store) -> History:
             unreadable += 1
             continue
         ledger.append(Posted(seq=msg.metadata.sequence.stream, subject=msg.subject, entry=entry))
-    runs = await Runs.open(js)
-    records = {r.run_id: r for r in await runs.all()}
-    archived = {r.run_id: r for r in await archive.records(js)}
     history = History(
-        events=events, records=records, archived=archived, live=await runs.live_ids(),
-        leases=await leases(js), ledger=ledger, unreadable=unreadable,
+        events=events, records=records, archived=archived, live=live, leases=await leases(js),
+        ledger=ledger,
     )  # fmt: skip
     limit = asyncio.Semaphore(AT_ONCE)
 
@@ -78,11 +85,11 @@ async def collect(nc: Client, store: Store) -> History:
             return await checkpoints(store, run_id)
 
     found = await asyncio.gather(*(one(r) for r in history.run_ids()))
-    return History(
-        events=events, records=records, archived=archived, live=history.live,
-        leases=history.leases, ledger=ledger, unreadable=unreadable + sum(n for _, n in found),
+    return msgspec.structs.replace(
+        history,
         checkpoints={c.run_id: c for c, _ in found if c.latest is not None or c.manifests},
-    )  # fmt: skip
+        unreadable=unreadable + sum(n for _, n in found),
+    )
 
 
 async def stored(js: JetStreamContext, stream: str, subject: str) -> list[Msg]:

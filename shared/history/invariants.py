@@ -71,28 +71,31 @@ def ends_stay(history: History) -> list[Violation]:
     """2a. A run leaves a terminal state only when an operator reopens it, and its events say
     so: after a `completed`, `failed` or `cancelled` event, no other such event and no
     `started` appears, nor any `progress`, `restored` or `checkpoint_committed` but the
-    attempt's that was training when it ended (its last words), until a `rolled_back` event
-    (or the reopened attempt's `rollback_refused` warning) says the run was reopened. A
-    second `completed` is `completed-once`'s to say."""
+    attempt's that was training when it ended (its last words: its trainer's or its group's
+    members', under its token), until a `rolled_back` event (or the reopened attempt's
+    `rollback_refused` warning) says the run was reopened. A second `completed` is
+    `completed-once`'s to say."""
     out = []
     for run_id, logged in by_run(history).items():
         ended: Logged | None = None
-        worker, token = "", -1  # the attempt training when the run ended
-        last_worker, last_token = "", -1
+        workers, token = frozenset[str](), -1  # the attempt training when the run ended
+        last_workers, last_token = frozenset[str](), -1
         for lg in logged:
             e = lg.event
             if ended is None:
                 if isinstance(e, ev.Started):
-                    last_worker, last_token = e.worker, e.token
+                    last_workers, last_token = frozenset([e.worker]), e.token
+                elif isinstance(e, ev.GroupFormed) and e.epoch == last_token:
+                    last_workers |= {e.worker, *e.members}
                 elif isinstance(e, ENDINGS):
-                    ended, worker, token = lg, last_worker, last_token
+                    ended, workers, token = lg, last_workers, last_token
                 continue
             if _reopens(e):
                 ended = None
                 continue
             if isinstance(e, ev.Completed) and isinstance(ended.event, ev.Completed):
                 continue
-            if _goes_on(e, worker, token):
+            if _goes_on(e, workers, token):
                 out.append(
                     Violation(
                         invariant=ENDS_STAY,
@@ -142,28 +145,32 @@ def _reopens(e: ev.Event) -> bool:
     return isinstance(e, ev.RolledBack) or (isinstance(e, ev.RunWarning) and e.kind == REOPENED_BY)
 
 
-def _goes_on(e: ev.Event, worker: str, token: int) -> bool:
+def _goes_on(e: ev.Event, workers: frozenset[str], token: int) -> bool:
     """Whether `e`, after the run's end, is the run going on (not the last words of the
-    attempt of `worker` and `token` that was training when it ended)."""
+    attempt of `token` that was training when it ended, on `workers`: its trainer, and its
+    group's members)."""
     if isinstance(e, (*ENDINGS, ev.Started)):
         return True
     if isinstance(e, (ev.Progress, ev.Restored)):
-        return e.worker != worker
+        return e.worker not in workers
     if isinstance(e, ev.CheckpointCommitted):
         return e.token != token
     return False
 
 
 def completed_once(history: History) -> list[Violation]:
-    """3a. A COMPLETED run has exactly one `completed` event in the hub's history; a run with
-    a `completed` event is COMPLETED (the record is written first, `shared.state.endings`)."""
+    """3a. A COMPLETED run has exactly one `completed` event in the hub's history (once its
+    record is no longer `announce_pending`: not before it is published); a run with a
+    `completed` event is COMPLETED (the record is written first, `shared.state.endings`)."""
     out = []
     events = by_run(history)
     for run_id in history.run_ids():
         record = history.record(run_id)
         done = [lg for lg in events.get(run_id, []) if isinstance(lg.event, ev.Completed)]
         seqs = [f"event {lg.seq}" for lg in done]
-        if record is not None and record.state is RunState.COMPLETED and len(done) != 1:
+        completed = record is not None and record.state is RunState.COMPLETED
+        pending = record is not None and record.announce_pending and not done
+        if completed and not pending and len(done) != 1:
             why = f"run {run_id} is COMPLETED with {len(done)} `completed` events"
         elif done and (record is None or record.state is not RunState.COMPLETED):
             state = record.state.value if record is not None else "without a record"

@@ -308,3 +308,12 @@ def test_docs_state_each_invariant_as_the_checker_does() -> None:
     for name, fn in CHECKS:
         stated = " ".join((fn.__doc__ or "").split())
         assert name in rows and stated and stated in rows[name], (name, stated)
+
+
+def test_a_groups_members_last_words_after_the_end_are_no_violation() -> None:
+    def grouped(es: list[ev.Event]) -> list[ev.Event]:
+        formed = ev.GroupFormed(run_id=A, worker="w1", epoch=5, members=["w3"])
+        late = ev.Progress(run_id=A, step=20, total_steps=20, worker="w3")
+        return [*es[:2], formed, *es[2:7], late, *es[7:]]
+
+    assert check(_events(clean(), grouped)) == []
