@@ -317,3 +317,10 @@ def test_a_groups_members_last_words_after_the_end_are_no_violation() -> None:
         return [*es[:2], formed, *es[2:7], late, *es[7:]]
 
     assert check(_events(clean(), grouped)) == []
+
+
+def test_a_completion_still_being_announced_is_no_violation() -> None:
+    h = clean()
+    pending = replace(h.archived[A], announce_pending=True)
+    told = _events(replace(h, archived={A: pending}), _without(ev.Completed))
+    assert [v.runs for v in check(told)] == [[B]], check(told)  # B's completed is gone too
