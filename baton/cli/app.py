@@ -549,6 +549,7 @@ from baton.cli import pull as _pull  # noqa: E402, F401  (registers its command)
 from baton.cli import queue as _queue  # noqa: E402, F401  (a pool's queue, in order)
 from baton.cli import rounds as _rounds  # noqa: E402, F401  (a replicated run's rounds)
 from baton.cli import status as _status  # noqa: E402, F401  (one run's record and health)
+from baton.cli import verify as _verify  # noqa: E402, F401  (the history checker)
 
 
 def main() -> None:

@@ -12,23 +12,30 @@ cosine schedule).
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
 from baton.cli import client
+from shared.checkpoint.store import open_store
 from shared.contracts import JobSpec, RunRecord, RunState
 from shared.contracts.control import Resume
 from shared.contracts.events import Paused, Progress, Rejected, RunWarning, Started
 from shared.contracts.pools import units
+from shared.history.collect import collect
+from shared.history.facts import Sighting, TopUpId
 from shared.history.goodput import goodput
+from shared.history.verify import check, describe
 from shared.state.runs import Runs
 from tests.e2e.jobs import finished, history, job, submit
+from tests.support.cli import as_json, baton
 from tests.support.ledger import balance, balanced, topup
-from tests.support.stack import Stack, eventually
+from tests.support.stack import Stack, attempt_processes, eventually
 
 pytestmark = [
     pytest.mark.sharing, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")
@@ -134,6 +141,25 @@ async def test_a_run_out_of_credits_pauses_and_resumes_bit_for_bit(stack: Stack)
     assert starts == [0, pause.step], (starts, pause)
     settle = await balanced(op, "alice", run_id, before + units(2.0), PRICE)
     assert settle.failed_s == 0 and settle.charged <= settle.held, settle
+
+    # The whole history keeps every invariant (docs/verify.md): every run with a price
+    # settled exactly once, a top-up acknowledged by `baton credits` kept, and no training
+    # process of the run left behind its end.
+    code, out, err = await baton(stack, "credits", "topup", "alice", "0.5", "--id", "kept")
+    assert code == 0 and "topped up alice" in out, (code, out, err)
+    seen = [
+        Sighting(run_id=run_id, pid=pid, alive_at=time.time())
+        for name in ("t1", "t2") for pid in attempt_processes(stack.pid(name))
+    ]  # fmt: skip
+    async with open_store(stack.store_url) as store:
+        found = await collect(op, store)
+    found = msgspec.structs.replace(
+        found, acknowledged_topups=[TopUpId(owner="alice", id="kept")], sightings=seen
+    )
+    assert run_id in found.checkpoints and len(found.ledger) >= 5, found.ledger
+    assert check(found, settled_exactly=True) == [], [describe(v) for v in check(found)]
+    verdict = await as_json(stack, "verify", "--settled")
+    assert verdict["ok"] and verdict["entries"] == len(found.ledger), verdict
 
 
 async def test_a_run_killed_three_times_is_charged_only_what_it_kept(stack: Stack) -> None:

@@ -165,6 +165,13 @@ async def test_rollback_fork_and_pull_of_any_committed_checkpoint(
     # A run that is over goes back only by a fork.
     code, _, err = await baton(stack, "rollback", run_id, "--step", str(target))
     assert code == 2 and "fork it instead" in err, (code, err)
+
+    # The whole history keeps every invariant (docs/verify.md): the rollback's note, the
+    # abandoned checkpoints off the chain, the fork's graft, each run's end.
+    code, out, err = await baton(stack, "verify")
+    assert code == 0 and out.startswith("no violation"), (code, out, err)
+    verdict = await as_json(stack, "verify")
+    assert verdict["ok"] and verdict["violations"] == [] and verdict["runs"] >= 3, verdict
     log.close()
     fork_log.close()
 

@@ -1,0 +1,326 @@
+"""The history checker on histories written out by hand: a clean one breaks nothing, and one
+with a fault of each kind planted in it is caught, by the invariant that forbids it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shared.bus import names
+from shared.contracts import JobSpec, RunRecord, RunState
+from shared.contracts import events as ev
+from shared.contracts.checkpoints import Manifest, Pointer, Rewound
+from shared.contracts.ledger import Entry, Hold, Settle, TopUp
+from shared.history import accounts, invariants
+from shared.history.facts import (
+    Checkpoints,
+    History,
+    LeaseHeld,
+    Logged,
+    Posted,
+    Sighting,
+    TopUpId,
+    Violation,
+)
+from shared.history.verify import CHECKS, check, describe
+from shared.ledger.book import subject_of
+
+A, B, C = "rA", "alice.rB", "rC"
+SPEC = JobSpec(name="t", entry_point="examples.regression:train", total_steps=20)
+replace = msgspec.structs.replace
+
+
+def key(run_id: str, step: int, token: int) -> str:
+    return f"runs/{run_id}/manifests/{step:012d}-{token:012d}.json"
+
+
+def manifest(
+    run_id: str, step: int, token: int, worker: str, previous: str | None, final: bool = False
+) -> Manifest:
+    return Manifest(
+        run_id=run_id, token=token, step=step, worker=worker, files=[], final=final, metrics={},
+        digest=f"digest-{run_id}-{step}" if final else "", previous=previous, created_at=0.0,
+    )  # fmt: skip
+
+
+def record(run_id: str, state: RunState, **over: object) -> RunRecord:
+    r = RunRecord(run_id=run_id, spec=SPEC, spec_hash="x", created_at=0.0, updated_at=0.0)
+    return replace(r, state=state, **over)
+
+
+def logged(events: list[ev.Event]) -> list[Logged]:
+    return [Logged(seq=i + 1, stamp=1000.0 + i, event=e) for i, e in enumerate(events)]
+
+
+def posted(entries: list[Entry]) -> list[Posted]:
+    return [Posted(seq=i + 1, subject=subject_of(e), entry=e) for i, e in enumerate(entries)]
+
+
+def clean() -> History:
+    """Run A trained by w1 to its end; run B (alice's, priced) failed, was reopened by a
+    rollback and completed on w2, then settled."""
+    events: list[ev.Event] = [
+        ev.Accepted(run_id=A, name="t", pool="default", total_steps=20),
+        ev.Started(run_id=A, worker="w1", token=5, attempt=1, start_step=0),
+        ev.Progress(run_id=A, step=10, total_steps=20, worker="w1"),
+        ev.CheckpointCommitted(run_id=A, step=10, token=5, manifest=key(A, 10, 5), bytes=1),
+        ev.CheckpointCommitted(run_id=A, step=20, token=5, manifest=key(A, 20, 5), bytes=1),
+        ev.Completed(run_id=A, step=20, digest=f"digest-{A}-20"),
+        ev.Progress(run_id=A, step=20, total_steps=20, worker="w1"),  # its last words
+        ev.Accepted(run_id=B, name="t", pool="default", total_steps=20),
+        ev.Started(run_id=B, worker="w1", token=6, attempt=1, start_step=0),
+        ev.CheckpointCommitted(run_id=B, step=10, token=6, manifest=key(B, 10, 6), bytes=1),
+        ev.Failed(run_id=B, reason="user_code"),
+        ev.RolledBack(run_id=B, token=8, from_step=10, to_step=10),
+        ev.Started(run_id=B, worker="w2", token=8, attempt=2, start_step=10),
+        ev.CheckpointCommitted(run_id=B, step=20, token=8, manifest=key(B, 20, 8), bytes=1),
+        ev.Completed(run_id=B, step=20, digest=f"digest-{B}-20"),
+    ]
+    store_a = Checkpoints(
+        run_id=A,
+        latest=Pointer(run_id=A, token=5, step=20, manifest=key(A, 20, 5), final=True),
+        manifests={
+            key(A, 10, 5): manifest(A, 10, 5, "w1", None),
+            key(A, 20, 5): manifest(A, 20, 5, "w1", key(A, 10, 5), final=True),
+        },
+    )
+    rewound = Rewound(
+        run_id=B, token=8, from_token=6, from_step=10, to_step=10, manifest=key(B, 10, 6),
+        abandoned=[], created_at=0.0,
+    )  # fmt: skip
+    store_b = Checkpoints(
+        run_id=B,
+        latest=Pointer(run_id=B, token=8, step=20, manifest=key(B, 20, 8), final=True),
+        manifests={
+            key(B, 10, 6): manifest(B, 10, 6, "w1", None),
+            key(B, 20, 8): manifest(B, 20, 8, "w2", key(B, 10, 6), final=True),
+        },
+        rewinds=[rewound],
+    )
+    ledger: list[Entry] = [
+        TopUp(owner="alice", id="t1", amount=100),
+        Hold(owner="alice", run_id=B, n=0, amount=10),
+        Hold(owner="alice", run_id=B, n=1, amount=5),
+        Settle(owner="alice", run_id=B, held=15, charged=7),
+    ]
+    priced = record(
+        B, RunState.COMPLETED, digest=f"digest-{B}-20", price={"cpu": 1.0}, settled=True
+    )
+    return History(
+        events=logged(events),
+        records={B: priced},
+        archived={A: record(A, RunState.COMPLETED, digest=f"digest-{A}-20")},
+        checkpoints={A: store_a, B: store_b},
+        ledger=posted(ledger),
+        acknowledged_topups=[TopUpId(owner="alice", id="t1")],
+        sightings=[Sighting(run_id=A, pid=123, alive_at=1005.0 + 10)],
+    )
+
+
+def test_a_clean_history_breaks_nothing() -> None:
+    assert check(clean(), settled_exactly=True) == []
+    leased = [LeaseHeld(key=A, worker="w1", token=5, revision=9)]  # renewed: its token named
+    assert check(replace(clean(), leases=leased)) == []
+
+
+def _events(h: History, fn: Callable[[list[ev.Event]], list[ev.Event]]) -> History:
+    return replace(h, events=logged(fn([lg.event for lg in h.events])))
+
+
+def _store(h: History, run_id: str, **over: object) -> History:
+    return replace(h, checkpoints={**h.checkpoints, run_id: replace(h.checkpoints[run_id], **over)})
+
+
+def _ledger(h: History, fn: Callable[[list[Posted]], list[Posted]]) -> History:
+    return replace(h, ledger=fn(list(h.ledger)))
+
+
+def _without(kind: type) -> Callable[[list[ev.Event]], list[ev.Event]]:
+    return lambda es: [e for e in es if not isinstance(e, kind)]
+
+
+def _dup_completed(es: list[ev.Event]) -> list[ev.Event]:
+    done = next(e for e in es if isinstance(e, ev.Completed))
+    return [*es, done]
+
+
+def _late_settle(h: History) -> list[Posted]:
+    late = Hold(owner="alice", run_id=B, n=2, amount=3)
+    return [*h.ledger, Posted(seq=99, subject=subject_of(late), entry=late)]
+
+
+def _second_settle(h: History) -> list[Posted]:
+    again = Settle(owner="bob", run_id=B, held=15, charged=7)
+    return [*h.ledger, Posted(seq=99, subject=subject_of(again), entry=again)]
+
+
+def _misfiled(h: History) -> list[Posted]:
+    top = TopUp(owner="alice", id="t2", amount=5)
+    subject = names.ledger_subject("bob", "topup", "t2")
+    return [*h.ledger, Posted(seq=99, subject=subject, entry=top)]
+
+
+def _lost_queued_run(h: History) -> History:
+    accepted = Logged(seq=99, stamp=2000.0, event=ev.Accepted(run_id=C, name="t", pool="p",
+                                                               total_steps=1))  # fmt: skip
+    return replace(h, events=[*h.events, accepted],
+                   records={**h.records, C: record(C, RunState.QUEUED)})  # fmt: skip
+
+
+def _stranger_after_end(es: list[ev.Event]) -> list[ev.Event]:
+    return [*es, ev.Progress(run_id=A, step=20, total_steps=20, worker="w7")]
+
+
+PLANTED: dict[str, tuple[str, Callable[[History], History]]] = {
+    "an accepted run with no record": (
+        invariants.RUN_KEPT, lambda h: replace(h, archived={})),
+    "a queued run out of the live index": (invariants.RUN_KEPT, _lost_queued_run),
+    "a failed run trains again without a rollback": (
+        invariants.ENDS_STAY, lambda h: _events(h, _without(ev.RolledBack))),
+    "another worker's progress after the end": (
+        invariants.ENDS_STAY, lambda h: _events(h, _stranger_after_end)),
+    "a reopened run failed again and no event says so": (
+        invariants.END_TOLD,
+        lambda h: _events(replace(h, records={B: replace(h.records[B], state=RunState.FAILED)}),
+                          lambda es: es[:-1])),
+    "two completed events": (
+        invariants.COMPLETED_ONCE, lambda h: _events(h, _dup_completed)),
+    "completed with no completed event": (
+        invariants.COMPLETED_ONCE, lambda h: _events(h, _without(ev.Completed))),
+    "a record's digest that is not the final checkpoint's": (
+        invariants.COMPLETED_DIGEST,
+        lambda h: replace(h, archived={A: replace(h.archived[A], digest="other")})),
+    "completed while latest is not final": (
+        invariants.COMPLETED_DIGEST,
+        lambda h: _store(h, A, latest=replace(h.checkpoints[A].latest, final=False))),
+    "a checkpoint after a final one": (
+        invariants.FINAL_LAST,
+        lambda h: _store(h, A, manifests={**h.checkpoints[A].manifests,
+                                          key(A, 10, 5): manifest(A, 10, 5, "w1", None, True)})),
+    "a token that went down along the chain": (
+        invariants.TOKENS_GROW,
+        lambda h: _store(h, A, manifests={**h.checkpoints[A].manifests,
+                                          key(A, 10, 5): manifest(A, 30, 5, "w1", None)})),
+    "two workers started under one token": (
+        invariants.TOKEN_ONE_ATTEMPT,
+        lambda h: _events(h, lambda es: [*es[:1], ev.Started(run_id=A, worker="w9", token=5,
+                                                             attempt=2, start_step=0), *es[1:]])),
+    "a manifest of another worker under a started token": (
+        invariants.TOKEN_ONE_ATTEMPT,
+        lambda h: _store(h, B, manifests={**h.checkpoints[B].manifests,
+                                          key(B, 10, 6): manifest(B, 10, 6, "w5", None)})),
+    "a lease held by another worker under a started token": (
+        invariants.TOKEN_ONE_ATTEMPT,
+        lambda h: replace(h, leases=[LeaseHeld(key=f"{A}.mac", worker="w8", token=0,
+                                               revision=5)])),
+    "a settlement giving back more than was held": (
+        accounts.LEDGER_SUMS,
+        lambda h: _ledger(h, lambda ps: [*ps[:3], replace(ps[3], entry=replace(ps[3].entry,
+                                                                                held=20))])),
+    "an entry under another owner's subject": (
+        accounts.LEDGER_SUMS, lambda h: _ledger(h, lambda _: _misfiled(h))),
+    "a run settled twice": (
+        accounts.SETTLED_ONCE, lambda h: _ledger(h, lambda _: _second_settle(h))),
+    "a record settled with no settlement": (
+        accounts.SETTLED_ONCE, lambda h: _ledger(h, lambda ps: ps[:3])),
+    "a hold after the settlement": (
+        accounts.NOTHING_AFTER_SETTLE, lambda h: _ledger(h, lambda _: _late_settle(h))),
+    "an acknowledged top-up lost": (
+        accounts.TOPUPS_KEPT,
+        lambda h: replace(h, acknowledged_topups=[*h.acknowledged_topups,
+                                                  TopUpId(owner="alice", id="t9")])),
+    "a training process alive long after the end": (
+        accounts.PROCESS_ENDS,
+        lambda h: replace(h, sightings=[Sighting(run_id=A, pid=321, alive_at=1005.0 + 90)])),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("planted", list(PLANTED), ids=list(PLANTED))
+def test_each_planted_violation_is_caught_by_its_invariant(planted: str) -> None:
+    invariant, plant = PLANTED[planted]
+    found = check(plant(clean()))
+    assert invariant in {v.invariant for v in found}, [describe(v) for v in found]
+    assert all(v.detail for v in found), found
+
+
+def test_every_invariant_has_a_planted_violation() -> None:
+    assert {name for name, _ in CHECKS} == {inv for inv, _ in PLANTED.values()}
+
+
+def test_settled_exactly_once_is_asked_for() -> None:
+    unsettled = replace(
+        clean(),
+        records={B: replace(clean().records[B], settled=False)},
+        ledger=clean().ledger[:3],
+    )
+    assert check(unsettled) == []
+    found = check(unsettled, settled_exactly=True)
+    assert [(v.invariant, v.runs) for v in found] == [(accounts.SETTLED_ONCE, [B])], found
+
+
+def test_a_rollback_after_the_end_lets_a_new_attempt_start() -> None:
+    """The reopened run's attempt whose rollback was refused still counts as reopened."""
+    refused = ev.RunWarning(run_id=B, kind="rollback_refused", detail="damaged")
+
+    def swap(es: list[ev.Event]) -> list[ev.Event]:
+        return [refused if isinstance(e, ev.RolledBack) else e for e in es]
+
+    assert check(_events(clean(), swap)) == []
+
+
+def test_a_replicated_run_is_kept_by_its_replicas() -> None:
+    """A replicated job's own id is accepted and has no record: each replica is a run."""
+    parent, replica = "rP", "rP-replica-0"
+    accepted = [ev.Accepted(run_id=r, name="t", pool="p", total_steps=1) for r in (parent, replica)]
+    h = clean()
+    h = replace(
+        h, events=[*h.events, *(Logged(seq=100 + i, stamp=2000.0, event=e)
+                                for i, e in enumerate(accepted))], live=[replica],
+        records={**h.records, replica: record(replica, RunState.RUNNING)},
+    )  # fmt: skip
+    assert check(h) == [], [describe(v) for v in check(h)]
+    lost = replace(h, records=h.records | {replica: record(replica, RunState.RUNNING)}, live=[])
+    assert [v.runs for v in check(lost)] == [[replica]], check(lost)
+
+
+def test_a_violation_names_its_runs_and_entries() -> None:
+    h = replace(clean(), archived={A: replace(clean().archived[A], digest="other")})
+    (found,) = [v for v in check(h) if v.invariant == invariants.COMPLETED_DIGEST]
+    assert found.runs == [A] and found.entries == [key(A, 20, 5)], found
+    line = describe(found)
+    assert line.startswith("[completed-digest] run rA") and key(A, 20, 5) in line, line
+    assert msgspec.json.decode(msgspec.json.encode(found), type=Violation) == found
+
+
+def test_a_history_round_trips_as_json() -> None:
+    h = clean()
+    assert msgspec.json.decode(msgspec.json.encode(h), type=History) == h
+
+
+def test_docs_state_each_invariant_as_the_checker_does() -> None:
+    """docs/verify.md's table is each check's docstring, word for word."""
+    docs = (Path(__file__).resolve().parents[3] / "docs" / "verify.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in docs.splitlines()
+            if line.startswith("| `")}  # fmt: skip
+    for name, fn in CHECKS:
+        stated = " ".join((fn.__doc__ or "").split())
+        assert name in rows and stated and stated in rows[name], (name, stated)
+
+
+def test_a_groups_members_last_words_after_the_end_are_no_violation() -> None:
+    def grouped(es: list[ev.Event]) -> list[ev.Event]:
+        formed = ev.GroupFormed(run_id=A, worker="w1", epoch=5, members=["w3"])
+        late = ev.Progress(run_id=A, step=20, total_steps=20, worker="w3")
+        return [*es[:2], formed, *es[2:7], late, *es[7:]]
+
+    assert check(_events(clean(), grouped)) == []
+
+
+def test_a_completion_still_being_announced_is_no_violation() -> None:
+    h = clean()
+    pending = replace(h.archived[A], announce_pending=True)
+    told = _events(replace(h, archived={A: pending}), _without(ev.Completed))
+    assert [v.runs for v in check(told)] == [[B]], check(told)  # B's completed is gone too
