@@ -10,6 +10,7 @@ model with a shuffling data loader, AdamW and a cosine schedule (`examples/charl
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,6 +34,7 @@ from tests.e2e import jobs
 from tests.e2e.jobs import finished, history
 from tests.support.sites import Site
 from tests.support.stack import Stack, eventually
+from tests.support.verify import no_violation
 
 TTL = 6
 SUBMITTER = "lab1-submitter"
@@ -91,6 +93,12 @@ def of(events: list[Event], kind: type[Event]) -> list[Event]:
 
 
 async def test_the_same_job_at_both_sides_of_a_cut_completes_once(hub: Stack, site: Site) -> None:
+    async with contextlib.AsyncExitStack() as stack_store:
+        await _both_sides(hub, site, stack_store)
+    await no_violation(hub)
+
+
+async def _both_sides(hub: Stack, site: Site, stack_store: contextlib.AsyncExitStack) -> None:
     nc = await hub.client()
     at_lab1 = await site.client("submitter")
     reference = await jobs.submit(nc, charlm(0.0, uuid.uuid4().hex))
@@ -102,7 +110,7 @@ async def test_the_same_job_at_both_sides_of_a_cut_completes_once(hub: Stack, si
         return "lab1" not in await sources.linked(nc)
 
     await eventually(down, 30, "the hub to see lab1 cut off")
-    store = open_store(hub.store_url)
+    store = await stack_store.enter_async_context(open_store(hub.store_url))
 
     # 1. Both sides train it; the site, under its own higher epoch, takes the store's chain
     #    with its first commit, and the hub's final commit is refused: the hub's attempt
