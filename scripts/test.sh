@@ -25,11 +25,12 @@ fi
 # Tests that must run for minutes (links flapping for minutes, soaks) are marked `soak`,
 # the frameworks' end-to-end tests `frameworks`, operators' controls end to end
 # `operations`, replicated runs across sites `diloco`, a pool shared by people `sharing`,
-# runs granted to sites through cuts and take-backs `sites`, and all six are left out, to
-# keep this under 15 minutes on two cores;
-# `scripts/test.sh -m "soak or frameworks or operations or diloco or sharing or sites"`
+# runs granted to sites through cuts and take-backs `sites`, exactly once against an
+# adversary (both sides of a cut, a hub that forgets, the fault campaign) `adversary`, and
+# all seven are left out, to keep this under 15 minutes on two cores;
+# `scripts/test.sh -m "soak or frameworks or operations or diloco or sharing or sites or adversary"`
 # runs them (.ci/run does, after the rest).
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 \
   -n "${BATON_TEST_WORKERS:-2}" --dist loadfile \
-  -m "not soak and not frameworks and not operations and not diloco and not sharing and not sites" \
+  -m "not soak and not frameworks and not operations and not diloco and not sharing and not sites and not adversary" \
   "$@"

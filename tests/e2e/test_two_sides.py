@@ -40,7 +40,7 @@ TTL = 6
 SUBMITTER = "lab1-submitter"
 """The same owner at both sides: the same key makes the same run id."""
 
-pytestmark = [pytest.mark.sites, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.adversary, pytest.mark.timeout(420)]
 
 
 @pytest.fixture
