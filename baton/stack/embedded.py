@@ -93,7 +93,15 @@ SINGLE_NODE_SYNC = "always"
 JetStream acknowledges before it syncs (every 2 min by default), so a host crash would roll
 its records, leases and ledger back while the checkpoint store kept everything
 (docs/architecture.md, "The hub may forget"; cost in docs/benchmarks.md). A clustered hub
-keeps the default: an acknowledged write is on a majority of its nodes."""
+keeps the default: an acknowledged write is on a majority of its nodes. `BATON_NATS_SYNC`
+overrides it (`default`: the server's own interval; or a duration such as `10s`)."""
+
+
+def single_node_sync() -> str | None:
+    """The `sync_interval` of a single server: `BATON_NATS_SYNC`, else `SINGLE_NODE_SYNC`;
+    None for the server's default."""
+    chosen = os.environ.get("BATON_NATS_SYNC", SINGLE_NODE_SYNC).strip()
+    return None if chosen in ("", "default") else chosen
 
 
 class StackOptions(msgspec.Struct, kw_only=True):
@@ -349,13 +357,13 @@ def nats_server(
         return NatsServer(
             data / "nats", port=opts.port, server_name=opts.site, domain=opts.site,
             extra_config=leaf_fragment(hub_urls) + "\n" + auth, stop_timeout_s=stop_timeout_s,
-            http_port=http_port, probe=probe, sync_interval=SINGLE_NODE_SYNC,
+            http_port=http_port, probe=probe, sync_interval=single_node_sync(),
         )  # fmt: skip
     if routes is None:
         return NatsServer(
             data / "nats", port=opts.port, domain=names.HUB_DOMAIN, ws_port=opts.hub_ws_port,
             extra_config=_hub_config(opts, v), stop_timeout_s=stop_timeout_s,
-            http_port=http_port, probe=probe, sync_interval=SINGLE_NODE_SYNC,
+            http_port=http_port, probe=probe, sync_interval=single_node_sync(),
         )  # fmt: skip
     return NatsServer(
         data_dir(data / "nats", node), port=_nth(opts.port, node), server_name=f"hub-{node + 1}",

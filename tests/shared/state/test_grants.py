@@ -181,3 +181,40 @@ def test_mark_running_and_the_hubs_requests_respect_the_grant() -> None:
     assert applied(t.cancel("x"), granted).cancel_requested == "x"
     assert applied(t.cancel("x"), granted).state is RunState.QUEUED
     assert applied(t.pause("x"), granted).pause_requested == "x"
+
+
+LAB1 = grants.site_epoch("lab1")
+
+
+def test_a_run_the_hub_ran_too_is_the_sites_only_where_the_store_chose_it() -> None:
+    """The same job at both sides of a cut: the hub's record gives way to the site's report
+    when the store's chain is the site's (`owns`), keeping the hub copy's credits; else the
+    report is not taken in."""
+    running = record(state=RunState.RUNNING, token=5, step=30)
+    at_site = record(site="lab1", epoch=LAB1, state=RunState.COMPLETED, token=LAB1 << 32 | 4)
+    assert applied(t.reconcile("lab1", at_site, owns=True), running) == at_site
+    refused(t.reconcile("lab1", at_site), running)  # the store did not choose it
+    refused(
+        t.reconcile("lab1", at_site, owns=True), *terminal(),  # the hub's ended first
+        msgspec.structs.replace(running, spec_hash="other"),  # another job under the key
+        record(site="lab2", epoch=LAB1 + 1),  # a later epoch than the site's
+    )  # fmt: skip
+
+
+def test_an_attempt_that_yields_leaves_the_run_to_the_side_the_store_names() -> None:
+    mine = record(state=RunState.RUNNING, token=7, worker="w")
+    at_hub = applied(t.yield_to(7, "lab1", LAB1), mine)
+    assert (at_hub.site, at_hub.epoch, at_hub.worker, at_hub.state) == (
+        "lab1", LAB1, None, RunState.RUNNING
+    ), at_hub
+    at_site = applied(t.yield_to(7, "", 0, side="lab1"), mine)
+    said = {"worker": None, "delivery": None, "reason": "trained by the hub"}
+    assert changed(mine, at_site) == said, at_site
+    refused(t.yield_to(7, "lab1", LAB1), record(token=8), *terminal(token=7))
+
+
+def test_a_token_the_hub_forgot_moves_the_runs_epoch_past_the_stores() -> None:
+    mine = record(state=RunState.RUNNING, token=7, worker="w", epoch=0)
+    moved = applied(t.past_store(7, 3), mine)
+    assert (moved.epoch, moved.worker, moved.state) == (3, None, RunState.RUNNING), moved
+    refused(t.past_store(7, 3), record(token=8), *terminal(token=7))
