@@ -136,6 +136,9 @@ async def _both_sides(hub: Stack, site: Site, stack_store: contextlib.AsyncExitS
     await eventually(lambda: site_said(site, run_id, "completed"), 180, "lab1 to complete it")
     latest = await commit.read_latest(store, run_id)
     assert latest is not None and latest[0].final and latest[0].site == "lab1", latest
+    # The site's tokens are of its own epoch, which no other side issues (a hub's grant of
+    # the same run to another site counts 1, 2, …).
+    assert latest[0].epoch == grants.site_epoch("lab1") > 1, latest
 
     # 2. The hub trains a job to its end during the cut; the same job submitted at the
     #    site afterwards (its copy of the hub's records cannot know it) is not trained
