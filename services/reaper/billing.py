@@ -53,8 +53,13 @@ class Billing:
                 continue
             if r.ending_site and not await self.sites.caught_up(r.ending_site):
                 continue  # its last events are still in its site's outbox
-            if await self.settle(r):
-                done.append(r.run_id)
+            try:
+                if await self.settle(r):
+                    done.append(r.run_id)
+            except book.NotStored as exc:
+                # Unsettled, and marked nothing: the next sweep writes the entry again.
+                log.warning("%s: its settlement was not stored (%s); it is written again "
+                            "next time round", r.run_id, exc)  # fmt: skip
         return done
 
     async def settle(self, r: RunRecord) -> bool:

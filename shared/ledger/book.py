@@ -29,7 +29,9 @@ from shared.contracts.ledger import Entry, Hold, Settle, TopUp
 from shared.errors import ContractError
 
 WRITTEN_ALREADY = 10077
-"""JetStream's refusal of a second message on a subject the stream keeps one of."""
+"""JetStream's refusal of a second message on a subject the stream keeps one of — and of
+any message its store failed to take (a full disk, the stream at a limit): the same code,
+so an entry refused with it is written already only if it can be read back (`write`)."""
 READ_S = 5.0
 """How long one entry may take to arrive once the read's consumer counted it."""
 INACTIVE_S = 30.0
@@ -48,10 +50,16 @@ class Moved(Exception):
     """The owner's entries changed since the balance a hold was checked against."""
 
 
+class NotStored(Exception):
+    """The ledger's store refused the entry (a full disk, a limit reached): nothing was
+    written, and whoever wrote it tries again later."""
+
+
 async def write(js: JetStreamContext, entry: Entry, after: int | None = None) -> int | None:
     """Store `entry` once: its stream sequence, or None when it was stored before. With
     `after`, only if the owner's newest entry is still at that stream sequence (0: it has
-    none), else `Moved`."""
+    none), else `Moved`. `NotStored` when the store refused it: a refusal is taken for
+    "written already" only once the entry is read back."""
     subject = subject_of(entry)
     headers = {}
     if after is not None:
@@ -60,9 +68,11 @@ async def write(js: JetStreamContext, entry: Entry, after: int | None = None) ->
     try:
         ack = await publish(js, subject, encode(entry), msg_id=subject, headers=headers)
     except ServiceUnavailableError as exc:
-        if exc.err_code == WRITTEN_ALREADY:
-            return None
-        raise
+        if exc.err_code != WRITTEN_ALREADY:
+            raise
+        if await find(js, subject) is not None:
+            return None  # the subject holds its one entry already
+        raise NotStored(f"{subject}: {exc.description or exc}") from None
     except BadRequestError as exc:
         if exc.err_code in WRONG_LAST_SEQUENCE:
             if await find(js, subject) is not None:

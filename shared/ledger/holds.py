@@ -112,7 +112,12 @@ class Holds:
                 try:
                     while missing:
                         seq = await book.write(self.js, missing[0], after=account.last_seq)
-                        account.fold(seq or account.last_seq, missing.pop(0))
+                        hold = missing.pop(0)
+                        if seq is None:
+                            # Stored before (a first try whose answer was lost): it is
+                            # read with the owner's entries since, not counted twice here.
+                            break
+                        account.fold(seq, hold)
                 except book.Moved:
                     continue  # read the owner's entries since, and check again
             raise ContractError(f"{owner}'s credits kept changing under this hold; try again")

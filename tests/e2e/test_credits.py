@@ -11,6 +11,7 @@ cosine schedule).
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ import pytest_asyncio
 from nats.aio.client import Client
 
 from baton.cli import client
+from shared.bus import names
 from shared.checkpoint.store import open_store
 from shared.contracts import JobSpec, RunRecord, RunState
 from shared.contracts.control import Resume
@@ -31,6 +33,7 @@ from shared.history.collect import collect
 from shared.history.facts import Sighting, TopUpId
 from shared.history.goodput import goodput
 from shared.history.verify import check, describe
+from shared.ledger import book
 from shared.state.runs import Runs
 from tests.e2e.jobs import finished, history, job, submit
 from tests.support.cli import as_json, baton
@@ -191,3 +194,38 @@ async def test_a_run_killed_three_times_is_charged_only_what_it_kept(stack: Stac
 async def _past(nc: Client, run_id: str, step: int) -> int | None:
     steps = [e.step for e in await history(nc, run_id) if isinstance(e, Progress)]
     return max(steps) if steps and max(steps) >= step else None
+
+
+async def test_a_settlement_the_ledger_refuses_is_written_again_never_lost(stack: Stack) -> None:
+    """The ledger's stream answers a refused write (a full disk, a limit) with the code it
+    answers a repeat with (10077): the reaper reads the entry back before it takes that for
+    "settled already", so the run stays unsettled — marked nothing, written again — until
+    the ledger takes the entry, and is then settled once, to the unit. The full disk is the
+    stream held at its size in bytes."""
+    op, alice = await stack.client(), await stack.client_as("alice")
+    before = await balance(op, "alice") + await topup(op, "alice", 2.0)
+    run_id = await submit(alice, charlm("refused", 60, 0.05, name="refused", estimate_s=30))
+    js = op.jetstream()
+
+    async def held() -> bool:
+        return await book.find(js, names.ledger_subject("alice", "hold", f"{run_id}.0")) is not None
+
+    await eventually(held, 60, "the run's hold")
+    config = (await js.stream_info(names.LEDGER_STREAM)).config
+    full = (await js.stream_info(names.LEDGER_STREAM)).state.bytes
+    await js.update_stream(dataclasses.replace(config, max_bytes=full))
+    log = stack.root / "logs" / "reaper.log"
+    try:
+        done = await finished(op, run_id, 120)
+        assert done.state is RunState.COMPLETED, done
+
+        async def refused() -> bool:
+            return f"{run_id}: its settlement was not stored" in log.read_text()
+
+        await eventually(refused, 60, "the reaper's settlement to be refused")
+        assert not (await record(op, run_id)).settled, "marked settled with no entry stored"
+        assert await book.find(js, names.ledger_subject("alice", "settle", run_id)) is None
+    finally:
+        await js.update_stream(config)
+    await balanced(op, "alice", run_id, before, PRICE)
+    assert (await record(op, run_id)).settled
