@@ -81,6 +81,9 @@ class Stack:
         and proxies (see tests/support/sites.py)."""
         self.audit = Audit(root)
         """Read when the stack stops: no permission refused, no JetStream API timeout."""
+        self.verify = bool(os.environ.get("BATON_TEST_VERIFY"))
+        """Check the stack's whole history with the history checker when it stops
+        (`tests/support/verify.py`); `BATON_TEST_VERIFY=1` turns it on for every stack."""
 
     @property
     def store_url(self) -> str:
@@ -227,6 +230,7 @@ class Stack:
             await eventually(dumped, 5, "the trainers' task dumps")
 
     async def stop(self) -> None:
+        found = await self._verified() if self.verify else []
         for nc in self.clients:
             if not nc.is_closed:
                 await nc.close()
@@ -245,6 +249,19 @@ class Stack:
 
         await eventually(none_left, 10, "every training process to exit")
         self.audit.check()
+        assert not found, "the history breaks invariants:\n" + "\n".join(found)
+
+    async def _verified(self) -> list[str]:
+        """The history checker's findings over the stack as it stands (none when its hub
+        cannot be read: a test that stopped it)."""
+        from tests.support.verify import findings
+
+        try:
+            async with asyncio.timeout(60):
+                return await findings(self)
+        except Exception as exc:  # a hub a test stopped, a store it took away
+            print(f"history not checked: {exc!r}")
+            return []
 
 
 async def registrar_answers(nc: Client) -> bool:

@@ -11,11 +11,16 @@ from shared.history.verify import check, describe
 from tests.support.stack import Stack
 
 
-async def no_violation(stack: Stack, nc: Client | None = None, *, settled: bool = False) -> None:
-    """Fail, naming each, if the stack's history breaks any invariant; `settled`: every
-    ended run with a price must be settled already."""
+async def findings(stack: Stack, nc: Client | None = None, *, settled: bool = False) -> list[str]:
+    """Each invariant the stack's history breaks, said in a line; `settled`: every ended
+    run with a price must be settled already."""
     nc = nc or await stack.client()
     async with open_store(stack.store_url) as store:
         history = await collect(nc, store)
-    found = check(history, settled_exactly=settled)
-    assert not found, "the history breaks invariants:\n" + "\n".join(map(describe, found))
+    return [describe(v) for v in check(history, settled_exactly=settled)]
+
+
+async def no_violation(stack: Stack, nc: Client | None = None, *, settled: bool = False) -> None:
+    """Fail, naming each, if the stack's history breaks any invariant."""
+    found = await findings(stack, nc, settled=settled)
+    assert not found, "the history breaks invariants:\n" + "\n".join(found)
