@@ -81,9 +81,10 @@ class Stack:
         and proxies (see tests/support/sites.py)."""
         self.audit = Audit(root)
         """Read when the stack stops: no permission refused, no JetStream API timeout."""
-        self.verify = bool(os.environ.get("BATON_TEST_VERIFY"))
+        self.verify = os.environ.get("BATON_TEST_VERIFY", "1") != "0"
         """Check the stack's whole history with the history checker when it stops
-        (`tests/support/verify.py`); `BATON_TEST_VERIFY=1` turns it on for every stack."""
+        (`tests/support/verify.py`, docs/verify.md): every stack a test starts keeps every
+        invariant, whatever the test itself asserts. `BATON_TEST_VERIFY=0` turns it off."""
 
     @property
     def store_url(self) -> str:
