@@ -277,7 +277,7 @@ steering requests (`baton.steer.>`)."""
 def dashboard_permissions() -> Permissions:
     """The dashboard reads what its pages show and does its page's actions, nothing else: it
     reads the runs, workers and sites buckets, archived records by run id, a run's events
-    and output (consumers filtered in the API subject, `baton/cli/reader.py`), streams' info
+    and output (consumers filtered in the API subject, `baton/client/reader.py`), streams' info
     and consumer lists, dead letters by sequence; a replay re-publishes a letter to its work
     queue (`DASHBOARD_REPLAYS`) and deletes it, and a fork is a submission to the same
     queues. It may steer a run — pause, resume, roll back, checkpoint now — by a request on

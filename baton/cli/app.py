@@ -299,7 +299,7 @@ def submit(
     as_json: Json = False,
 ) -> None:
     """Submit a job; prints its run id once the dispatcher accepted it."""
-    from baton.cli import client
+    from baton.client import calls as client
     from shared.contracts.events import Rejected
 
     spec = run(lambda: call(client.load_spec, file))
@@ -348,7 +348,7 @@ def runs(
     oldest first; `--all` lists every run."""
     from rich.table import Table
 
-    from baton.cli import client
+    from baton.client import calls as client
     from shared.contracts import RunState
     from shared.contracts.events import loss_of
 
@@ -398,7 +398,7 @@ def cancel(
     """Cancel a queued or running run. A running one checkpoints before it stops."""
     import asyncio
 
-    from baton.cli import client
+    from baton.client import calls as client
     from shared.bus import names
 
     domain = names.HUB_DOMAIN if site else None
@@ -431,7 +431,7 @@ def workers(server: Server = "nats://127.0.0.1:4222", as_json: Json = False) -> 
     clock: a trainer's own clock may be off)."""
     from rich.table import Table
 
-    from baton.cli import client
+    from baton.client import calls as client
 
     if as_json:
         print_json(run(lambda: with_nats(server, client.workers)))
@@ -480,9 +480,10 @@ def report(
 ) -> None:
     """Draw a run's history (loss per attempt, interruptions, resumes, commits) as a PNG and
     a self-contained HTML page, and print their paths."""
-    from baton.cli import client, rounds
-    from baton.cli.errors import CliError
+    from baton.cli import rounds
     from baton.cli.report import on_hub_clock, render
+    from baton.client import calls as client
+    from baton.client.errors import CliError
 
     async def go(nc: Any) -> list[tuple[Any, Any]]:
         try:

@@ -25,8 +25,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from baton.cli import reader
-from baton.cli.errors import CliError
+from baton.client import reader
+from baton.client.errors import CliError
 from shared.bus import names
 from shared.contracts import RunRecord, decode
 from shared.contracts import events as ev

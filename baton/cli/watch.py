@@ -11,7 +11,7 @@ from nats.aio.client import Client
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from baton.cli import client
+from baton.client import calls as client
 from shared.contracts import RunRecord, RunState
 from shared.contracts.events import (
     AttemptFailed,

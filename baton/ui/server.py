@@ -40,9 +40,10 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from baton.cli import client, inspect
-from baton.cli.errors import CliError
-from baton.cli.inspect import as_json
+from baton.client import calls as client
+from baton.client import inspect
+from baton.client.errors import CliError
+from baton.client.inspect import as_json
 from baton.ui import fleet, params, views
 from baton.ui.actions import Actions
 from baton.ui.guard import Guard, Hosts, action

@@ -21,7 +21,7 @@ from opentelemetry.sdk.metrics.export import HistogramDataPoint
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from baton.cli import client
+from baton.client import calls as client
 from baton.stack.embedded import StackOptions, hub, vault
 from services.checkpointer.service import Checkpointer
 from services.dispatcher.service import Dispatcher

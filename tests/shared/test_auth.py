@@ -164,7 +164,7 @@ async def test_a_trainer_can_write_only_the_lease_of_a_run_it_was_handed(
 
 
 async def test_a_submitter_can_only_submit_and_read_its_own_runs(servers: Servers) -> None:
-    from baton.cli import reader
+    from baton.client import reader
 
     alice, bob = await servers.as_user("alice"), await servers.as_user("bob")
     operator = await servers.as_user("operator")

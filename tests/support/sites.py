@@ -18,7 +18,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from baton.cli import reader
+from baton.client import reader
 from baton.stack.embedded import nats_server, service_specs, user_of, vault
 from baton.stack.natsserver import NatsServer
 from shared.bus import names
