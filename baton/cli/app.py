@@ -159,7 +159,8 @@ def up(
     import asyncio
 
     from baton.cli.people import submitters_for_up
-    from baton.stack.embedded import StackOptions, run_stack
+    from baton.stack.lifecycle import run_stack
+    from baton.stack.options import StackOptions
     from shared.config import load
 
     if site is not None:
@@ -234,7 +235,7 @@ def _check_alerts(path: Path) -> None:
     import os
     import subprocess
 
-    from baton.stack.embedded import _pythonpath
+    from baton.stack.services import _pythonpath
 
     env = {**os.environ, "PYTHONPATH": _pythonpath()}
     argv = [sys.executable, "-m", "services.notifier", "--check", str(path.absolute())]

@@ -31,8 +31,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from baton.stack.cluster import current, leader_of
-from baton.stack.embedded import CLUSTER_LEASE_TTL
 from baton.stack.natsserver import NatsServer
+from baton.stack.options import CLUSTER_LEASE_TTL
 from shared.bus import names
 from shared.contracts import JobSpec, RunRecord, RunState
 from shared.contracts.events import Fenced, HandedOver, Progress, Redispatched, Started

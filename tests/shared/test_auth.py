@@ -16,8 +16,9 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
-from baton.stack.embedded import StackOptions, nats_server, operator_options, user_of, vault
 from baton.stack.natsserver import NatsServer
+from baton.stack.options import StackOptions, operator_options, user_of, vault
+from baton.stack.servers import nats_server
 from shared import auth, credentials
 from shared.bus import names
 from shared.bus.streams import ensure, ensure_site
