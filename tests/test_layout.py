@@ -9,6 +9,7 @@ the pure tables that docs/architecture.md names under "Rooms over 400 lines".
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +26,20 @@ KNOWN_CIRCLES: list[set[str]] = [
         "services.trainer.verdicts",
     },
 ]
+KNOWN_CROWDED = {
+    # Rooms still to split, each over 400 lines and not a table: the trainer's, the reaper's
+    # and the transitions' wait on their owners' changes (docs/architecture.md).
+    "baton/cli/report.py",
+    "baton/runtime/context.py",
+    "baton/stack/natsserver.py",
+    "baton/stack/procs.py",
+    "baton/ui/server.py",
+    "services/reaper/service.py",
+    "services/trainer/attempt.py",
+    "services/trainer/group.py",
+    "services/trainer/service.py",
+    "shared/state/transitions.py",
+}
 
 
 def modules() -> dict[str, Path]:
@@ -90,3 +105,26 @@ def test_the_circle_finder_finds_one() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert list(circles(graph)) == [{"a", "b", "c"}], "a three-module circle"
     assert list(circles({"a": {"b"}, "b": set()})) == [], "a line is no circle"
+
+
+def tables_named_in_the_architecture() -> set[str]:
+    """The modules docs/architecture.md names under "Rooms over 400 lines"."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("### Rooms over 400 lines", 1)[1].split("\n#", 1)[0]
+    return set(re.findall(r"^\* `([\w/]+\.py)`", section, re.M))
+
+
+def test_no_crowded_room() -> None:
+    tables = tables_named_in_the_architecture()
+    assert tables, "docs/architecture.md names no table under 'Rooms over 400 lines'"
+    crowded = []
+    for name, path in modules().items():
+        rel = path.relative_to(ROOT).as_posix()
+        lines = len(path.read_text().splitlines())
+        if rel in KNOWN_CROWDED:
+            continue
+        if lines > MAX_LINES or (lines > TABLE_LINES and rel not in tables):
+            crowded.append(f"{rel}: {lines} lines ({name})")
+    assert crowded == [], "rooms too long:\n" + "\n".join(crowded)
+    missing = [t for t in tables if not (ROOT / t).is_file()]
+    assert missing == [], f"docs/architecture.md names tables that are gone: {missing}"
