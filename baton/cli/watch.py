@@ -149,7 +149,7 @@ def divergence(event: Diverged) -> str:
     return (
         f"{event.metric} at step {event.step} was {event.expected} before, {event.got} after"
         f" resuming from step {event.checkpoint} on {event.worker}: this run's resume is not"
-        " exact (see README, 'Making a training loop resumable')"
+        " exact (see docs/training.md, 'Making a training loop resumable')"
     )
 
 
