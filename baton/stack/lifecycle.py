@@ -36,6 +36,7 @@ from typing import IO, Any
 import msgspec
 
 from baton.stack.authority import catch_up, on_sighup, with_people
+from baton.stack.children import install_stop_signals, remove_stop_signals
 from baton.stack.cluster import HubCluster
 from baton.stack.natsserver import NatsServerError
 from baton.stack.options import (
@@ -46,12 +47,7 @@ from baton.stack.options import (
     store_url,
     vault,
 )
-from baton.stack.procs import (
-    ServiceSpec,
-    Supervisor,
-    install_stop_signals,
-    remove_stop_signals,
-)
+from baton.stack.procs import ServiceSpec, Supervisor
 from baton.stack.servers import hub
 from baton.stack.services import SpecBuilder, service_specs, stop_order
 from shared.bus import names

@@ -27,14 +27,10 @@ from pathlib import Path
 
 import msgspec
 
+from baton.stack.children import install_stop_signals, remove_stop_signals
 from baton.stack.lifecycle import hold_lock
 from baton.stack.options import CPU_TRAINERS
-from baton.stack.procs import (
-    ServiceSpec,
-    Supervisor,
-    install_stop_signals,
-    remove_stop_signals,
-)
+from baton.stack.procs import ServiceSpec, Supervisor
 from baton.stack.services import _pythonpath, stop_order
 from shared import gpus
 from shared.contracts.machines import JoinAnswer, JoinRequest

@@ -18,12 +18,7 @@ from baton.stack.options import (
     user_of,
     vault,
 )
-from baton.stack.procs import (
-    SERVICE_GRACE_S,
-    TRAINER_GRACE_S,
-    ServiceSpec,
-    StopGroup,
-)
+from baton.stack.procs import SERVICE_GRACE_S, TRAINER_GRACE_S, ServiceSpec, StopGroup
 from shared import gpus
 from shared.auth import (
     DEPARTURES_USER,

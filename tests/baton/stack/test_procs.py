@@ -15,16 +15,10 @@ from pathlib import Path
 import nats
 import pytest
 
+from baton.stack.children import install_stop_signals, remove_stop_signals
 from baton.stack.lifecycle import run_stack
 from baton.stack.options import StackOptions
-from baton.stack.procs import (
-    Backoff,
-    ServiceSpec,
-    StopGroup,
-    Supervisor,
-    install_stop_signals,
-    remove_stop_signals,
-)
+from baton.stack.procs import Backoff, ServiceSpec, StopGroup, Supervisor
 from baton.stack.services import SpecBuilder, service_specs
 from shared.signals import StopRequests
 from tests.support.helpers import alive, descendants, read_pid, wait_until
