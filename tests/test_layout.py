@@ -31,7 +31,6 @@ KNOWN_CROWDED = {
     # and the transitions' wait on their owners' changes (docs/architecture.md).
     "baton/runtime/context.py",
     "baton/stack/natsserver.py",
-    "baton/ui/server.py",
     "services/reaper/service.py",
     "services/trainer/attempt.py",
     "services/trainer/group.py",

@@ -360,16 +360,17 @@ def ui(
     from baton.client import calls as client
     from baton.client.errors import CliError
     from baton.ui import server as dashboard
+    from baton.ui import web
 
     try:  # the store only lists checkpoints: without one (nor the hub's), the rest works
         url: str | None = client.store_url(store)
     except CliError:
         url = None  # the dashboard asks the hub where it is (`shared.state.hub`)
     try:
-        dashboard.hosts_for(host, port or 1, allow_host or ())
+        web.hosts_for(host, port or 1, allow_host or ())
     except CliError as exc:
         fail(str(exc), exc.code)
-    if not dashboard.loopback(host):
+    if not web.loopback(host):
         err.print(
             f"[yellow]listening on {host}: whoever reaches it sees every run and may replay "
             "dead letters and pin checkpoints; the dashboard has no login of its own[/yellow]"
