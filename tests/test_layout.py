@@ -35,7 +35,6 @@ KNOWN_CROWDED = {
     "services/trainer/attempt.py",
     "services/trainer/group.py",
     "services/trainer/service.py",
-    "shared/state/transitions.py",
 }
 
 
