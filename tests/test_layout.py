@@ -16,19 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("baton", "services", "shared")
 MAX_LINES = 500
 TABLE_LINES = 400
-KNOWN_CIRCLES: list[set[str]] = [
-    # Broken when the trainer's attempt is split (its verdicts, rewind and owner get a
-    # Protocol of what they need instead of the attempt itself).
-    {
-        "services.trainer.attempt",
-        "services.trainer.owner",
-        "services.trainer.rewind",
-        "services.trainer.verdicts",
-    },
-]
 KNOWN_CROWDED = {
-    # Rooms still to split, each over 400 lines and not a table: the trainer's, the reaper's
-    # and the transitions' wait on their owners' changes (docs/architecture.md).
+    # Rooms still to split, each over 400 lines and not a table.
     "baton/runtime/context.py",
     "baton/stack/natsserver.py",
     "services/reaper/service.py",
@@ -93,7 +82,7 @@ def circles(graph: dict[str, set[str]]) -> list[set[str]]:
 def test_no_import_circle() -> None:
     known = modules()
     graph = {name: imports_of(name, path, known) for name, path in known.items()}
-    found = [c for c in circles(graph) if c not in KNOWN_CIRCLES]
+    found = circles(graph)
     assert found == [], "import circles:\n" + "\n".join(str(sorted(c)) for c in found)
 
 
