@@ -21,7 +21,6 @@ KNOWN_CROWDED = {
     "baton/runtime/context.py",
     "baton/stack/natsserver.py",
     "services/reaper/service.py",
-    "services/trainer/attempt.py",
     "services/trainer/group.py",
     "services/trainer/service.py",
 }

@@ -1,7 +1,8 @@
-"""What the rooms beside an attempt need of it: `verdicts` (deciding and carrying out how it
-ends), `rewind` (a rollback or a fork's graft before it trains) and `owner` (whether the
-store says the run is its to train) read an attempt through `AttemptView`, so that none of
-them imports `attempt`, which imports them all."""
+"""What the rooms beside an attempt need of it: `verdicts` (building and carrying out how it
+ends), `rewind` (a rollback or a fork's graft before it trains), `owner` (whether the store
+says the run is its to train) and `decide` (following its course to the verdict: `Following`)
+read an attempt through `AttemptView`, so that none of them imports `attempt`, which imports
+them all."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from services.trainer.commits import Commits
 from services.trainer.group import Leader
 from services.trainer.keeper import Orders
 from services.trainer.reports import Reports
+from services.trainer.stall import StallWatch
 from shared.checkpoint.store import Store
 from shared.config import Settings
 from shared.contracts import Skip, Task
-from shared.contracts.child import CheckpointReady, Tripped
+from shared.contracts.child import CheckpointReady, Finished, Tripped
+from shared.contracts.records import Stall
 from shared.state import transitions
 from shared.state.lease import Lease
 from shared.state.runs import Runs
@@ -84,3 +87,20 @@ class AttemptView(Protocol):
     def spent(self, *, own_failure: bool = False) -> transitions.Spent: ...
 
     async def output_copied(self) -> None: ...
+
+
+class Following(AttemptView, Protocol):
+    """What `decide` needs besides, to follow an attempt's course to its verdict."""
+
+    @property
+    def hurry(self) -> asyncio.Event: ...
+    @property
+    def broken(self) -> asyncio.Event: ...
+    @property
+    def grow_wanted(self) -> asyncio.Event: ...
+    @property
+    def stall(self) -> StallWatch: ...
+    @property
+    def stalled(self) -> Stall | None: ...
+
+    async def read_child(self) -> Finished | None: ...

@@ -32,8 +32,7 @@ answering, so the next worker finds it free when the message reaches it.
 
 The verdicts an attempt decides are built here too (`finished`, `stopped_early`, `exited`,
 `guarded`, `changed`, `fenced`, `group_broke`, `rank_lost`, `child_failed`), beside the
-table they follow, from what the attempt holds; which one applies is the attempt's
-`_decide`.
+table they follow, from what the attempt holds; which one applies is `decide`'s.
 """
 
 from __future__ import annotations
@@ -186,7 +185,7 @@ async def _answer(msg: Msg, outcome: Outcome, delay: float) -> None:
         await msg.ack_sync(timeout=5)
 
 
-# -- the verdicts an attempt decides (`Attempt._decide`, strongest cause first) -----------
+# -- the verdicts an attempt decides (`decide.follow`, strongest cause first) ------------
 
 
 async def finished(a: AttemptView) -> Verdict:
