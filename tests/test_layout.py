@@ -22,7 +22,6 @@ KNOWN_CROWDED = {
     "baton/stack/natsserver.py",
     "services/reaper/service.py",
     "services/trainer/group.py",
-    "services/trainer/service.py",
 }
 
 
