@@ -47,6 +47,12 @@ OTHERS = [
         " up` writes them)",
     ),
     (
+        "BATON_NATS_SYNC",
+        "`always`",
+        "`baton up`: the `sync_interval` of a single server (a hub of one node, a site's "
+        "leaf): `default` for the server's own, or a duration such as `10s`",
+    ),
+    (
         "BATON_LEASE_SECRET",
         "–",
         "dispatcher and reaper: keys the runs' leases, so a trainer can write only those "
