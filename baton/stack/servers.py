@@ -8,8 +8,8 @@ from pathlib import Path
 
 from baton.stack.authority import authorization_for, hub_config
 from baton.stack.cluster import ROUTE_PORT_OFFSET, HubCluster, data_dir
-from baton.stack.natsconf import leaf_fragment
-from baton.stack.natsserver import ClusterRoutes, NatsServer
+from baton.stack.natsconf import ClusterRoutes, leaf_fragment
+from baton.stack.natsserver import NatsServer
 from baton.stack.options import StackOptions, operator_options, vault
 from baton.stack.routes import RouteAuth
 from shared.bus import names

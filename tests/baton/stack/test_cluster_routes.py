@@ -21,7 +21,8 @@ import nats
 import pytest
 
 from baton.stack.cluster import CLUSTER_NAME, HubCluster, current, free_ports
-from baton.stack.natsserver import ClusterRoutes, NatsServer, RouteTls
+from baton.stack.natsconf import ClusterRoutes, RouteTls
+from baton.stack.natsserver import NatsServer
 from baton.stack.options import StackOptions, operator_options
 from baton.stack.routes import ROUTE_USER, issue_route_certs
 from baton.stack.servers import hub
