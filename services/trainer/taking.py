@@ -19,8 +19,9 @@ from services.trainer.attempt import Attempt
 from services.trainer.child_proc import Zygote
 from services.trainer.claim import WorkDir
 from services.trainer.drain import Draining
+from services.trainer.forming import GaveWay, Superseded
 from services.trainer.granted import Granted
-from services.trainer.group import GaveWay, Leader, Superseded
+from services.trainer.group import Leader
 from services.trainer.presence import Presence
 from services.trainer.rank import Member
 from services.trainer.verdicts import Outcome, Scope, Verdict, apply
