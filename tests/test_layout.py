@@ -102,3 +102,22 @@ def test_no_crowded_room() -> None:
     assert crowded == [], "rooms too long:\n" + "\n".join(crowded)
     missing = [t for t in tables if not (ROOT / t).is_file()]
     assert missing == [], f"docs/architecture.md names tables that are gone: {missing}"
+
+
+def test_the_cli_and_the_dashboard_read_through_one_client_layer() -> None:
+    """`baton.client` is beneath both: the dashboard imports nothing of the CLI, and the
+    client layer imports neither, so either can change how it shows things alone."""
+    known = modules()
+    graph = {name: imports_of(name, path, known) for name, path in known.items()}
+
+    def within(name: str, *packages: str) -> bool:
+        return any(name == p or name.startswith(p + ".") for p in packages)
+
+    crossings = [
+        f"{name} imports {needed}"
+        for name, needs in graph.items()
+        for needed in needs
+        if (within(name, "baton.ui") and within(needed, "baton.cli"))
+        or (within(name, "baton.client") and within(needed, "baton.cli", "baton.ui"))
+    ]
+    assert crossings == [], "\n".join(crossings)
