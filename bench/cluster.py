@@ -25,7 +25,8 @@ from pathlib import Path
 from nats.aio.client import Client
 
 from baton.stack.cluster import HubCluster, current, leader_of
-from baton.stack.natsserver import ClusterRoutes, NatsServer
+from baton.stack.natsconf import ClusterRoutes
+from baton.stack.natsserver import NatsServer
 from shared.bus import names
 from shared.bus.connect import connect
 from shared.bus.streams import ensure

@@ -255,7 +255,7 @@ async def _rounds(the_log: Any, hub: Any, run_id: str, n: int) -> bool:
 
 
 async def _record(nc: Any, run_id: str, i: int) -> Any:
-    from baton.cli import client
+    from baton.client import calls as client
 
     return await client.record(nc, replica_run_id(run_id, i))
 

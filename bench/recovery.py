@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from baton.stack.embedded import CLUSTER_LEASE_TTL
+from baton.stack.options import CLUSTER_LEASE_TTL
 from bench import torchrun
 from bench.torchrun import REPO
 from shared.config import Settings

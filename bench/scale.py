@@ -49,7 +49,8 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from baton.stack.cluster import HubCluster
-from baton.stack.natsserver import ClusterRoutes, NatsServer
+from baton.stack.natsconf import ClusterRoutes
+from baton.stack.natsserver import NatsServer
 from services.reaper.silences import Heard, Silences
 from shared.bus import names
 from shared.bus.connect import connect, publish

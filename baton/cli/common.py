@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand
 
-from baton.cli.errors import SEEN, CliError, explain
+from baton.client.errors import SEEN, CliError, explain
 from shared.errors import BatonError
 
 T = TypeVar("T")
@@ -192,7 +192,7 @@ async def with_nats(server: str, fn: Callable[[Any], Awaitable[T]]) -> T:
     """`fn(nc)` on a connection to `server`. At a site's leaf, a failure is looked into
     before the connection closes: did the hub's JetStream answer across the link? (`run`
     words the error from that.)"""
-    from baton.cli import client
+    from baton.client import calls as client
 
     SEEN.reset()
     nc = await client.open_nats(server, **Connection.options())
@@ -215,7 +215,7 @@ def store_of(server: str, explicit: str | None) -> str:
     """The checkpoint store: --store, else BATON_STORE, else a `baton up` in ./.baton's,
     else where the hub says it is (`shared.state.hub`): a client with only NATS_URL and
     credentials finds it."""
-    from baton.cli import client
+    from baton.client import calls as client
 
     try:
         return client.store_url(explicit)

@@ -58,7 +58,7 @@ def credits_command(
     submitter its own (its user name is the owner)."""
     if ctx.invoked_subcommand is not None:
         return
-    from baton.cli import scheduling
+    from baton.client import scheduling
     from shared.auth import owner_of
 
     user = scheduling.user_of(Connection.options())
@@ -111,7 +111,7 @@ def topup(
     retry, a second run of a script) is the top-up already stored, and says so."""
     import uuid
 
-    from baton.cli import scheduling
+    from baton.client import scheduling
 
     entry = run(lambda: call(make_topup, owner, amount, top_up_id or uuid.uuid4().hex, note,
                              scheduling.user_of(Connection.options())))  # fmt: skip
@@ -128,8 +128,8 @@ def topup(
 def make_topup(owner: str, amount: str, top_up_id: str, note: str, by: str) -> Any:
     """The `TopUp` entry asked for; `CliError` (exit 2) naming what is wrong with it, before
     anything is written."""
-    from baton.cli import scheduling
-    from baton.cli.errors import CliError
+    from baton.client import scheduling
+    from baton.client.errors import CliError
     from shared.contracts import convert
     from shared.contracts.ledger import TopUp
     from shared.contracts.pools import units

@@ -25,9 +25,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
-from baton.cli import client
-from baton.cli.errors import CliError
 from baton.cli.watch import describe
+from baton.client import calls as client
+from baton.client.errors import CliError
 from shared import credentials
 from shared.contracts import JobSpec
 from shared.contracts.events import Completed, Event, Failed, Started

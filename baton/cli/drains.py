@@ -18,8 +18,9 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 
-from baton.cli import client, reader
-from baton.cli.errors import CliError, needs
+from baton.client import calls as client
+from baton.client import reader
+from baton.client.errors import CliError, needs
 from shared.bus import names
 from shared.contracts import RunState, decode, encode
 from shared.contracts.control import Command, Drain, TakeCheckpoint, WorkerInfo

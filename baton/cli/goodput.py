@@ -40,7 +40,7 @@ def goodput_command(
     redone after a failure, recovery). Reads each listed run's events."""
     from rich.table import Table
 
-    from baton.cli import client
+    from baton.client import calls as client
     from shared.contracts import RunRecord, RunState
     from shared.history.goodput import CATEGORIES, Goodput, goodput
 

@@ -1,5 +1,5 @@
 """`baton rollback` and `baton fork`: going back to a committed checkpoint of a run, and
-starting a new run from one (docs/lineage.md). What they do is `baton.cli.rebase`."""
+starting a new run from one (docs/lineage.md). What they do is `baton.client.rebase`."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def rollback(
     The checkpoints after it are abandoned: kept until garbage collection, never restored.
     A running attempt stops at once, without a checkpoint; a PAUSED run goes back when
     resumed; a FAILED one is reopened. A COMPLETED or CANCELLED run is forked instead."""
-    from baton.cli import rebase
+    from baton.client import rebase
 
     url = store_of(server, store)
 
@@ -89,7 +89,8 @@ def fork(
     """Start a new run from RUN's committed checkpoint at --step (on its chain, or abandoned
     by a rollback), with its own run id. Its first attempt copies the checkpoint into its own
     prefix, so the parent's retention never touches it; the resume from it is exact."""
-    from baton.cli import client, rebase
+    from baton.client import calls as client
+    from baton.client import rebase
 
     url = store_of(server, store)
     job = run(lambda: call(rebase.load_job, job_file))

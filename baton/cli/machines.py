@@ -70,7 +70,7 @@ def create(
     """A one-time token for one machine to join POOL: give it to `baton join URL --token T`
     on that machine (URL: the hub's, or with --site that site's). It is refused once used,
     after TTL, or if altered."""
-    from baton.cli import scheduling
+    from baton.client import scheduling
     from shared.machines.registry import Registry
 
     try:
@@ -103,7 +103,7 @@ async def admits_machines(nc: Any) -> None:
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
-    from baton.cli.errors import CliError
+    from baton.client.errors import CliError
     from shared.bus import names
 
     try:
@@ -184,7 +184,7 @@ def machines(ctx: typer.Context, server: Server = DEFAULT, as_json: Json = False
     the runs it holds."""
     if ctx.invoked_subcommand is not None:
         return
-    from baton.cli import client
+    from baton.client import calls as client
     from shared.machines.registry import Registry
 
     async def read(nc: Any) -> tuple[list[Machine], list[WorkerInfo]]:

@@ -157,7 +157,7 @@ def _steer_and_wait(req: Any, wanted: str, server: str, wait: float, as_json: bo
     """Send an operator's request about a run, then wait for the state it leads to. A
     resume the dispatcher refuses (the owner's credits are short of the run's new hold)
     ends at its refusal, exit 1, rather than at the end of the wait."""
-    from baton.cli import client
+    from baton.client import calls as client
 
     states = {wanted, "RUNNING"} if wanted == "QUEUED" else {wanted}
 
@@ -185,8 +185,9 @@ async def _resume_or_refusal(nc: Any, req: Any, states: set[str], wait: float) -
     counts, never an earlier one's."""
     import asyncio
 
-    from baton.cli import client, reader
-    from baton.cli.errors import CliError, needs
+    from baton.client import calls as client
+    from baton.client import reader
+    from baton.client.errors import CliError, needs
     from shared.bus import names
 
     with needs("events stream"):

@@ -23,7 +23,7 @@ from baton.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from baton.cli import inspect
+    from baton.client import inspect
     from shared.contracts.events import Event
 
 # As in `baton.cli.app`: each command imports NATS, the store and rich's tables itself.
@@ -44,7 +44,7 @@ def streams(
     """Baton's streams with their consumers: messages, bytes, pending, redeliveries."""
     from rich.table import Table
 
-    from baton.cli import inspect
+    from baton.client import inspect
 
     reports = run(lambda: with_nats(server, lambda nc: inspect.streams(nc, domain)))
     if as_json:
@@ -90,7 +90,7 @@ def sites(server: Server = DEFAULT, as_json: Json = False) -> None:
     take from the site's outbox, as last measured), and the live runs granted to each."""
     from rich.table import Table
 
-    from baton.cli.errors import needs
+    from baton.client.errors import needs
     from shared.bus import sourcing as site_links
 
     async def go(nc: Any) -> list[site_links.SiteView]:
@@ -98,7 +98,7 @@ def sites(server: Server = DEFAULT, as_json: Json = False) -> None:
 
         import msgspec
 
-        from baton.cli import client
+        from baton.client import calls as client
 
         with needs("sites bucket"):
             found = await site_links.views(nc)
@@ -185,7 +185,7 @@ def checkpoints(
     and latest ones marked."""
     from rich.table import Table
 
-    from baton.cli import inspect
+    from baton.client import inspect
     from shared.contracts.events import loss_of
 
     url = store_of(server, store)
@@ -222,7 +222,8 @@ def logs(
     import asyncio
     import json
 
-    from baton.cli import client, inspect
+    from baton.client import calls as client
+    from baton.client import inspect
 
     async def go(nc: Any) -> None:
         await client.record(nc, run_id)  # a clear error for an unknown run
@@ -243,8 +244,8 @@ def logs(
 async def _print_events(nc: Any, run_id: str, follow: bool, as_json: bool) -> None:
     import json
 
-    from baton.cli.inspect import as_json as builtins
     from baton.cli.watch import describe
+    from baton.client.inspect import as_json as builtins
     from shared.contracts.events import Progress
 
     async for event in _events(nc, run_id, follow):
@@ -259,7 +260,7 @@ async def _print_events(nc: Any, run_id: str, follow: bool, as_json: bool) -> No
 
 
 async def _events(nc: Any, run_id: str, follow: bool) -> Any:
-    from baton.cli import client
+    from baton.client import calls as client
 
     if follow:
         async for e in client.events(nc, run_id):
@@ -275,7 +276,7 @@ def dlq_list(server: Server = DEFAULT, as_json: Json = False) -> None:
     """Every dead letter with its reason."""
     from rich.table import Table
 
-    from baton.cli import inspect
+    from baton.client import inspect
 
     letters = run(lambda: with_nats(server, inspect.dlq))
     if as_json:
@@ -291,7 +292,7 @@ def dlq_list(server: Server = DEFAULT, as_json: Json = False) -> None:
 @dlq_app.command("show")
 def dlq_show(seq: int, server: Server = DEFAULT, as_json: Json = False) -> None:
     """One dead letter, with its original message."""
-    from baton.cli import inspect
+    from baton.client import inspect
 
     x = run(lambda: with_nats(server, lambda nc: inspect.dlq_show(nc, seq)))
     if as_json:
@@ -307,7 +308,7 @@ def dlq_show(seq: int, server: Server = DEFAULT, as_json: Json = False) -> None:
 @dlq_app.command("replay")
 def dlq_replay(seq: int, server: Server = DEFAULT, as_json: Json = False) -> None:
     """Publish a dead letter's message again to its subject, and remove the letter."""
-    from baton.cli import inspect
+    from baton.client import inspect
 
     subject = run(lambda: with_nats(server, lambda nc: inspect.dlq_replay(nc, seq)))
     if as_json:
@@ -355,20 +356,21 @@ def ui(
     """Serve the live dashboard — runs, a run's loss and timeline, workers, sites, streams,
     dead letters — until Ctrl-C. It logs in to NATS as the `dashboard` role that `baton up`
     writes (./.baton/auth/dashboard.env: reads and replay only), else as the CLI does."""
-    from baton.cli import client
     from baton.cli.common import DASHBOARD_AUTH_FILE, DEFAULT_AUTH_FILE, Connection, fail
-    from baton.cli.errors import CliError
+    from baton.client import calls as client
+    from baton.client.errors import CliError
     from baton.ui import server as dashboard
+    from baton.ui import web
 
     try:  # the store only lists checkpoints: without one (nor the hub's), the rest works
         url: str | None = client.store_url(store)
     except CliError:
         url = None  # the dashboard asks the hub where it is (`shared.state.hub`)
     try:
-        dashboard.hosts_for(host, port or 1, allow_host or ())
+        web.hosts_for(host, port or 1, allow_host or ())
     except CliError as exc:
         fail(str(exc), exc.code)
-    if not dashboard.loopback(host):
+    if not web.loopback(host):
         err.print(
             f"[yellow]listening on {host}: whoever reaches it sees every run and may replay "
             "dead letters and pin checkpoints; the dashboard has no login of its own[/yellow]"

@@ -191,8 +191,8 @@ async def _login(url: str, creds: Credentials) -> str:
 def _running(data_dir: Path) -> dict[str, Any] | None:
     """The stack running on `data_dir` (its `stack.json`), or None. `stack.json` alone is
     not proof — a stack killed by SIGKILL leaves it behind, naming a pid that may be
-    another process's by now — so its lock must be held too (`embedded._lock`). A site's
-    stack has no people: exit 2."""
+    another process's by now — so its lock must be held too (`baton.stack.lifecycle
+    .hold_lock`). A site's stack has no people: exit 2."""
     import fcntl
     import json
     import os

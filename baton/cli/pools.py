@@ -23,7 +23,7 @@ app.add_typer(pools_app, name="pools")
 @pools_app.command("show")
 def show(server: Server = DEFAULT, as_json: Json = False) -> None:
     """The pools' table in force and its revision."""
-    from baton.cli import scheduling
+    from baton.client import scheduling
 
     table, revision = run(lambda: with_nats(server, scheduling.table_in_force))
     if as_json:
@@ -46,7 +46,7 @@ def apply(
     """Put FILE's table in force for every service, at once and without a restart; a file
     that does not parse, or names a field wrongly, is refused (exit 2) and nothing is
     applied. The dispatcher's own BATON_POOLS_FILE is applied again when it changes."""
-    from baton.cli import scheduling
+    from baton.client import scheduling
 
     table = run(lambda: call(read_table, file))
     changed, revision = run(lambda: with_nats(server, lambda nc: scheduling.apply_table(nc, table)))
@@ -61,7 +61,7 @@ def apply(
 
 def read_table(file: Path) -> PoolTable:
     """`file` as a pools' table; `CliError` (exit 2) naming what is wrong."""
-    from baton.cli.errors import CliError
+    from baton.client.errors import CliError
     from shared.errors import ConfigError
     from shared.state.policy import load_table
 

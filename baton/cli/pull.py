@@ -1,8 +1,8 @@
 """`baton pull`: a committed checkpoint out of the store, as a user loads it.
 
-The download and its checks are `baton.cli.client.pull`. A sharded checkpoint (FSDP2:
+The download, its checks and the arranging are `baton.client.pull`. A sharded checkpoint (FSDP2:
 `shared.checkpoint.shards`) leaves every rank's shard file of an object under its checkpoint
-name, and `arrange` puts them together in one directory per object,
+name, and they are put together in one directory per object,
 `<dest>/<name>/rank<k>.safetensors`: that directory is a plain DCP checkpoint, which torch
 loads at any group size with
 
@@ -19,16 +19,12 @@ that asked.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from baton.cli.common import Json, Server, app, fail, out, print_json, run, store_of
-
-if TYPE_CHECKING:  # `baton --help` imports neither msgspec nor torch
-    from shared.contracts import Manifest
 
 
 @app.command()
@@ -66,7 +62,7 @@ def pull(
     """Download and verify the newest committed checkpoint, or the one at --step (safetensors
     + metadata; a framework's checkpoint as the files the framework loads; a sharded one's
     shards as a directory per object that plain DCP loads at any size)."""
-    from baton.cli import client
+    from baton.client import calls as client
 
     url = store_of(server, store)
     if token is not None and step is None:
@@ -87,53 +83,3 @@ _STATUS = {
     "abandoned": "abandoned by a rollback",
     "off": "off the chain",
 }
-
-
-def arrange(dest: Path, manifest: Manifest) -> list[str]:
-    """Link every rank's shard file of each sharded object into `<dest>/<name>/`; the
-    directories made."""
-    from shared.checkpoint import files as checkpoint_files
-
-    made = []
-    for name in manifest.sharded:
-        folder = dest / name
-        folder.mkdir(exist_ok=True)
-        for ref in manifest.files:
-            if checkpoint_files.group_of(ref.name) != name:
-                continue
-            link = folder / f"rank{checkpoint_files.rank_of(ref.name)}.safetensors"
-            link.unlink(missing_ok=True)
-            os.link(dest / ref.name, link)
-        made.append(f"{name}/")
-    return made
-
-
-def gather(dest: Path, manifest: Manifest, name: str) -> str:
-    """Assemble the sharded object `name` of a pulled checkpoint into one safetensors file,
-    after checking that its chunks tile every tensor; the file's name."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from shared.checkpoint import files as checkpoint_files
-    from shared.checkpoint import shards
-    from shared.checkpoint.tensors import DTYPES
-
-    paths = [
-        dest / ref.name for ref in manifest.files if checkpoint_files.group_of(ref.name) == name
-    ]
-    found = {p: shards.chunks_of(checkpoint_files.header_of(p), p.name) for p in paths}
-    whole = {
-        k: torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-        for k, spec in shards.tile([c for cs in found.values() for c in cs], name).items()
-    }
-    for path, chunks in found.items():
-        with safe_open(str(path), framework="pt") as f:
-            for c in chunks:
-                region = whole[c.name]
-                for dim, (at, n) in enumerate(zip(c.offsets, c.spec.shape, strict=True)):
-                    region = region.narrow(dim, at, n)
-                region.copy_(f.get_tensor(c.name))
-    out = f"{name}.whole.safetensors"
-    save_file(whole, str(dest / out))
-    return out

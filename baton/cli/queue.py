@@ -30,7 +30,7 @@ def queue_command(
     """A pool's queue, as the scheduler sees it now: the runs waiting in the order it takes
     them and why each waits, the runs training (and which make room for another), and each
     owner's share of the pool. Exit 1 when no scheduler answers (the dispatcher is down)."""
-    from baton.cli import scheduling
+    from baton.client import scheduling
 
     run(lambda: call(scheduling.check_pool, pool))
     view = run(lambda: with_nats(server, lambda nc: scheduling.queue_view(nc, pool, limit)))

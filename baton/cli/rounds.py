@@ -97,8 +97,8 @@ class Replicated:
 
 async def replicated(nc: Client, run_id: str) -> Replicated | None:
     """The replicated run `run_id` (None: not one), its replicas' records and events."""
-    from baton.cli import client
-    from baton.cli.errors import CliError
+    from baton.client import calls as client
+    from baton.client.errors import CliError
     from shared.contracts.records import replica_run_id
 
     try:
@@ -158,7 +158,7 @@ def rounds(
     deadline or not, stragglers, bytes exchanged, the longest wait."""
     from rich.table import Table
 
-    from baton.cli.errors import CliError
+    from baton.client.errors import CliError
 
     async def get(nc: Any) -> Replicated:
         found = await replicated(nc, run_id)

@@ -23,10 +23,11 @@ def status(run_id: str, server: Server = "nats://127.0.0.1:4222", as_json: Json 
     import msgspec
     from rich.table import Table
 
-    from baton.cli import client, rounds
-    from baton.cli.errors import CliError
+    from baton.cli import rounds
     from baton.cli.goodput import describe
     from baton.cli.watch import divergence
+    from baton.client import calls as client
+    from baton.client.errors import CliError
     from shared.contracts.events import Diverged, loss_of
     from shared.history.goodput import goodput as spent_of
 

@@ -11,7 +11,7 @@ from nats.aio.client import Client
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from baton.cli import client
+from baton.client import calls as client
 from shared.contracts import RunRecord, RunState
 from shared.contracts.events import (
     AttemptFailed,
@@ -149,7 +149,7 @@ def divergence(event: Diverged) -> str:
     return (
         f"{event.metric} at step {event.step} was {event.expected} before, {event.got} after"
         f" resuming from step {event.checkpoint} on {event.worker}: this run's resume is not"
-        " exact (see README, 'Making a training loop resumable')"
+        " exact (see docs/training.md, 'Making a training loop resumable')"
     )
 
 

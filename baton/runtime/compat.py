@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-import baton
+from baton.version import __version__
 
 FIELDS = ("torch", "python", "baton", "code")
 
@@ -43,7 +43,7 @@ def recorded(entry_point: str) -> dict[str, str]:
     return {
         "torch": torch.__version__,
         "python": sys.version.split()[0],
-        "baton": baton.__version__,
+        "baton": __version__,
         "code": code_digest(entry_point),
     }
 

@@ -28,7 +28,8 @@ from pathlib import Path
 import msgspec
 from nats.js import JetStreamContext
 
-from baton.stack.natsserver import HOST, ClusterRoutes, NatsServer
+from baton.stack.natsconf import HOST, ClusterRoutes
+from baton.stack.natsserver import NatsServer
 from baton.stack.routes import RouteAuth, issue_route_certs
 
 CLUSTER_NAME = "baton-hub"

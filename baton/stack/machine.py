@@ -27,13 +27,11 @@ from pathlib import Path
 
 import msgspec
 
-from baton.stack.embedded import CPU_TRAINERS, _pythonpath, hold_lock, stop_order
-from baton.stack.procs import (
-    ServiceSpec,
-    Supervisor,
-    install_stop_signals,
-    remove_stop_signals,
-)
+from baton.stack.children import install_stop_signals, remove_stop_signals
+from baton.stack.lifecycle import hold_lock
+from baton.stack.options import CPU_TRAINERS
+from baton.stack.procs import ServiceSpec, Supervisor
+from baton.stack.services import _pythonpath, stop_order
 from shared import gpus
 from shared.contracts.machines import JoinAnswer, JoinRequest
 

@@ -21,17 +21,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
-from urllib.parse import quote
 
-import msgspec
 import nats
 from nats.aio.client import Client
 
+from baton.stack.natsconf import HOST, ClusterRoutes, appended, server_settings
 from baton.stack.procs import child_preexec, open_log
 
 log = logging.getLogger("baton.natsserver")
 
-HOST = "127.0.0.1"
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 RELOAD_TIMEOUT_S = 10.0
@@ -40,30 +38,6 @@ _POLL_S = 0.05
 
 class NatsServerError(RuntimeError):
     """The server is missing, would not start, or would not become ready."""
-
-
-class RouteTls(msgspec.Struct, frozen=True, kw_only=True):
-    """Mutual TLS between a cluster's nodes: each presents `cert_file` both ways (dialling
-    and dialled), and accepts only a peer whose certificate `ca_file` signed."""
-
-    cert_file: Path
-    key_file: Path
-    ca_file: Path
-
-
-class ClusterRoutes(msgspec.Struct, frozen=True, kw_only=True):
-    name: str
-    """The cluster's name, the same on every node."""
-    port: int
-    """This node's route port."""
-    ports: tuple[int, ...]
-    """Every node's route port (this one's included: a server ignores a route to itself)."""
-    user: str = ""
-    """With `password`: the credentials a route must present, and that this node's own
-    routes present to its peers. Empty: routes need none (loopback tests only)."""
-    password: str = ""
-    tls: RouteTls | None = None
-    """Routes only over mutual TLS (`verify: true`); None: in the clear."""
 
 
 def find_binary() -> Path:
@@ -191,38 +165,15 @@ class NatsServer:
 
     def config_text(self) -> str:
         """The config file: the server's own settings, then `extra_config`."""
-        return self._settings() + _appended(self.extra_config)
+        return self._settings() + appended(self.extra_config)
 
     def _settings(self) -> str:
-        # Strings are JSON-quoted: the NATS config syntax accepts them, and it keeps a path
-        # with spaces or a '#' from being read as something else.
-        lines = [
-            f"server_name: {json.dumps(self.server_name)}",
-            f"listen: {HOST}:{self._port if self._port is not None else -1}",
-            f"ports_file_dir: {json.dumps(str(self.data_dir))}",
-        ]
-        if self._http_port is not None:
-            # Monitoring keeps its port only when one was asked for: "any" is any again at a
-            # restart, since the one before may have been taken meanwhile (seen in the suite:
-            # a restarted node refusing to start). Clients' and sites' ports are kept: they
-            # reconnect to them.
-            http = self._http_port if self._http_port > 0 else -1
-            lines.append(f"http: {HOST}:{http}")
-        if self._ws_port is not None:
-            ws = self._ws_port_known if self._ws_port_known else -1
-            lines.append(f"websocket {{\n  listen: {HOST}:{ws}\n  no_tls: true\n}}")
-        if self.max_payload is not None:
-            lines.append(f"max_payload: {self.max_payload}")
-        if self.jetstream:
-            js = [f"store_dir: {json.dumps(str(self.store_dir))}"]
-            if self.domain:
-                js.append(f"domain: {json.dumps(self.domain)}")
-            if self.sync_interval:
-                js.append(f"sync_interval: {json.dumps(self.sync_interval)}")
-            lines.append("jetstream {\n  " + "\n  ".join(js) + "\n}")
-        if self.cluster is not None:
-            lines.append(cluster_block(self.cluster))
-        return "\n".join(lines)
+        return server_settings(
+            name=self.server_name, port=self._port, data_dir=self.data_dir,
+            http_port=self._http_port, ws_port=self._ws_port, ws_port_known=self._ws_port_known,
+            max_payload=self.max_payload, jetstream=self.jetstream, store_dir=self.store_dir,
+            domain=self.domain, sync_interval=self.sync_interval, cluster=self.cluster,
+        )  # fmt: skip
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -370,7 +321,7 @@ class NatsServer:
         if proc is None or not self.running:
             return
         mark = self.log_path.stat().st_size  # where the server's next lines will start
-        _write_private(self.config_path, self._started_with + _appended(extra_config))
+        _write_private(self.config_path, self._started_with + appended(extra_config))
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGHUP)
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -424,26 +375,6 @@ class NatsServer:
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
-
-
-def cluster_block(c: ClusterRoutes) -> str:
-    """The `cluster` block of node `c`: its listener, its routes to every node, and, where
-    `c` has them, the credentials and mutual TLS every route must present."""
-    lines = [f"  name: {json.dumps(c.name)}", f"  listen: {HOST}:{c.port}"]
-    if c.user:
-        lines.append(f"  authorization {json.dumps({'user': c.user, 'password': c.password})}")
-    if c.tls is not None:
-        files = {k: str(v) for k, v in msgspec.structs.asdict(c.tls).items()}
-        lines.append(f"  tls {json.dumps({**files, 'verify': True})}")
-    # A route dials with the URL's credentials (the block above only checks those dialled).
-    creds = f"{quote(c.user, safe='')}:{quote(c.password, safe='')}@" if c.user else ""
-    routes = ", ".join(json.dumps(f"nats-route://{creds}{HOST}:{p}") for p in c.ports)
-    lines.append(f"  routes: [{routes}]")
-    return "cluster {\n" + "\n".join(lines) + "\n}"
-
-
-def _appended(extra_config: str) -> str:
-    return ("\n" + extra_config if extra_config else "") + "\n"
 
 
 def _write_private(path: Path, text: str) -> None:

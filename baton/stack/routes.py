@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from baton.stack.natsserver import HOST, RouteTls
+from baton.stack.natsconf import HOST, RouteTls
 from shared.credentials import Vault
 
 ROUTE_USER = "baton-route"

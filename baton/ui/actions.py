@@ -10,10 +10,10 @@ is made by `guard.action`, so none runs without the page's token.
     resume             PAUSED                                    `Resume`
     checkpoint         RUNNING on a trainer                      `TakeCheckpoint`
     rollback (step)    not COMPLETED or CANCELLED; a committed   `Rollback`
-                       checkpoint at the step on its chain, not  (`baton.cli.rebase.ask_rollback`)
-                       final, every file verified
+                       checkpoint at the step on its chain, not  (`baton.client.rebase
+                       final, every file verified                .ask_rollback`)
     fork (step)        a committed checkpoint at the step, on    the fork's spec submitted
-                       the chain or abandoned, verified; the     (`baton.cli.rebase.fork_spec`)
+                       the chain or abandoned, verified; the     (`baton.client.rebase.fork_spec`)
                        spec with its overrides valid
     drain, undrain     a worker id (undrain: a drained one)      its key in `baton_drains`
 
@@ -33,8 +33,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from baton.cli import client, reader, rebase
-from baton.cli.errors import CliError
+from baton.client import calls as client
+from baton.client import reader, rebase
+from baton.client.errors import CliError
 from baton.ui import params
 from baton.ui.guard import action
 from shared.bus import names

@@ -24,8 +24,8 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.js.kv import KeyValue
 
-from baton.cli.errors import CliError
-from baton.cli.inspect import as_json
+from baton.client.errors import CliError
+from baton.client.inspect import as_json
 from baton.ui.live import sse
 from baton.ui.views import Reads
 from shared.bus import names, sourcing

@@ -20,7 +20,7 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from baton.cli.inspect import as_json
+from baton.client.inspect import as_json
 from baton.ui.live import Fanout
 from shared.bus import names
 from shared.bus.follow import Following

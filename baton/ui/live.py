@@ -18,7 +18,7 @@ from typing import Any
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from baton.cli.inspect import as_json
+from baton.client.inspect import as_json
 from shared.bus import names
 from shared.bus.follow import Following
 from shared.contracts import decode

@@ -17,7 +17,7 @@ from msgspec import Meta
 from starlette.datastructures import QueryParams
 from starlette.requests import Request
 
-from baton.cli.errors import CliError
+from baton.client.errors import CliError
 from shared.contracts import RunState
 from shared.contracts.jobs import RUN_ID, TOKEN
 from shared.errors import ContractError
@@ -120,7 +120,7 @@ MAX_BODY = 16 * 1024
 class ActionBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """What an action's POST may carry (JSON; none at all is all defaults): the `reason`
     recorded with it, and a fork's `overrides`, each `path=value` as `baton fork --set`
-    takes them (`baton.cli.rebase.parse_set`)."""
+    takes them (`baton.client.rebase.parse_set`)."""
 
     reason: Annotated[str, Meta(max_length=512)] = ""
     overrides: Annotated[list[Annotated[str, Meta(max_length=1000)]], Meta(max_length=64)] = []

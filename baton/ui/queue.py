@@ -23,8 +23,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from baton.cli import reader, scheduling
-from baton.cli.inspect import as_json
+from baton.client import reader, scheduling
+from baton.client.inspect import as_json
 from baton.ui import fleet, params
 from baton.ui.live import with_keepalive
 from baton.ui.views import Reads

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import secrets
-import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from importlib import resources
 from typing import Any
@@ -36,19 +34,28 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from baton.cli import client, inspect
-from baton.cli.errors import CliError
-from baton.cli.inspect import as_json
+from baton.client import calls as client
+from baton.client import inspect
+from baton.client.errors import CliError
+from baton.client.inspect import as_json
 from baton.ui import fleet, params, views
 from baton.ui.actions import Actions
 from baton.ui.guard import Guard, Hosts, action
 from baton.ui.index import MAX_PAGE, Filter, RunIndex
-from baton.ui.live import Fanout, Heartbeats, sse, with_keepalive
+from baton.ui.live import Fanout, Heartbeats, sse
 from baton.ui.queue import Queues
+from baton.ui.web import (
+    bind,
+    error_response,
+    event_stream,
+    hosts_for,
+    last_id,
+    unavailable_response,
+)
 from shared.auth import DASHBOARD_REPLAYS
 from shared.bus import names
 from shared.errors import BatonError
@@ -137,8 +144,8 @@ class Dashboard:
                 Mount("/static", StaticFiles(directory=str(STATIC)), name="static"),
             ],
             exception_handlers={
-                BatonError: _error, CliError: _error, NatsError: _unavailable,
-                TimeoutError: _unavailable,
+                BatonError: error_response, CliError: error_response,
+                NatsError: unavailable_response, TimeoutError: unavailable_response,
             },
         )  # fmt: skip
 
@@ -181,7 +188,7 @@ class Dashboard:
     async def live(self, request: Request) -> Response:
         """Run summaries as they change, and heartbeats. A browser that reconnects names the
         last summary it saw (`Last-Event-ID`) and is sent every change since first."""
-        last = _last_id(request)
+        last = last_id(request)
 
         async def stream() -> AsyncIterator[str]:
             async with self.fanout.follow() as queue:
@@ -194,7 +201,7 @@ class Dashboard:
                 while (message := await queue.get()) is not None:
                     yield message
 
-        return _events(stream())
+        return event_stream(stream())
 
     # -- one run ---------------------------------------------------------------------------
 
@@ -219,7 +226,7 @@ class Dashboard:
                     await asyncio.sleep(VIEW_EVERY_S)  # coalesce a burst into one view
                     await history.more(timeout=0.01)
 
-        return _events(stream())
+        return event_stream(stream())
 
     async def logs(self, request: Request) -> Response:
         """The run's output from the start, then live; 404 for a run that does not exist
@@ -231,7 +238,7 @@ class Dashboard:
             async for text in views.log_tail(self.nc, run_id, self.reads):
                 yield sse("log", text)
 
-        return _events(stream())
+        return event_stream(stream())
 
     async def checkpoints(self, request: Request) -> Response:
         run_id = params.run_id(request.path_params["run_id"])
@@ -256,7 +263,7 @@ class Dashboard:
         async def read() -> dict[str, Any]:
             return {"sites": await self.sites_seen.views()}
 
-        return _events(fleet.refreshing(read))
+        return event_stream(fleet.refreshing(read))
 
     async def streams(self, request: Request) -> Response:
         return JSONResponse(await views.streams(self.nc, self.reads))
@@ -265,7 +272,7 @@ class Dashboard:
         async def read() -> dict[str, Any]:
             return {"streams": await views.streams(self.nc, self.reads)}
 
-        return _events(fleet.refreshing(read))
+        return event_stream(fleet.refreshing(read))
 
     async def letters(self, request: Request) -> Response:
         """A page of dead letters (`views.letters`): `after`, the cursor a page's `next`
@@ -281,7 +288,7 @@ class Dashboard:
             now = await self.clock.read()
             return await views.letters(self.nc, self.reads, now, after, limit)
 
-        return _events(fleet.refreshing(read))
+        return event_stream(fleet.refreshing(read))
 
     async def replay(self, request: Request) -> Response:
         """Publish a dead letter again to its work queue, and remove it. Only to the hub's
@@ -320,68 +327,6 @@ class Dashboard:
 
 def replayable(subject: str) -> bool:
     return any(subject.startswith(root.removesuffix(">")) for root in DASHBOARD_REPLAYS)
-
-
-def _last_id(request: Request) -> int | None:
-    """The last summary a reconnecting browser saw: its `Last-Event-ID` (an id we sent; one
-    that is not is ignored, since a browser told 400 would stop reconnecting) or `since`."""
-    if "since" in request.query_params:
-        return params.integer(request.query_params, "since", 0, 0, params.MAX_SEQ)
-    raw = request.headers.get("last-event-id", "")
-    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 19 else None
-
-
-def _events(source: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        with_keepalive(source),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
-    )
-
-
-STATUS = {2: 400, 3: 404, 4: 403}
-
-
-async def _error(request: Request, exc: Exception) -> Response:
-    code = STATUS.get(getattr(exc, "code", 1), 500 if not isinstance(exc, BatonError) else 400)
-    return JSONResponse({"error": str(exc)}, status_code=code)
-
-
-async def _unavailable(request: Request, exc: Exception) -> Response:
-    """NATS did not answer (or refused: a missing permission reads as a timeout)."""
-    log.warning("%s %s: NATS: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-    return JSONResponse({"error": f"NATS: {type(exc).__name__}: {exc}"}, status_code=503)
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the server starts so its port is known (0: any
-    free port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise CliError(f"cannot listen on {host}:{port}: {exc.strerror}", 2) from None
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
-
-
-def hosts_for(host: str, port: int, allow_hosts: Sequence[str]) -> Hosts:
-    """What the dashboard on `host`:`port` answers to; a value that is no host is a usage
-    error."""
-    try:
-        return Hosts.served(host, port, allow_hosts)
-    except ValueError as exc:
-        raise CliError(f"not a host name to serve on: {exc}", 2) from None
-
-
-def loopback(host: str) -> bool:
-    with contextlib.suppress(ValueError):
-        return ipaddress.ip_address(host).is_loopback
-    return host == "localhost"
 
 
 async def serve(

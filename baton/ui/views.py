@@ -23,7 +23,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from baton.cli import inspect, reader
+from baton.client import inspect, reader
 from baton.ui import params
 from baton.ui.live import heard
 from baton.ui.vitals import vitals

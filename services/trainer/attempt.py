@@ -1,28 +1,12 @@
 """One training attempt: a lease held, a child process running, its commits followed.
 
-An attempt ends in exactly one verdict (`verdicts.py` holds the outcome table and builds
-each verdict from the attempt), decided once, by `_decide`, from the first of these to
-happen, strongest first:
-
-    fenced (lease taken over, or the final commit refused)   -> FENCED, or YIELDED when
-                                                                the store's chain is
-                                                                another side's (`owner.py`)
-    the run ended elsewhere (hard timeout)                   -> STOPPED
-    the training process stalled (`stall.py`)                -> RETRY, FAILED or PAUSED
-    asked to stop (cancel, pause, SIGTERM), the grace ran out -> CANCELLED, PAUSED or
-                                                                PREEMPTED
-    the divergence guard stopped the child (`guarded`)       -> by `guard.action`
-    the child exited without finishing                       -> RETRY, FAILED or PAUSED
-    the child stopped early after its checkpoint             -> CANCELLED, PAUSED or
-                                                                PREEMPTED
-    the child finished with its final checkpoint committed   -> COMPLETED
+An attempt ends in exactly one verdict, decided once by `decide.follow` from the first thing
+to happen, strongest first (its table), and carried out by `verdicts.apply` while the lease
+is still kept, so a record write that waits out an outage does not lose the run.
 
 Before any of it, the store is asked whose run it is (`owner.py`): a run whose chain ends
 in a final commit is COMPLETED from the store, another side's is YIELDED, and a token the
 hub forgot it issued gives the task back under a new epoch — nothing trains.
-
-and carried out by `verdicts.apply` while the lease is still kept, so a record write that
-waits out an outage does not lose the run.
 
 Each attempt is an `attempt` span, continuing the trace whose context the task message's
 headers carry (the dispatch), and the parent of the attempt's `commit` spans.
@@ -42,8 +26,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from opentelemetry import trace
 
-from services.trainer import owner, rewind, verdicts
-from services.trainer.child_proc import FINISH_GRACE_S, OUTPUT_DRAIN_S, Child
+from services.trainer import decide, owner, rewind
+from services.trainer.child_proc import OUTPUT_DRAIN_S, Child
 from services.trainer.commits import Commits
 from services.trainer.group import Leader
 from services.trainer.keeper import Keeper, Order
@@ -60,7 +44,6 @@ from shared.config import Settings
 from shared.contracts import Pointer, RunRecord, Skip, Task
 from shared.contracts.child import (
     CheckpointReady,
-    Control,
     Divergence,
     Finished,
     Launch,
@@ -83,9 +66,6 @@ from shared.state.pools import Pools
 from shared.state.runs import Runs
 
 log = logging.getLogger("baton.trainer")
-
-CHECKPOINT_FIRST = (None, Order.PREEMPT, Order.PAUSE, Order.CANCEL)
-"""What an attempt stops for with a checkpoint first (None: a SIGTERM or a drain)."""
 
 
 class Attempt:
@@ -155,7 +135,7 @@ class Attempt:
         self._delivery: str | None = None
         """The task delivery this attempt answers, written into the record for a hand-over."""
         self._watching: asyncio.Task[None] | None = None
-        self._broken = group.broken if group is not None else asyncio.Event()
+        self.broken = group.broken if group is not None else asyncio.Event()
         limits = task.spec.limits
         self.stall = StallWatch(
             Bounds(
@@ -172,7 +152,7 @@ class Attempt:
         """What the divergence guard stopped the training process for, if it did."""
         self.skips: list[Skip] = []
         """The run's rolled-back data, as its record said when the attempt started."""
-        self._grow = group.grow if group is not None else asyncio.Event()
+        self.grow_wanted = group.grow if group is not None else asyncio.Event()
         self.meter: Meter | None = None
         """The run's credits as it trains (`meter.py`), once its record is read."""
 
@@ -266,7 +246,7 @@ class Attempt:
         metering = asyncio.create_task(meter.watch(self._out_of_credits, self._short_of_credits))
         background = [keeping, copying, stalling, metering]
         try:
-            verdict = await self._follow()
+            verdict = await decide.follow(self)
             self.keeper.settling()
             outcome = await apply(verdict, scope)
             if outcome is Outcome.COMPLETED:
@@ -330,7 +310,7 @@ class Attempt:
     @property
     def growing(self) -> bool:
         """Stopping only because a trainer is free to grow this elastic group onto."""
-        return self._grow.is_set() and not self.stop.is_set() and self.orders.given is None
+        return self.grow_wanted.is_set() and not self.stop.is_set() and self.orders.given is None
 
     async def _stalled(self, quiet_s: float, step: int) -> None:
         await self.reports.stalled(quiet_s, step, self.stall.bound())
@@ -345,74 +325,9 @@ class Attempt:
         """The reaper saw this worker run a run it does not hold: stop at once."""
         self.orders.fence(f"orphan: {reason}")
 
-    # -- the attempt's course ------------------------------------------------------------
-
-    async def _follow(self) -> Verdict:
-        """Follow the child until something ends the attempt, then decide its verdict. A
-        cancel or a SIGTERM first asks the child to checkpoint and stop, and waits the
-        grace for it (or a stronger order, or a second signal)."""
-        reader = asyncio.create_task(self._read())
-        try:
-            await _first(reader, self.orders.changed, self.stop, self._broken, self._grow)
-            if self._broken.is_set() and self.orders.given is None:
-                return await verdicts.group_broke(self, reader)
-            if not reader.done() and self.orders.given in CHECKPOINT_FIRST:
-                given = self.orders.given
-                why = "preempted" if given is None else given.name.lower()
-                if self.growing:
-                    assert self.group is not None
-                    why = f"growing onto {self.group.grower}"
-                log.info("%s: %s at step %d; checkpointing", self.run_id, why, self.step)
-                self.child.send(Control(action="stop"))
-                self.stall.finish()  # the grace bounds it from here
-                self.orders.changed.clear()  # from here on, set only by a stronger order
-                await _first(
-                    reader, self.orders.changed, self.hurry, self._broken,
-                    timeout=self.settings.grace_s,
-                )  # fmt: skip
-                if self._broken.is_set() and self.orders.given in CHECKPOINT_FIRST:
-                    return await verdicts.group_broke(self, reader)
-            if self.orders.given is Order.ROLLBACK:  # no checkpoint: it would be abandoned
-                return rewind.handed_back(self)
-            return await self._decide(reader)
-        finally:
-            reader.cancel()
-
-    async def _decide(self, reader: asyncio.Task[Finished | None]) -> Verdict:
-        """The verdict, strongest cause first (the module's table)."""
-        given = self.orders.given
-        if given is Order.FENCE:
-            return await owner.after_refusal(self) or verdicts.fenced(self, self.orders.reason)
-        if given is Order.OVER:
-            self.child.kill()
-            log.warning("%s: stopped: %s", self.run_id, self.orders.reason)
-            return Verdict(Outcome.STOPPED)
-        if given is Order.STALL:
-            self.child.kill()
-            await self.output_copied()
-            return verdicts.child_failed(self, -9, self.orders.reason, stall=self.stalled)
-        if not reader.done():  # asked to stop, and the grace ran out (or a second signal)
-            return await verdicts.stopped_early(self, None)
-        finished = reader.result()
-        if finished is None and self.group is not None:
-            return await verdicts.group_broke(self, reader)
-        if finished is None:
-            code = await self.child.wait()
-            await self.output_copied()
-            return await verdicts.exited(self, code)
-        # `Finished` comes after the child's last write; it then leaves promptly (no
-        # interpreter teardown), so its exit is waited for, briefly: nothing is killed.
-        if not await self.child.exit_or_kill():
-            log.info("%s: the training process finished but did not exit within %.0fs; "
-                     "stopped", self.run_id, FINISH_GRACE_S)  # fmt: skip
-        if finished.stopped:
-            return await verdicts.stopped_early(self, finished)
-        verdict = await verdicts.finished(self)
-        if verdict.outcome is Outcome.FENCED:  # its final commit refused: by whom?
-            return await owner.after_refusal(self) or verdict
-        return verdict
-
-    async def _read(self) -> Finished | None:
+    async def read_child(self) -> Finished | None:
+        """The training process's messages, acted on, until it says it finished (None: its
+        output ended without that)."""
         async for msg in self.child.messages():
             if isinstance(msg, Loaded):
                 await self._loaded(msg)
@@ -481,16 +396,3 @@ class Attempt:
         warning = RunWarning(run_id=self.run_id, kind="credits_80", detail=detail)
         msg_id = f"warning.{self.run_id}.credits_80.{self.token}"
         await emit(self.js, warning, site=self.site, msg_id=msg_id)
-
-
-async def _first(
-    *waits: asyncio.Task[object] | asyncio.Event, timeout: float | None = None
-) -> None:
-    """Until the first of `waits` is done or set (or `timeout`)."""
-    tasks = [w if isinstance(w, asyncio.Task) else asyncio.create_task(w.wait()) for w in waits]
-    try:
-        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w, task in zip(waits, tasks, strict=True):
-            if task is not w:
-                task.cancel()

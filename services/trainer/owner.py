@@ -31,12 +31,12 @@ from shared.state import owner, transitions
 from shared.state.owner import Decision
 
 if TYPE_CHECKING:
-    from services.trainer.attempt import Attempt
+    from services.trainer.course import AttemptView
 
 log = logging.getLogger("baton.trainer")
 
 
-async def before_training(a: Attempt, latest: Pointer | None) -> Verdict | None:
+async def before_training(a: AttemptView, latest: Pointer | None) -> Verdict | None:
     """The verdict when the store says this attempt must not train; None when it may."""
     said = owner.decide(a.site, a.token, latest)
     if said.decision is Decision.TRAIN or latest is None:
@@ -61,7 +61,7 @@ async def before_training(a: Attempt, latest: Pointer | None) -> Verdict | None:
     return Verdict(Outcome.PREEMPTED, change=transitions.past_store(a.token, said.epoch))
 
 
-async def after_refusal(a: Attempt) -> Verdict | None:
+async def after_refusal(a: AttemptView) -> Verdict | None:
     """At the hub, once the store refused this attempt's commit: YIELDED if another side's
     chain is the run's, None to be fenced as before."""
     if a.site:
@@ -74,7 +74,7 @@ async def after_refusal(a: Attempt) -> Verdict | None:
     return yielded(a, said.site, said.epoch, wasted=max(0, a.step - a.start_step))
 
 
-def yielded(a: Attempt, site: str, epoch: int, wasted: int) -> Verdict:
+def yielded(a: AttemptView, site: str, epoch: int, wasted: int) -> Verdict:
     whose = f"site {site}" if site else "the hub"
     log.warning("%s: the store's chain is %s's (epoch %d); this attempt stops, %d step(s) "
                 "trained in vain", a.run_id, whose, epoch, wasted)  # fmt: skip

@@ -27,7 +27,8 @@ import msgspec
 from nats.aio.msg import Msg
 
 from services.trainer.child_proc import FINISH_GRACE_S, OUTPUT_DRAIN_S, Child, Zygote, tail_of
-from services.trainer.group import FORM_POLL_S, GIVE_WAY_S, POLL_S, local_rank
+from services.trainer.forming import FORM_POLL_S, GIVE_WAY_S, POLL_S
+from services.trainer.group import local_rank
 from shared.bus import names
 from shared.contracts.child import (
     EXIT_USER_ERROR,

@@ -61,7 +61,7 @@ from shared.state import transitions
 from shared.state.endings import settle
 
 if TYPE_CHECKING:
-    from services.trainer.attempt import Attempt
+    from services.trainer.course import AttemptView
 
 log = logging.getLogger("baton.trainer")
 
@@ -76,10 +76,10 @@ RETRY_DELAY_S = 5.0
 Latest = tuple[Pointer, str] | None
 Answer = RolledBack | Forked | CommitRefused | Pointer
 
-_delays: weakref.WeakKeyDictionary[Attempt, float] = weakref.WeakKeyDictionary()
+_delays: weakref.WeakKeyDictionary[AttemptView, float] = weakref.WeakKeyDictionary()
 
 
-async def prepare(a: Attempt, msg: Msg, record: RunRecord, latest: Latest) -> Latest:
+async def prepare(a: AttemptView, msg: Msg, record: RunRecord, latest: Latest) -> Latest:
     """The `latest` the attempt starts from: after the rollback or graft it had done, if any
     (the module's table). Orders the attempt stopped (`a.orders`) where it must not train."""
     spec = a.task.spec
@@ -114,7 +114,7 @@ async def prepare(a: Attempt, msg: Msg, record: RunRecord, latest: Latest) -> La
     return now
 
 
-def handed_back(a: Attempt) -> Verdict:
+def handed_back(a: AttemptView) -> Verdict:
     """The verdict of an attempt stopped for a rollback (`Order.ROLLBACK`): killed without a
     checkpoint, its task given back — at once when the record ordered it, after a pause when
     the checkpointer did not answer."""
@@ -130,7 +130,7 @@ def handed_back(a: Attempt) -> Verdict:
     return Verdict(Outcome.PREEMPTED, change=released, event=preempted, delay=delay)
 
 
-async def _ask(a: Attempt, msg: Msg, base: Base) -> Answer | None:
+async def _ask(a: AttemptView, msg: Msg, base: Base) -> Answer | None:
     """Publish the request and wait for its answer, keeping the lease and the task. None
     once the attempt was told to stop instead (fenced, or given back)."""
     token, got = a.token, asyncio.get_running_loop().create_future()
@@ -165,7 +165,7 @@ def _answers(event: Event, token: int, step: int) -> bool:
     return isinstance(event, CommitRefused) and event.token == token and event.step == step
 
 
-async def _wait(a: Attempt, msg: Msg, got: asyncio.Future[Answer], base: Base) -> Answer | None:
+async def _wait(a: AttemptView, msg: Msg, got: asyncio.Future[Answer], base: Base) -> Answer | None:
     deadline = time.monotonic() + ANSWER_WAIT_S
     beat = a.lease.ttl_s / 3
     renewed = time.monotonic()
@@ -192,7 +192,7 @@ async def _wait(a: Attempt, msg: Msg, got: asyncio.Future[Answer], base: Base) -
                 return now[0]  # `prepare` fences
 
 
-async def _rewound(a: Attempt, answer: Answer, base: Base) -> None:
+async def _rewound(a: AttemptView, answer: Answer, base: Base) -> None:
     """Record the rollback that was done: its lineage, the run's step, the order cleared."""
     if isinstance(answer, RolledBack):
         done = Rewind(
@@ -215,7 +215,7 @@ async def _rewound(a: Attempt, answer: Answer, base: Base) -> None:
         await _moved_on(a)
 
 
-async def _refused_rollback(a: Attempt, base: Base, reason: str) -> None:
+async def _refused_rollback(a: AttemptView, base: Base, reason: str) -> None:
     """The checkpoint at the step is gone or damaged since the order was taken: the run goes
     on from where it was, and says so."""
     log.warning("%s: rollback to step %d refused: %s", a.run_id, base.step, reason)
@@ -226,7 +226,7 @@ async def _refused_rollback(a: Attempt, base: Base, reason: str) -> None:
     await a.reports.emit(RunWarning(run_id=a.run_id, kind="rollback_refused", detail=detail))
 
 
-async def _refused_graft(a: Attempt, base: Base, reason: str) -> None:
+async def _refused_graft(a: AttemptView, base: Base, reason: str) -> None:
     """The fork's base cannot be had: the run fails, for good (its spec names it)."""
     why = f"cannot fork {base.run_id} at step {base.step}: {reason}"
     log.warning("%s: %s", a.run_id, why)
@@ -242,7 +242,7 @@ async def _refused_graft(a: Attempt, base: Base, reason: str) -> None:
     a.orders.give(Order.OVER, why)
 
 
-async def _moved_on(a: Attempt) -> None:
+async def _moved_on(a: AttemptView) -> None:
     """The record refused this attempt's change: the run is over, or someone newer has it."""
     found = await a.runs.get(a.run_id)
     if found is not None and found[0].state in (RunState.COMPLETED, RunState.CANCELLED):

@@ -32,8 +32,7 @@ answering, so the next worker finds it free when the message reaches it.
 
 The verdicts an attempt decides are built here too (`finished`, `stopped_early`, `exited`,
 `guarded`, `changed`, `fenced`, `group_broke`, `rank_lost`, `child_failed`), beside the
-table they follow, from what the attempt holds; which one applies is the attempt's
-`_decide`.
+table they follow, from what the attempt holds; which one applies is `decide`'s.
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ from shared.state.lease import Lease
 from shared.state.runs import Change, Runs
 
 if TYPE_CHECKING:
-    from services.trainer.attempt import Attempt
+    from services.trainer.course import AttemptView
     from services.trainer.group import Breakage
 
 log = logging.getLogger("baton.trainer")
@@ -186,10 +185,10 @@ async def _answer(msg: Msg, outcome: Outcome, delay: float) -> None:
         await msg.ack_sync(timeout=5)
 
 
-# -- the verdicts an attempt decides (`Attempt._decide`, strongest cause first) -----------
+# -- the verdicts an attempt decides (`decide.follow`, strongest cause first) ------------
 
 
-async def finished(a: Attempt) -> Verdict:
+async def finished(a: AttemptView) -> Verdict:
     final = a.last_checkpoint
     if final is None or not final.final:
         return child_failed(a, 0, "the entry point ended without its final checkpoint")
@@ -200,7 +199,7 @@ async def finished(a: Attempt) -> Verdict:
     return Verdict(Outcome.COMPLETED, change=done)
 
 
-async def stopped_early(a: Attempt, ended: Finished | None) -> Verdict:
+async def stopped_early(a: AttemptView, ended: Finished | None) -> Verdict:
     """Preempted (SIGTERM) or cancelled: the child checkpointed and returned (or was
     killed when the grace ran out)."""
     if ended is None:
@@ -240,7 +239,7 @@ async def stopped_early(a: Attempt, ended: Finished | None) -> Verdict:
     return Verdict(Outcome.PREEMPTED, change=released, event=preempted)
 
 
-def made_room(a: Attempt, p: Preemption, step: int, kept: int | None) -> Verdict:
+def made_room(a: AttemptView, p: Preemption, step: int, kept: int | None) -> Verdict:
     """The scheduler asked the run to make room for run `p.by`, and it checkpointed: it is
     queued again (its task acked: the scheduler publishes a new one when its turn comes),
     or its elastic group re-forms at once with `p.to_ranks` ranks (its task back)."""
@@ -258,7 +257,7 @@ def made_room(a: Attempt, p: Preemption, step: int, kept: int | None) -> Verdict
     return Verdict(Outcome.REQUEUED, change=transitions.requeue(a.spent(), kept), event=preempted)
 
 
-async def guarded(a: Attempt, t: Tripped) -> Verdict:
+async def guarded(a: AttemptView, t: Tripped) -> Verdict:
     """The divergence guard stopped the training process at step `t.step`, once the
     checkpoints of the steps before it were written: those are good, and are committed
     before the job's `guard.action` decides. A rollback needs a run of one rank (the
@@ -287,14 +286,14 @@ async def guarded(a: Attempt, t: Tripped) -> Verdict:
     return child_failed(a, EXIT_GUARDED, reason)
 
 
-def fenced(a: Attempt, reason: str) -> Verdict:
+def fenced(a: AttemptView, reason: str) -> Verdict:
     a.child.kill()
     log.warning("%s: fenced (%s); training process killed", a.run_id, reason)
     trace.get_current_span().set_attribute("baton.reason", reason)
     return Verdict(Outcome.FENCED, reason=reason)
 
 
-async def group_broke(a: Attempt, reader: asyncio.Task[Finished | None]) -> Verdict:
+async def group_broke(a: AttemptView, reader: asyncio.Task[Finished | None]) -> Verdict:
     """A rank of the group is gone or failed (or rank 0's own process ended without
     finishing): every rank stops, and once each one's end is known, the group's verdict
     is decided — a lost rank re-forms the group (not the user's failure), a failure in
@@ -316,7 +315,7 @@ async def group_broke(a: Attempt, reader: asyncio.Task[Finished | None]) -> Verd
     return await rank_lost(a, cause)
 
 
-async def rank_lost(a: Attempt, cause: Breakage) -> Verdict:
+async def rank_lost(a: AttemptView, cause: Breakage) -> Verdict:
     """A rank lost re-forms the group, uncounted — unless the group broke the time before
     too, with no checkpoint committed since: two breaks from one checkpoint are taken for a
     rank's code that hangs (its peers' collective timed out) rather than two machines lost,
@@ -345,13 +344,13 @@ async def rank_lost(a: Attempt, cause: Breakage) -> Verdict:
     return Verdict(Outcome.PREEMPTED, change=transitions.lose_rank(a.spent(), kept), event=lost)
 
 
-async def exited(a: Attempt, code: int) -> Verdict:
+async def exited(a: AttemptView, code: int) -> Verdict:
     """The training process exited without its `Finished`: stopped by the divergence guard,
     refused a resume under other software, or failed."""
     return await _held_back(a, code) or child_failed(a, code)
 
 
-async def _held_back(a: Attempt, code: int) -> Verdict | None:
+async def _held_back(a: AttemptView, code: int) -> Verdict | None:
     """The verdict when the run's own checks stopped its training process (the divergence
     guard, a resume under other software), whether alone or in a group; None otherwise."""
     if code == EXIT_GUARDED and a.tripped is not None:
@@ -361,7 +360,7 @@ async def _held_back(a: Attempt, code: int) -> Verdict | None:
     return None
 
 
-def changed(a: Attempt) -> Verdict:
+def changed(a: AttemptView) -> Verdict:
     """A deterministic run would have resumed under other software than its checkpoint
     recorded, and its operator had not allowed it (`baton.runtime.compat`): PAUSED, saying
     what changed, before any step. Not a failure of the run's code: nothing is counted."""
@@ -371,7 +370,7 @@ def changed(a: Attempt) -> Verdict:
 
 
 def child_failed(
-    a: Attempt, code: int, why: str = "", *, tail: str | None = None, rank: int | None = None,
+    a: AttemptView, code: int, why: str = "", *, tail: str | None = None, rank: int | None = None,
     stall: Stall | None = None,
 ) -> Verdict:  # fmt: skip
     a.child.kill()

@@ -2,7 +2,7 @@
 
 The hub's checkpointer — the service that owns the store — writes it on start
 (`services/checkpointer/service.py`), so a client that has only `NATS_URL` and credentials
-finds the store without `--store` (`baton/cli/client.py`, `store_of`). Read by key; the
+finds the store without `--store` (`baton/client/calls.py`, `store_of`). Read by key; the
 operator, the dashboard and submitters may read it, only the checkpointer write it
 (`shared.auth`).
 """

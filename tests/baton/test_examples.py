@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.cli.client import load_spec
+from baton.client.calls import load_spec
 from services.trainer.child import load_entry_point
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.toml"))

@@ -14,10 +14,10 @@ import pytest
 import pytest_asyncio
 from typer.testing import CliRunner
 
-from baton.cli import scheduling
 from baton.cli.app import app
 from baton.cli.credits import make_topup, topup_text
-from baton.cli.errors import CliError
+from baton.client import scheduling
+from baton.client.errors import CliError
 from baton.ui.queue import Credits
 from shared.contracts.ledger import Hold, Settle, TopUp
 from shared.ledger import book

@@ -10,7 +10,7 @@ from nats.errors import NoRespondersError
 from nats.js.errors import BucketNotFoundError
 
 from baton.cli.common import run
-from baton.cli.errors import SEEN, needs
+from baton.client.errors import SEEN, needs
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nats.aio.client import Client
 
-from baton.cli import inspect
+from baton.client import inspect
 
 
 async def test_an_empty_dead_letter_stream_lists_nothing(declared: Client) -> None:

@@ -15,8 +15,9 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoStreamResponseError
 
-from baton.cli import client, reader
-from baton.cli.patience import PatientClient, patiently, repeatable
+from baton.client import calls as client
+from baton.client import reader
+from baton.client.patience import PatientClient, patiently, repeatable
 from baton.stack.natsserver import NatsServer
 from shared.bus import names, streams
 

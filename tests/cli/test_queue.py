@@ -17,10 +17,10 @@ import pytest_asyncio
 from rich.console import Console
 from typer.testing import CliRunner
 
-from baton.cli import scheduling
 from baton.cli.app import app
-from baton.cli.errors import CliError
 from baton.cli.queue import hours, render, waited
+from baton.client import scheduling
+from baton.client.errors import CliError
 from shared.bus import names
 from shared.contracts import encode
 from shared.contracts.queue import OwnerShare, QueueView, Training, Waiting

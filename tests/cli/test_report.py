@@ -11,8 +11,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from baton.cli.errors import CliError
 from baton.cli.report import attempts_of, collect, render
+from baton.client.errors import CliError
 from baton.stack.natsserver import NatsServer
 from shared.bus import streams
 from shared.bus.connect import connect

@@ -27,8 +27,8 @@ from typing import Any
 
 import yaml
 
+from baton.stack.children import open_log
 from baton.stack.natsserver import find_binary
-from baton.stack.procs import open_log
 
 REPO = Path(__file__).resolve().parents[2]
 NATS_DIR = REPO / "deploy" / "nats"

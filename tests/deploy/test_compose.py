@@ -491,7 +491,7 @@ def test_dockerfile() -> None:
 
 def test_committed_authorization_is_what_the_code_generates() -> None:
     """deploy/nats/auth-*.conf are `baton auth-config` output: the roles' allow-lists live in
-    one place (shared/auth.py), and the files cannot drift from it."""
+    one place (shared/auth/), and the files cannot drift from it."""
     from shared import auth
 
     body = "\n".join(ln for ln in nats_conf("auth-hub.conf").splitlines() if not ln.startswith("#"))

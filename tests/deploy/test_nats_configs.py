@@ -290,7 +290,7 @@ async def test_tls_leaf_joins_hub_over_wss(launch: Launch, tmp_path: Path) -> No
     (link,) = (await hub.monitor("/leafz"))["leafs"]
     assert link["websocket"] is True, link
     operator = passwords_for("$BATON_PW_SITE1_OPERATOR")["BATON_PW_SITE1_OPERATOR"]
-    # Replies cross the link only to a site user's own inbox prefix (shared/auth.py).
+    # Replies cross the link only to a site user's own inbox prefix (shared/auth/site.py).
     await assert_domains(
         leaf, "site1", user="site1-operator", password=operator,
         inbox_prefix="_INBOX_site1_operator",

@@ -13,7 +13,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import ServiceUnavailableError
 
-from baton.cli import client
+from baton.client import calls as client
 from shared.bus import names
 from shared.checkpoint import commit
 from shared.checkpoint.store import open_store

@@ -31,8 +31,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from baton.stack.cluster import current, leader_of
-from baton.stack.embedded import CLUSTER_LEASE_TTL
 from baton.stack.natsserver import NatsServer
+from baton.stack.options import CLUSTER_LEASE_TTL
 from shared.bus import names
 from shared.contracts import JobSpec, RunRecord, RunState
 from shared.contracts.events import Fenced, HandedOver, Progress, Redispatched, Started
@@ -136,7 +136,7 @@ class Submitter:
         self._task = asyncio.create_task(self._run(every))
 
     async def _run(self, every: float) -> None:
-        from baton.cli import client
+        from baton.client import calls as client
 
         i = 0
         while True:
@@ -224,7 +224,7 @@ class Cli:
 async def submit_patiently(nc: Client, spec: JobSpec) -> str:
     """Submit while a node is down: the publish is retried (the same idempotency key, so
     it is one submission) until the submit stream has a leader again."""
-    from baton.cli import client
+    from baton.client import calls as client
 
     async def submitted() -> tuple[str, object] | None:
         try:

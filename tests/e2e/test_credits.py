@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
-from baton.cli import client
+from baton.client import calls as client
 from shared.bus import names
 from shared.checkpoint.store import open_store
 from shared.contracts import JobSpec, RunRecord, RunState

@@ -301,7 +301,7 @@ async def test_a_replica_killed_mid_round_resumes_from_its_inner_checkpoint(
 
 
 async def finished_or_not(nc: Client, run_id: str) -> RunRecord:
-    from baton.cli import client
+    from baton.client import calls as client
 
     return await client.record(nc, run_id)
 

@@ -19,8 +19,8 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
-from baton.cli import client
-from services.trainer.group import FORM_GRACE_S
+from baton.client import calls as client
+from services.trainer.forming import FORM_GRACE_S
 from shared.contracts import JobSpec, RunState
 from shared.contracts.events import (
     CheckpointCommitted,

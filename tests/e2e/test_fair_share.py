@@ -24,7 +24,7 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
-from baton.cli import scheduling
+from baton.client import scheduling
 from shared.contracts import RunState
 from shared.contracts.events import Accepted, Started
 from shared.state.runs import Runs
@@ -139,7 +139,7 @@ async def test_three_people_weighted_2_1_1_share_four_trainers_over_ten_minutes(
     assert reached - LATE_S <= 60.0, holding["c"][:20]
 
     await _every_run_started_in_time(op, runs, people)
-    from baton.cli import client
+    from baton.client import calls as client
 
     for person in people.values():
         for run_id in person.submitted:

@@ -1,4 +1,4 @@
-"""A client that knows only README.md's "Submitting from any NATS client": the section's
+"""A client that knows only docs/submitting.md, "Submitting from any NATS client": the page's
 Python block, loaded as it stands, submits as the stack's submitter and follows its run to
 COMPLETED; and what the section says is refused is refused.
 
@@ -27,17 +27,18 @@ from shared.contracts.events import Accepted
 from tests.e2e.jobs import finished, history
 from tests.support.stack import REPO, Stack, eventually
 
-SECTION = "### Submitting from any NATS client"
+SECTION = "# Submitting from any NATS client"
+PAGE = "docs/submitting.md"
 OTHERS = "baton.events.alice.>"
 """Events of another submitter's runs."""
 
 
 def readme_client(tmp_path: Path) -> ModuleType:
-    """The section's Python block, imported as a module."""
-    text = (REPO / "README.md").read_text()
+    """The page's Python block, imported as a module."""
+    text = (REPO / PAGE).read_text()
     section = re.split(r"\n#{2,} ", text.split(SECTION, 1)[1], maxsplit=1)[0]
     found = re.search(r"```python\n(.*?)```", section, re.S)
-    assert found, f"no Python block in README.md's {SECTION!r}"
+    assert found, f"no Python block in {PAGE}'s {SECTION!r}"
     path = tmp_path / "readme_client.py"
     path.write_text(found.group(1))
     spec = importlib.util.spec_from_file_location("readme_client", path)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from baton.cli import client
+from baton.client import calls as client
 from shared.bus import names
 from shared.bus import sourcing as sites
 from shared.bus.connect import publish

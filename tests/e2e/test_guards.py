@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from baton.cli import client
+from baton.client import calls as client
 from shared.checkpoint.store import open_store
 from shared.contracts import RunState, Skip
 from shared.contracts.events import (

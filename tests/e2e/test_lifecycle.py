@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from baton.cli import client
+from baton.client import calls as client
 from shared.bus import names
 from shared.checkpoint import commit, retention
 from shared.checkpoint.store import open_store

@@ -28,7 +28,8 @@ import pytest_asyncio
 from nats.aio.client import Client
 from playwright.async_api import expect
 
-from baton.cli import client, scheduling
+from baton.client import calls as client
+from baton.client import scheduling
 from shared.bus.connect import connect
 from shared.contracts import RunState
 from shared.credentials import options_for, read_env_file

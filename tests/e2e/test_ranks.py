@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
-from baton.cli import client
+from baton.client import calls as client
 from shared.contracts import JobSpec, RunState
 from shared.contracts.events import (
     AttemptFailed,

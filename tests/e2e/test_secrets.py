@@ -101,7 +101,7 @@ async def test_no_secret_appears_in_anything_baton_captured(
     await site.start(trainers=1)
     nc = await hub.client()
     at_site = await site.client()
-    from baton.cli import client
+    from baton.client import calls as client
 
     run_ids = [await submit(nc, job(total_steps=40, checkpoint={"every_steps": 10}))]
     run_id, _ = await client.submit(at_site, job(total_steps=40), 10, "lab1")

@@ -216,6 +216,6 @@ async def test_an_elastic_run_shrinks_before_any_run_is_preempted_whole(four: St
     assert end.state is RunState.COMPLETED and end.digest == want, end
     rec = await record(op, single)
     if not rec.state.terminal:
-        from baton.cli import client
+        from baton.client import calls as client
 
         await client.cancel(op, single, "done with it")

@@ -30,7 +30,8 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from baton.cli import client, reader
+from baton.client import calls as client
+from baton.client import reader
 from baton.stack.natsserver import NatsServer
 from shared.bus import names
 from shared.bus.connect import connect

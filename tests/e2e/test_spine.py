@@ -8,7 +8,7 @@ from pathlib import Path
 import jsonschema
 from safetensors.torch import load_file
 
-from baton.cli import client
+from baton.client import calls as client
 from shared.bus import names
 from shared.checkpoint import commit
 from shared.checkpoint.digest import weights_digest

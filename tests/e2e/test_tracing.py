@@ -21,8 +21,9 @@ from opentelemetry.sdk.metrics.export import HistogramDataPoint
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from baton.cli import client
-from baton.stack.embedded import StackOptions, hub, vault
+from baton.client import calls as client
+from baton.stack.options import StackOptions, vault
+from baton.stack.servers import hub
 from services.checkpointer.service import Checkpointer
 from services.dispatcher.service import Dispatcher
 from services.trainer.service import Trainer

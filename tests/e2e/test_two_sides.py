@@ -19,7 +19,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from baton.cli import client
+from baton.client import calls as client
 from shared.bus import names
 from shared.bus import sourcing as sources
 from shared.bus.connect import publish

@@ -27,8 +27,8 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
-from baton.cli.client import cancel, divergences, record
 from baton.cli.watch import describe
+from baton.client.calls import cancel, divergences, record
 from examples import charlm, cnn
 from shared.contracts import JobSpec, RunState
 from shared.contracts.events import (

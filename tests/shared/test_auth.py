@@ -16,8 +16,9 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
-from baton.stack.embedded import StackOptions, nats_server, operator_options, user_of, vault
 from baton.stack.natsserver import NatsServer
+from baton.stack.options import StackOptions, operator_options, user_of, vault
+from baton.stack.servers import nats_server
 from shared import auth, credentials
 from shared.bus import names
 from shared.bus.streams import ensure, ensure_site
@@ -164,7 +165,7 @@ async def test_a_trainer_can_write_only_the_lease_of_a_run_it_was_handed(
 
 
 async def test_a_submitter_can_only_submit_and_read_its_own_runs(servers: Servers) -> None:
-    from baton.cli import reader
+    from baton.client import reader
 
     alice, bob = await servers.as_user("alice"), await servers.as_user("bob")
     operator = await servers.as_user("operator")

@@ -44,7 +44,7 @@ def test_a_site_writes_into_the_hubs_domain() -> None:
     assert s.site == "lab-1" and s.hub_api == "$JS.core.API"
 
 
-def test_the_readme_lists_every_variable_settings_reads() -> None:
+def test_the_settings_reference_lists_every_variable_settings_reads() -> None:
     read: list[str] = []
 
     class Recording(dict[str, str]):
@@ -54,8 +54,7 @@ def test_the_readme_lists_every_variable_settings_reads() -> None:
 
     s = config.load(Recording())
     assert s.log_level == "INFO" and config.load({"BATON_LOG_LEVEL": "DEBUG"}).log_level == "DEBUG"
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    table = readme.split("### Settings (environment)", 1)[1].split("\n## ", 1)[0]
+    table = (Path(__file__).parents[2] / "docs" / "settings.md").read_text()
     assert read and [v for v in read if f"`{v}`" not in table] == []
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from baton.stack.embedded import CPU_TRAINERS, StackOptions, service_specs
+from baton.stack.options import CPU_TRAINERS, StackOptions
+from baton.stack.services import service_specs
 from shared import gpus
 
 # nvidia-smi --query-gpu=index,uuid,memory.total,name --format=csv,noheader,nounits, on a

@@ -11,8 +11,9 @@ from pathlib import Path
 from nats.aio.client import Client
 
 from baton.stack.cluster import HubCluster
-from baton.stack.embedded import StackOptions, hub, vault
 from baton.stack.natsserver import NatsServer
+from baton.stack.options import StackOptions, vault
+from baton.stack.servers import hub
 from shared.bus.connect import connect
 from shared.bus.streams import declared, ensure
 from shared.credentials import Vault, options_for

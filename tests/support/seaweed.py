@@ -31,7 +31,7 @@ import boto3  # type: ignore[import-untyped]
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from baton.stack.procs import child_preexec
+from baton.stack.children import child_preexec
 
 HOST = "127.0.0.1"
 _POLL_S = 0.05

@@ -18,9 +18,11 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from baton.cli import reader
-from baton.stack.embedded import nats_server, service_specs, user_of, vault
+from baton.client import reader
 from baton.stack.natsserver import NatsServer
+from baton.stack.options import user_of, vault
+from baton.stack.servers import nats_server
+from baton.stack.services import service_specs
 from shared.bus import names
 from shared.bus import sourcing as sites
 from shared.bus.connect import connect

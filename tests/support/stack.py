@@ -19,15 +19,11 @@ import msgspec
 from nats.aio.client import Client
 
 from baton.stack.cluster import HubCluster
-from baton.stack.embedded import (
-    StackOptions,
-    hub,
-    operator_options,
-    service_specs,
-    stop_order,
-)
 from baton.stack.natsserver import NatsServer
+from baton.stack.options import StackOptions, operator_options
 from baton.stack.procs import ServiceSpec, Supervisor
+from baton.stack.servers import hub
+from baton.stack.services import service_specs, stop_order
 from shared.bus.connect import connect
 from shared.bus.service import DUMP_SIGNAL
 from tests.support.audit import Audit
@@ -195,7 +191,7 @@ class Stack:
     async def client_as(self, person: str) -> Client:
         """A client logged in as `person`, one of the stack's `people` (a submitter of its
         own: its runs are `<person>.r…`)."""
-        from baton.stack.embedded import vault
+        from baton.stack.options import vault
         from shared.credentials import options_for
 
         v = vault(self.opts)

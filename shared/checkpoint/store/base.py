@@ -1,4 +1,4 @@
-"""The object-store contract every backend honours, and the one factory that opens them.
+"""The object-store contract every backend honours (`factory` opens them).
 
 Only two kinds of write exist, because the commit protocol needs nothing else:
 
@@ -23,7 +23,7 @@ from typing import Self
 
 import msgspec
 
-from shared.errors import ConfigError, ContractError
+from shared.errors import ContractError
 
 CHUNK = 1024 * 1024
 
@@ -122,16 +122,3 @@ def sha256_file(path: Path) -> tuple[int, str]:
             digest.update(chunk)
             size += len(chunk)
     return size, digest.hexdigest()
-
-
-def open_store(url: str) -> Store:
-    """`file:///abs/dir` (or `file://./rel`) or `s3://bucket[/prefix]`."""
-    if url.startswith("file://"):
-        from shared.checkpoint.store.file import FileStore
-
-        return FileStore(Path(url.removeprefix("file://")))
-    if url.startswith("s3://"):
-        from shared.checkpoint.store.s3 import S3Store
-
-        return S3Store.from_url(url)
-    raise ConfigError(f"unsupported store URL {url!r}: use file:///dir or s3://bucket/prefix")

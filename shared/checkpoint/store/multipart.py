@@ -28,18 +28,16 @@ import asyncio
 import base64
 import hashlib
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import botocore.exceptions as bex
 
 from shared.checkpoint.store.base import CHUNK
-from shared.checkpoint.store.pace import PacedFile
+from shared.checkpoint.store.pace import Pace, PacedFile
 from shared.errors import AlreadyExists, StoreUnavailable
-
-if TYPE_CHECKING:
-    from shared.checkpoint.store.s3 import S3Store
 
 log = logging.getLogger("baton.store")
 
@@ -48,6 +46,8 @@ PART_BYTES = 8 * 1024 * 1024
 """The default part: what the AWS CLI uses; at 2 Mbit/s, half a minute on the wire."""
 
 _GONE = "gone"
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -84,7 +84,23 @@ def digests(path: Path, part_bytes: int) -> tuple[int, str, list[str]]:
     return size, whole.hexdigest(), parts
 
 
-async def put_multipart(store: S3Store, key: str, path: Path) -> None:
+
+class Parted(Protocol):
+    """What an upload in parts needs of its store (`shared.checkpoint.store.s3.S3Store`),
+    named here so that this module need not import the store that imports it."""
+
+    bucket: str
+    part_bytes: int
+    pace: Pace | None
+    uploads: dict[str, Upload]
+
+    def _key(self, key: str) -> str: ...
+
+    async def _holds(self, key: str, size: int, sha256_hex: str) -> bool: ...
+
+    async def _retry(self, what: str, key: str, op: Callable[[Any], Awaitable[T]]) -> T: ...
+
+async def put_multipart(store: Parted, key: str, path: Path) -> None:
     """Write `path` under `key`, write-once, in parts of `store.part_bytes`. A transient
     failure leaves the upload's progress with `store` for the next call."""
     size, sha256, sums = await asyncio.to_thread(digests, path, store.part_bytes)
@@ -104,7 +120,7 @@ async def put_multipart(store: S3Store, key: str, path: Path) -> None:
     raise StoreUnavailable(f"the store forgot the upload of {key} twice; try again")
 
 
-async def _start(store: S3Store, key: str, size: int, sha256: str) -> Upload:
+async def _start(store: Parted, key: str, size: int, sha256: str) -> Upload:
     async def op(s3: Any) -> str:
         resp = await s3.create_multipart_upload(
             Bucket=store.bucket, Key=store._key(key), ChecksumAlgorithm="SHA256"
@@ -114,7 +130,7 @@ async def _start(store: S3Store, key: str, size: int, sha256: str) -> Upload:
     return Upload(await store._retry(f"start upload {key}", key, op), size, sha256)
 
 
-async def _send_parts(store: S3Store, key: str, path: Path, up: Upload, sums: list[str]) -> bool:
+async def _send_parts(store: Parted, key: str, path: Path, up: Upload, sums: list[str]) -> bool:
     """Send every part the server has not acknowledged; False if it forgot the upload."""
     for number, checksum in enumerate(sums, start=1):
         if number not in up.parts:
@@ -126,7 +142,7 @@ async def _send_parts(store: S3Store, key: str, path: Path, up: Upload, sums: li
 
 
 async def _send_part(
-    store: S3Store, key: str, path: Path, up: Upload, number: int, checksum: str, of: int
+    store: Parted, key: str, path: Path, up: Upload, number: int, checksum: str, of: int
 ) -> str:
     offset = (number - 1) * store.part_bytes
     length = min(store.part_bytes, up.size - offset)
@@ -147,7 +163,7 @@ async def _send_part(
     return await store._retry(f"put {key} part {number}/{of}", key, op)
 
 
-async def _complete(store: S3Store, key: str, up: Upload, sums: list[str]) -> str | None:
+async def _complete(store: Parted, key: str, up: Upload, sums: list[str]) -> str | None:
     """The new object's ETag; None if the key exists (someone else's, or ours from an
     earlier completion: the caller tells which); `_GONE` if the server forgot the upload."""
     parts = [
@@ -175,7 +191,7 @@ async def _complete(store: S3Store, key: str, up: Upload, sums: list[str]) -> st
     return await store._retry(f"complete {key}", key, op)
 
 
-async def _abort(store: S3Store, key: str, up: Upload) -> None:
+async def _abort(store: Parted, key: str, up: Upload) -> None:
     async def op(s3: Any) -> None:
         await s3.abort_multipart_upload(
             Bucket=store.bucket, Key=store._key(key), UploadId=up.upload_id

@@ -8,7 +8,7 @@ botocore's own retries are switched off: a conditional PUT retried after its fir
 landed is refused by that very success, and would be reported as lost. Here every failure
 that leaves the outcome open (timeout, dropped connection, 5xx, 409) marks the write as
 ambiguous, and a refusal that follows is settled by reading the key back: exactly our bytes
-there mean we won.
+there mean we won (each call retried, or its failure named, by `s3calls.py`).
 
 Payload signing is off; every PUT carries its SHA-256 as `x-amz-checksum-sha256` instead, so
 the server still rejects a damaged body (BadDigest), while the hash of a large file is taken
@@ -29,15 +29,12 @@ import functools
 import hashlib
 import logging
 import os
-import re
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, AsyncExitStack
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import aioboto3
-import aiohttp
 import botocore.exceptions as bex
 from aiobotocore.config import AioConfig
 
@@ -46,6 +43,7 @@ from shared.backoff import Backoff
 from shared.checkpoint.store.base import CHUNK, ObjectInfo, Store, check_key, sha256_file
 from shared.checkpoint.store.multipart import MIN_PART_BYTES, PART_BYTES, Upload, put_multipart
 from shared.checkpoint.store.pace import PacedFile, pace_for
+from shared.checkpoint.store.s3calls import error, parse_url, retried
 from shared.errors import (
     AlreadyExists,
     ConfigError,
@@ -53,49 +51,14 @@ from shared.errors import (
     IntegrityError,
     NotFound,
     PreconditionFailed,
-    StoreError,
-    StoreUnavailable,
 )
 
 log = logging.getLogger("baton.store")
 
 T = TypeVar("T")
 
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-_TRANSPORT = (
-    bex.HTTPClientError,
-    bex.ConnectionError,
-    bex.IncompleteReadError,
-    aiohttp.ClientError,
-    ConnectionError,
-    TimeoutError,
-)
-# 409 is ConditionalRequestConflict: another conditional write to the key was in flight.
-_RETRY_CODES = {"RequestTimeout", "SlowDown", "ConditionalRequestConflict"}
-_MISSING_CODES = {"NoSuchKey", "404"}
-_DIGEST_CODES = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
 COPY_MAX_BYTES = 5 * 1024**3
 """The largest object S3 copies in one `CopyObject`."""
-
-
-def _error(e: Exception) -> tuple[int, str]:
-    """HTTP status and S3 error code of a refused request; (0, "") for anything else."""
-    if not isinstance(e, bex.ClientError):
-        return 0, ""
-    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-    return int(status), str(e.response.get("Error", {}).get("Code", ""))
-
-
-def _transient(e: Exception) -> bool:
-    status, code = _error(e)
-    if status:
-        return status in (409, 429) or status >= 500 or code in _RETRY_CODES
-    return isinstance(e, _TRANSPORT)
-
-
-def _describe(e: Exception) -> str:
-    status, code = _error(e)
-    return f"HTTP {status} {code}" if status else type(e).__name__
 
 
 class S3Store(Store):
@@ -150,26 +113,10 @@ class S3Store(Store):
     def from_url(cls, url: str) -> S3Store:
         """`s3://bucket[/prefix]`. Endpoint and region come from the environment, and
         credentials only from the standard AWS chain, so no secret ever sits in a URL."""
-        parts = urlsplit(url)
-        if "@" in parts.netloc:
-            # The URL is not echoed: it holds a secret.
-            raise ConfigError(
-                "credentials do not belong in the store URL; "
-                "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY instead"
-            )
-        if parts.scheme != "s3" or not _BUCKET.fullmatch(parts.netloc):
-            raise ConfigError(f"invalid S3 store URL {url!r}: use s3://bucket[/prefix]")
-        if parts.query or parts.fragment:
-            raise ConfigError(f"invalid S3 store URL {url!r}: no query or fragment allowed")
-        prefix = parts.path.strip("/")
-        if prefix:
-            try:
-                check_key(prefix)
-            except ContractError as e:
-                raise ConfigError(f"invalid S3 store URL {url!r}: {e}") from None
+        bucket, prefix = parse_url(url)
         env = os.environ
         return cls(
-            parts.netloc,
+            bucket,
             prefix,
             endpoint=env.get("BATON_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL") or None,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
@@ -314,7 +261,7 @@ class S3Store(Store):
                     Bucket=self.bucket, Key=full, CopySource=source, IfNoneMatch="*"
                 )
             except bex.ClientError as e:
-                status, code = _error(e)
+                status, code = error(e)
                 if status == 412 or code == "PreconditionFailed":
                     return False
                 raise
@@ -403,7 +350,7 @@ class S3Store(Store):
                 except bex.ClientError as e:
                     # AWS answers If-Match on a missing key with 404, SeaweedFS with 412;
                     # either way the expected version is gone.
-                    status, code = _error(e)
+                    status, code = error(e)
                     if status == 412 or code == "PreconditionFailed":
                         return None
                     if code == "NoSuchKey" and "IfMatch" in condition:
@@ -438,35 +385,4 @@ class S3Store(Store):
         s3 = await self._client()
         # Full jitter: racers that collided once should not collide again in step.
         delays = Backoff(self.backoff_s, self.max_backoff_s, jitter=True)
-        for attempt in range(1, self.attempts + 1):
-            try:
-                return await op(s3)
-            except Exception as e:
-                if not _transient(e):
-                    translated = _translate(e, what, key)
-                    if translated is e:
-                        raise
-                    raise translated from e
-                failure = f"{self.url}: {what} failed ({_describe(e)})"
-                if attempt == self.attempts:
-                    log.warning("%s; giving up after %d attempts", failure, attempt)
-                    raise StoreUnavailable(
-                        f"{failure} {attempt} times; the outcome of a write is unknown"
-                    ) from e
-                log.info("%s, attempt %d/%d", failure, attempt, self.attempts)
-            await asyncio.sleep(delays.next())
-        raise AssertionError("unreachable")
-
-
-def _translate(e: Exception, what: str, key: str) -> Exception:
-    """The error tree's name for a failure that retrying cannot fix."""
-    if isinstance(e, bex.NoCredentialsError | bex.PartialCredentialsError):
-        return ConfigError("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
-    if not isinstance(e, bex.ClientError):
-        return e
-    _status, code = _error(e)
-    if code in _MISSING_CODES:
-        return NotFound(key)
-    if code in _DIGEST_CODES:
-        return IntegrityError(f"{what}: the store received other bytes than were hashed")
-    return StoreError(f"{what}: {_describe(e)}: {e.response.get('Error', {}).get('Message', '')}")
+        return await retried(s3, f"{self.url}: {what}", self.attempts, delays, what, key, op)

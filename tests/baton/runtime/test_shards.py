@@ -148,7 +148,7 @@ async def test_a_pulled_sharded_checkpoint_loads_with_plain_dcp_and_gathers_whol
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint import load as dcp_load
 
-    from baton.cli import client
+    from baton.client import calls as client
     from examples.fsdp_lm import LM
 
     spec = fsdp(12)

@@ -21,9 +21,11 @@ import nats
 import pytest
 
 from baton.stack.cluster import CLUSTER_NAME, HubCluster, current, free_ports
-from baton.stack.embedded import StackOptions, hub, operator_options
-from baton.stack.natsserver import ClusterRoutes, NatsServer, RouteTls
+from baton.stack.natsconf import ClusterRoutes, RouteTls
+from baton.stack.natsserver import NatsServer
+from baton.stack.options import StackOptions, operator_options
 from baton.stack.routes import ROUTE_USER, issue_route_certs
+from baton.stack.servers import hub
 from tests.support.stack import eventually
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

@@ -19,10 +19,12 @@ import pytest
 from typer.testing import CliRunner
 
 from baton.cli.app import app
+from baton.stack.authority import reload_people
 from baton.stack.cluster import HubCluster
-from baton.stack.embedded import StackOptions, hub, reload_people
 from baton.stack.natsserver import NatsServer, NatsServerError
+from baton.stack.options import StackOptions
 from baton.stack.people import People, check_person
+from baton.stack.servers import hub
 from shared.auth import DEPARTURES_USER, HUB_ROLES, SITE_ROLES, env_name
 from shared.credentials import Credentials
 from tests.support.logins import Watched, login

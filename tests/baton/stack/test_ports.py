@@ -18,8 +18,10 @@ import pytest
 import typer.main
 
 from baton.cli.app import app
-from baton.stack.embedded import DEFAULT_WS_PORT, StackOptions, hub, run_stack
+from baton.stack.lifecycle import run_stack
+from baton.stack.options import DEFAULT_WS_PORT, StackOptions
 from baton.stack.procs import ServiceSpec
+from baton.stack.servers import hub
 from tests.support.stack import eventually
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

@@ -15,15 +15,11 @@ from pathlib import Path
 import nats
 import pytest
 
-from baton.stack.embedded import SpecBuilder, StackOptions, run_stack, service_specs
-from baton.stack.procs import (
-    Backoff,
-    ServiceSpec,
-    StopGroup,
-    Supervisor,
-    install_stop_signals,
-    remove_stop_signals,
-)
+from baton.stack.children import install_stop_signals, remove_stop_signals
+from baton.stack.lifecycle import run_stack
+from baton.stack.options import StackOptions
+from baton.stack.procs import Backoff, ServiceSpec, StopGroup, Supervisor
+from baton.stack.services import SpecBuilder, service_specs
 from shared.signals import StopRequests
 from tests.support.helpers import alive, descendants, read_pid, wait_until
 
@@ -436,7 +432,8 @@ UP = textwrap.dedent(
     """
     import asyncio, sys
     from pathlib import Path
-    from baton.stack.embedded import StackOptions, run_stack
+    from baton.stack.lifecycle import run_stack
+    from baton.stack.options import StackOptions
     from baton.stack.procs import ServiceSpec
     child, base = sys.argv[1], Path(sys.argv[2])
     env = {"RECORD": str(base / "record"), "READY_DIR": str(base / "ready")}

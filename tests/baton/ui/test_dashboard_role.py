@@ -18,8 +18,9 @@ import torch
 from nats.aio.client import Client
 from safetensors.torch import save
 
-from baton.stack.embedded import StackOptions, nats_server, operator_options, vault
 from baton.stack.natsserver import NatsServer
+from baton.stack.options import StackOptions, operator_options, vault
+from baton.stack.servers import nats_server
 from shared import credentials
 from shared.bus import names
 from shared.bus.answer import post_letter

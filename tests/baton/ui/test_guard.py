@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from starlette.datastructures import QueryParams
 
-from baton.cli.errors import CliError
+from baton.client.errors import CliError
 from baton.ui import params
 from baton.ui.guard import Hosts, same_origin, split_host
 from baton.ui.live import Fanout

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from baton.cli.errors import CliError
+from baton.client.errors import CliError
 from baton.ui.server import serve
 from shared.bus import names
 from shared.contracts import JobSpec, RunRecord, RunState, convert, spec_hash

@@ -10,7 +10,7 @@ import pytest
 from starlette.datastructures import QueryParams
 from starlette.requests import Request
 
-from baton.cli.errors import CliError
+from baton.client.errors import CliError
 from baton.ui import params
 
 

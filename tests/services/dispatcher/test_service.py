@@ -7,7 +7,7 @@ import json
 
 from nats.aio.client import Client
 
-from baton.cli import client
+from baton.client import calls as client
 from services.dispatcher.service import Dispatcher
 from shared import config
 from shared.bus import names

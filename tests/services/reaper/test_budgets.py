@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from baton.cli import client
+from baton.client import calls as client
 from services.reaper import budgets
 from services.reaper.service import Reaper
 from shared import config

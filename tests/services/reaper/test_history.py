@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from baton.cli import client
+from baton.client import calls as client
 from baton.stack.natsserver import NatsServer
 from services.reaper.service import Reaper
 from shared import config

@@ -14,8 +14,9 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from baton.stack.embedded import SYSTEM_USER, callout_seed
+from baton.stack.authority import callout_seed
 from services.registrar.service import Registrar
+from shared.auth import SYSTEM_USER
 from shared.bus import names
 from shared.config import Settings
 from shared.contracts import decode, encode

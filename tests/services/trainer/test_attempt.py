@@ -23,7 +23,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo
 
-from baton.cli.client import history
+from baton.client.calls import history
 from services.checkpointer.service import Checkpointer
 from services.trainer.attempt import Attempt
 from services.trainer.child_proc import Child

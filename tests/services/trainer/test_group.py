@@ -16,7 +16,8 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.trainer.group import FORM_GRACE_S, Formed, GaveWay, Leader, Superseded
+from services.trainer.forming import FORM_GRACE_S, Formed, GaveWay, Superseded
+from services.trainer.group import Leader
 from shared.bus import names
 from shared.contracts import JobSpec, RunRecord, Task, convert, decode, spec_hash
 from shared.contracts.child import EXIT_GROUP_BROKEN, EXIT_USER_ERROR

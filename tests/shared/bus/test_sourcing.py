@@ -11,8 +11,9 @@ import pytest
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, NoStreamResponseError
 
-from baton.stack.embedded import StackOptions, nats_server
 from baton.stack.natsserver import NatsServer
+from baton.stack.options import StackOptions
+from baton.stack.servers import nats_server
 from shared.bus import names
 from shared.bus import sourcing as sites
 from shared.bus.connect import connect

@@ -60,7 +60,8 @@ async def test_a_hub_that_grew_a_cluster_gets_every_stream_on_three_nodes(tmp_pa
     """Streams and buckets declared with one copy (a hub before it was clustered) are moved
     to three in place by `ensure(js, 3)`, keeping what they hold."""
     from baton.stack.cluster import HubCluster, current
-    from baton.stack.natsserver import ClusterRoutes, NatsServer
+    from baton.stack.natsconf import ClusterRoutes
+    from baton.stack.natsserver import NatsServer
 
     def node(i: int, routes: ClusterRoutes | None) -> NatsServer:
         return NatsServer(tmp_path / f"n{i}", server_name=f"n{i}", cluster=routes)
@@ -96,7 +97,8 @@ async def test_a_service_started_without_a_majority_waits_for_one(
     """A hub service whose cluster has too few nodes up — as when it starts with its
     cluster — waits for JetStream to answer instead of exiting on its first request."""
     from baton.stack.cluster import HubCluster
-    from baton.stack.natsserver import ClusterRoutes, NatsServer
+    from baton.stack.natsconf import ClusterRoutes
+    from baton.stack.natsserver import NatsServer
     from services.reaper.service import Reaper
     from shared import config
 

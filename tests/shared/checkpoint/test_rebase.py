@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save
 
 from shared.checkpoint import commit, lineage, rebase, retention
-from shared.checkpoint.store.base import Store, open_store
+from shared.checkpoint.store import Store, open_store
 from shared.contracts import CommitRequest, FileRef, decode
 from shared.contracts.checkpoints import Base, Rewound
 from shared.contracts.events import Forked, RolledBack

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save
 
 from shared.checkpoint import commit, retention
-from shared.checkpoint.store.base import Store, open_store
+from shared.checkpoint.store import Store, open_store
 from shared.checkpoint.store.file import FileStore
 from shared.contracts import CommitRequest, FileRef, Manifest, encode
 from shared.errors import StaleToken

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from botocore.exceptions import ReadTimeoutError
 
-from shared.checkpoint.store.base import Store, open_store
+from shared.checkpoint.store import Store, open_store
 from shared.checkpoint.store.file import FileStore
 from shared.checkpoint.store.s3 import S3Store
 from shared.errors import (

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 from nats.aio.client import Client
 
-from baton.cli.client import history
+from baton.client.calls import history
 from baton.stack.natsserver import NatsServer
 from services.reaper.service import Reaper
 from shared import config

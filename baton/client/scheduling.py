@@ -16,7 +16,7 @@ from typing import Any
 
 from nats.aio.client import Client
 
-from baton.cli.errors import CliError, needs
+from baton.client.errors import CliError, needs
 from shared.bus import names
 from shared.contracts import decode, encode
 from shared.contracts.jobs import TOKEN

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy
 
-from baton.cli.patience import patiently
+from baton.client.patience import patiently
 
 T = TypeVar("T")
 

@@ -13,8 +13,9 @@ from nats.aio.client import Client
 from nats.errors import ConnectionClosedError
 from nats.js.errors import NotFoundError
 
-from baton.cli import client, reader
-from baton.cli.errors import CliError, needs
+from baton.client import calls as client
+from baton.client import reader
+from baton.client.errors import CliError, needs
 from shared.bus import names
 from shared.checkpoint import lineage, retention
 from shared.checkpoint.store import open_store

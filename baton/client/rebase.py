@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client
 
-from baton.cli import client
-from baton.cli.errors import CliError
+from baton.client import calls as client
+from baton.client.errors import CliError
 from shared import auth
 from shared.checkpoint import lineage
 from shared.checkpoint.store import open_store

@@ -18,23 +18,21 @@ from nats.errors import ConnectionClosedError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from baton.cli import at_site, reader
-from baton.cli.at_site import hub_answers as hub_answers
-from baton.cli.at_site import hub_domain as hub_domain
-from baton.cli.at_site import site_of as site_of
-from baton.cli.errors import CliError as CliError  # re-exported: callers catch client.CliError
-from baton.cli.errors import needs
-from baton.cli.patience import PatientClient
+from baton.client import at_site, reader
+from baton.client.at_site import hub_answers as hub_answers
+from baton.client.at_site import hub_domain as hub_domain
+from baton.client.at_site import site_of as site_of
+from baton.client.errors import CliError as CliError  # re-exported: callers catch client.CliError
+from baton.client.errors import needs
+from baton.client.patience import PatientClient
+from baton.client.pull import pull as pull  # re-exported: callers pull with client.pull
 from shared import auth
 from shared.bus import names
 from shared.bus.connect import connect
-from shared.checkpoint import commit
-from shared.checkpoint import files as checkpoint_files
-from shared.checkpoint.store import open_store
 from shared.contracts import JobSpec, RunRecord, convert, decode, encode, run_id_for
 from shared.contracts.control import CancelRequest, Rollback, Steer, WorkerInfo
 from shared.contracts.events import Accepted, Diverged, Event, Rejected
-from shared.errors import ContractError, IntegrityError
+from shared.errors import ContractError
 from shared.state import archive
 from shared.state.runs import Runs
 from shared.state.workers import live_workers
@@ -396,81 +394,3 @@ async def hub_store(nc: Client) -> str:
     ):
         os.environ["BATON_S3_ENDPOINT"] = info.s3_endpoint
     return info.url
-
-
-def _local_name(name: str) -> str:
-    """Where a checkpoint file goes in `pull`'s directory: a framework's own file of rank 0
-    under the name the framework gave it (the directory is then one it can load), every
-    other file under its checkpoint name."""
-    foreign = checkpoint_files.foreign_name(name)
-    return foreign if foreign is not None and checkpoint_files.rank_of(name) == 0 else name
-
-
-async def pull(
-    url: str,
-    run_id: str,
-    dest: Path,
-    step: int | None = None,
-    token: int | None = None,
-    whole: bool = False,
-) -> dict[str, Any]:
-    """Download the newest committed checkpoint that verifies (or the one at `step`, on the
-    chain or abandoned by a rollback — written under `token`, if given: a step may have been
-    committed again after a rollback — `shared.checkpoint.lineage`), check every file again
-    after the download, and recompute the weights digest from the downloaded model file. A
-    sharded checkpoint's shards are arranged as plain DCP checkpoints, and with `whole`
-    gathered into one file each (`baton.cli.pull`)."""
-    from safetensors.torch import load_file  # torch only here: every other command starts fast
-
-    from shared.checkpoint import lineage
-    from shared.checkpoint.digest import weights_digest
-    from shared.checkpoint.store.base import sha256_file
-
-    async with open_store(url) as store:
-        status = lineage.CHAIN
-        if step is None:
-            manifest, _damaged = await commit.restorable(store, run_id)
-        else:
-            try:
-                found = await lineage.find(store, run_id, step, anywhere=True, token=token)
-            except IntegrityError as exc:
-                raise CliError(str(exc), 3) from None
-            manifest, status = found.manifest, found.status
-        if manifest is None:
-            raise CliError(f"run {run_id} has no committed checkpoint", 3)
-        dest.mkdir(parents=True, exist_ok=True)
-        for ref in manifest.files:
-            path = dest / _local_name(ref.name)
-            await store.download(ref.key, path)
-            if sha256_file(path) != (ref.size, ref.sha256):
-                raise IntegrityError(f"{ref.name}: downloaded bytes do not match the manifest")
-    (dest / "manifest.json").write_bytes(encode(manifest))
-    extra: list[str] = []
-    if manifest.sharded:
-        from baton.cli.pull import arrange, gather
-
-        extra = arrange(dest, manifest)
-        if whole:
-            extra += [gather(dest, manifest, name) for name in manifest.sharded]
-    if any(checkpoint_files.foreign_name(r.name) for r in manifest.files) or manifest.sharded:
-        # A framework's checkpoint (`baton.runtime.external`): its digest is of the live
-        # model's tensors, which its own files may hold differently (tied weights saved
-        # once), and a sharded one's is of its shard files (`baton.runtime.checkpoints`):
-        # every file's sha256 is checked, the digest is the manifest's.
-        digest = manifest.digest
-    else:
-        model_file = next(r.name for r in manifest.files if r.name.endswith(".safetensors"))
-        digest = weights_digest(load_file(str(dest / model_file)))
-        if manifest.digest and digest != manifest.digest:
-            raise IntegrityError(f"digest {digest} of {model_file} differs from the manifest's")
-    return {
-        "run_id": run_id,
-        "step": manifest.step,
-        "token": manifest.token,
-        "final": manifest.final,
-        "status": status,
-        "digest": digest,
-        "files": [r.name for r in manifest.files] + extra,
-        "dir": str(dest),
-        "metrics": manifest.metrics,
-    }

@@ -11,8 +11,8 @@ import sys
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from baton.cli import reader
-from baton.cli.errors import needs
+from baton.client import reader
+from baton.client.errors import needs
 from shared.bus import names
 from shared.contracts import RunRecord, decode
 from shared.contracts.control import WorkerInfo

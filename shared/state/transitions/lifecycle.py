@@ -1,0 +1,226 @@
+"""How a run's record moves through its life beside an attempt: ended, failed, cancelled,
+paused and resumed, handed over, rolled back (`baton rollback`), its ending announced."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.contracts import RunRecord, RunState
+from shared.contracts.records import MAX_REWINDS, Rewind
+from shared.state.runs import Change
+
+_replace = msgspec.structs.replace
+
+
+# -- ending, cancelling, stopping -------------------------------------------------------
+
+
+def fail(reason: str) -> Change:
+    """Unless the run is over: FAILED for `reason`, nobody holds it (no trainer will run
+    it: its entry point was refused, or its task used up its deliveries)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal:
+            return None
+        return _replace(r, state=RunState.FAILED, reason=reason, worker=None)
+
+    return change
+
+
+def end(state: RunState, reason: str) -> Change:
+    """Unless the run is over: `state` (terminal) for `reason`, `worker` kept so that its
+    trainer can be told to stop (the reaper's hard timeout, a lost run's cancel)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal:
+            return None
+        return _replace(r, state=state, reason=reason)
+
+    return change
+
+
+def cancel(reason: str) -> Change:
+    """A QUEUED or PAUSED run the hub holds: CANCELLED for `reason`. A RUNNING one, or one
+    granted to a site, not asked yet: asked to cancel (`cancel_requested`; its trainer
+    checkpoints and stops, or the site cancels it when it takes it). Otherwise None."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state in (RunState.QUEUED, RunState.PAUSED) and not r.site:
+            return _replace(r, state=RunState.CANCELLED, reason=reason)
+        if (r.state is RunState.RUNNING or r.site) and r.cancel_requested is None:
+            # Granted to a site, the run is the site's to end: asked, like a running one.
+            return None if r.state.terminal else _replace(r, cancel_requested=reason)
+        return None
+
+    return change
+
+
+def pause(reason: str) -> Change:
+    """A QUEUED run the hub holds: PAUSED for `reason` (its queued task is then deleted). A
+    RUNNING one, or one granted to a site, not asked yet: asked to pause (`pause_requested`;
+    its trainer checkpoints and stops, and the run is PAUSED). Otherwise None."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state is RunState.QUEUED and not r.site:
+            return _replace(r, state=RunState.PAUSED, pause_requested=reason)
+        if r.state in (RunState.RUNNING, RunState.QUEUED) and r.pause_requested is None:
+            return _replace(r, pause_requested=reason)
+        return None
+
+    return change
+
+
+def resume(hold: tuple[int, int] | None = None, *, allow_changes: bool = False) -> Change:
+    """A PAUSED run: QUEUED at the next dispatch, waiting for the scheduler to admit it, no
+    longer asked to pause, its failures forgiven (a human looked); with `hold`, its hold
+    number `hold[0]` of `hold[1]` units added (taken in the ledger first); with
+    `allow_changes`, allowed to resume under other software (`changes_allowed`). Otherwise
+    None."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state is not RunState.PAUSED:
+            return None
+        if hold is not None:
+            added = add_hold(*hold)(r)
+            if added is None:
+                return None
+            r = added
+        return _replace(
+            r, state=RunState.QUEUED, dispatch=r.dispatch + 1, pause_requested=None, retries=0,
+            worker=None, group=[], admitted=False, preempt=None, ranks_cap=None,
+            changes_allowed=r.changes_allowed or allow_changes,
+        )  # fmt: skip
+
+    return change
+
+
+def add_hold(n: int, amount: int) -> Change:
+    """While the run is not over and holds `n` holds: the `n`-th, of `amount` units,
+    added (its ledger entry is written first, once: `shared.ledger`)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or len(r.holds) != n:
+            return None
+        return _replace(r, holds=[*r.holds, amount])
+
+    return change
+
+
+def warn(kind: str) -> Change:
+    """Unless the run is over or was warned of `kind` already: `kind` added to `warned`."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if kind not in r.warned and not r.state.terminal:
+            return _replace(r, warned=[*r.warned, kind])
+        return None
+
+    return change
+
+
+def redispatch(dispatch: int) -> Change:
+    """While the run is RUNNING at dispatch number `dispatch` (nobody moved it on since it
+    was found lost): the next dispatch, nobody holds it."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state is not RunState.RUNNING or r.dispatch != dispatch:
+            return None
+        return _replace(r, dispatch=r.dispatch + 1, worker=None)
+
+    return change
+
+
+def hand_over(token: int) -> Change:
+    """While the run is RUNNING under `token`, held by a worker, with a task delivery still
+    unanswered: the delivery cleared (whoever clears it naks it, `shared.state.handover`)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state is not RunState.RUNNING or r.token != token or r.worker is None:
+            return None
+        if not r.delivery:
+            return None
+        return _replace(r, delivery=None)
+
+    return change
+
+
+# -- rolling a run back (`baton rollback`) ----------------------------------------------
+
+
+def order_rollback(step: int, reason: str) -> Change:
+    """A QUEUED, RUNNING or PAUSED run: ordered back to its committed checkpoint at `step`
+    (`rollback_to`: the attempt running stops without a checkpoint, and the next one rewinds
+    `latest` before it starts). A FAILED run whose failure was announced: reopened — QUEUED
+    at the next dispatch, for the scheduler to admit, its failures forgiven — and ordered
+    the same way. A COMPLETED or CANCELLED run, or a FAILED one whose failure is
+    still being announced: None."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state is RunState.FAILED and not r.announce_pending:
+            return _replace(
+                r, state=RunState.QUEUED, dispatch=r.dispatch + 1, retries=0, reason=None,
+                worker=None, group=[], delivery=None, rollback_to=step, rollback_reason=reason,
+                admitted=False,
+            )  # fmt: skip
+        if r.state.terminal:
+            return None
+        return _replace(r, rollback_to=step, rollback_reason=reason)
+
+    return change
+
+
+def rewound(token: int, done: Rewind) -> Change:
+    """While the run is not over and names `token` (the attempt that rewound it): its newest
+    committed checkpoint is at `done.to_step`, `done` joins its lineage, the divergence
+    guard's data left out after later checkpoints is forgotten (those checkpoints are
+    abandoned: the run trains through that data again), and the order is cleared — unless it
+    names another step by now (a second rollback, asked meanwhile, is the next attempt's)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or r.token != token:
+            return None
+        same = r.rollback_to == done.to_step
+        return _replace(
+            r, step=done.to_step, rewinds=[*r.rewinds, done][-MAX_REWINDS:],
+            skips=[s for s in r.skips if s.after <= done.to_step],
+            rollback_to=None if same else r.rollback_to,
+            rollback_reason=None if same else r.rollback_reason,
+        )  # fmt: skip
+
+    return change
+
+
+def drop_rollback(token: int, step: int) -> Change:
+    """While the run is not over, names `token` and is ordered back to `step`: the order
+    cleared, the run going on from where it was (its checkpoint at `step` was refused: gone
+    or damaged since the order was taken)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or r.token != token or r.rollback_to != step:
+            return None
+        return _replace(r, rollback_to=None, rollback_reason=None)
+
+    return change
+
+
+# -- announcing an ending (`shared.state.endings`) --------------------------------------
+
+
+def mark_ending(change: Change, site: str) -> Change:
+    """As `change`; a record it leaves terminal is also marked `announce_pending`, with the
+    `site` whose outbox carries the terminal event."""
+
+    def stamp(r: RunRecord) -> RunRecord | None:
+        new = change(r)
+        if new is None or not new.state.terminal:
+            return new
+        return _replace(new, announce_pending=True, ending_site=site)
+
+    return stamp
+
+
+def announced(r: RunRecord) -> RunRecord | None:
+    """While the record is marked `announce_pending`: the mark cleared (its event is
+    stored)."""
+    if not r.announce_pending:
+        return None
+    return _replace(r, announce_pending=False)
