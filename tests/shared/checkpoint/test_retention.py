@@ -18,7 +18,7 @@ from shared.checkpoint import commit, retention
 from shared.checkpoint.store import Store, open_store
 from shared.checkpoint.store.file import FileStore
 from shared.contracts import CommitRequest, FileRef, Manifest, encode
-from shared.errors import StaleToken
+from shared.errors import FinalCommitted, StaleToken
 from tests.support.seaweed import SeaweedS3
 
 RUN = "r1"
@@ -137,12 +137,17 @@ async def test_retention_keeps_the_newest_the_pinned_and_the_final(store: Store)
     assert await stored(store) == keys_of_steps({10, 9, 8, 2})
 
 
-async def test_a_final_checkpoint_is_kept_wherever_it_is_in_the_chain(store: Store) -> None:
-    # A run continued after it completed: the final checkpoint at step 2 is not the newest.
-    await commit_steps(store, 1, range(1, 7), final={2})
-    assert await retention.apply_retention(store, RUN, 2, set()) == [4, 3, 1]
-    kept = keys_of(1, 6) | keys_of(1, 5) | keys_of(1, 2)
+async def test_a_final_checkpoint_ends_the_chain_and_is_kept(store: Store) -> None:
+    """A final checkpoint is terminal for the store (nothing is committed after it, from any
+    token), and retention keeps it with the `keep_last` before it."""
+    await commit_steps(store, 1, range(1, 7), final={6})
+    with pytest.raises(FinalCommitted):
+        await commit_steps(store, 2, range(7, 8))
+    assert await retention.apply_retention(store, RUN, 2, set()) == [4, 3, 2, 1]
+    kept = keys_of(1, 6) | keys_of(1, 5) | keys_of(2, 7) - {commit.manifest_key(RUN, 7, 2)}
     assert await stored(store) == kept
+    assert await retention.collect_garbage(store, RUN, HOUR, await seen_long_ago(store)) == []
+    assert await stored(store) == kept, "garbage collection keeps the final chain"
     assert await retention.collect_garbage(store, RUN, HOUR, await seen_long_ago(store)) == []
     assert await stored(store) == kept
 
