@@ -108,7 +108,11 @@ async def topup(nc: Client, entry: TopUp) -> tuple[bool, TopUp, Account]:
     account after it."""
     js = nc.jetstream()
     with needs("ledger stream"):
-        written = await book.write(js, entry) is not None
+        try:
+            written = await book.write(js, entry) is not None
+        except book.NotStored as exc:
+            why = f"the ledger did not store top-up {entry.id} ({exc}); try again"
+            raise CliError(why) from None
         stored = entry if written else await book.find(js, book.subject_of(entry))
     if not isinstance(stored, TopUp):
         raise CliError(f"top-up {entry.id} of {entry.owner} was not stored; try again")

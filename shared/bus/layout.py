@@ -103,7 +103,9 @@ def _newest_per_key(
 def _ledger() -> StreamConfig:
     # Append-only and write-once: one message per subject, a second refused (10077), so an
     # entry is applied once whoever writes it and however often (`shared.ledger.book`). No
-    # age limit: a balance is the sum of every entry of its owner.
+    # age limit: a balance is the sum of every entry of its owner. Deletes and purges are
+    # refused by the server (10057, 10110), whoever asks: that money moves once is a rule
+    # of the stream, not only of the code — and, once set, no configuration takes it back.
     return StreamConfig(
         name=names.LEDGER_STREAM,
         description="Credits: top-ups, holds and settlements, each written once",
@@ -116,6 +118,8 @@ def _ledger() -> StreamConfig:
         max_msg_size=MAX_MSG_BYTES,
         duplicate_window=DUPLICATE_WINDOW_S,
         allow_direct=True,
+        deny_delete=True,
+        deny_purge=True,
     )
 
 

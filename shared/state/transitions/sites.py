@@ -84,6 +84,10 @@ def reconcile(site: str, reported: RunRecord, owns: bool = False) -> Change:
             pause_requested=reported.pause_requested or r.pause_requested,
             checkpoints_asked=max(r.checkpoints_asked, reported.checkpoints_asked),
             dispatch=max(r.dispatch, reported.dispatch),
+            # The ledger is the hub's: what its copy holds stays with the run, whatever the
+            # site's record (which holds nothing) says.
+            price=r.price or reported.price,
+            holds=r.holds or reported.holds,
         )
         return None if _replace(new, updated_at=r.updated_at) == r else new
 

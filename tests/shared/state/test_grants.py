@@ -218,3 +218,13 @@ def test_a_token_the_hub_forgot_moves_the_runs_epoch_past_the_stores() -> None:
     moved = applied(t.past_store(7, 3), mine)
     assert (moved.epoch, moved.worker, moved.state) == (3, None, RunState.RUNNING), moved
     refused(t.past_store(7, 3), record(token=8), *terminal(token=7))
+
+
+def test_a_sites_reports_keep_what_the_hubs_ledger_holds_for_the_run() -> None:
+    """The site's record of a run holds no credits: taking its reports in never drops the
+    price and holds the hub's copy took at submit, which settle the run when it ends."""
+    price, holds = {"cpu": 0.01}, [500, 200]
+    hub = record(site="lab1", epoch=1, state=RunState.RUNNING, price=price, holds=holds)
+    reported = record(site="lab1", epoch=1, step=40, attempts=1, updated_at=9.0)
+    new = applied(t.reconcile("lab1", reported), hub)
+    assert (new.step, new.price, new.holds) == (40, price, holds), new
