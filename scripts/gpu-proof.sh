@@ -73,7 +73,7 @@ fi
 # This working tree first: `python -m baton`, the services and the proofs' jobs from it.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$out"
-left=$((budget - (SECONDS - started) - 20))  # 20 s to stop the stack and write the report
+left=$((budget - (SECONDS - started)))  # the driver keeps a minute of it to stop, report
 "$PY" -m bench.gpu --out "$out" --root "$root" --budget "$left" "${args[@]}" &
 pid=$!
 rc=0

@@ -32,6 +32,8 @@ TRAINERS = 4
 over a killed one, all on the one GPU."""
 MIN_LEFT_S = 20.0
 """A proof is not started with less of the budget left than this."""
+STOP_RESERVE_S = 60.0
+"""Of the budget, kept for stopping the stack and writing the report."""
 
 Run = Callable[[Proving, float], Awaitable[None]]
 
@@ -56,7 +58,7 @@ async def prove(
     me = asyncio.current_task()
     assert me is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, me.cancel)
-    deadline = began + budget_s
+    deadline = began + budget_s - STOP_RESERVE_S
     sizes = QUICK if quick else FULL
     env = {"CUDA_VISIBLE_DEVICES": ""} if cpu else {}
     report = Report(mode=("cpu" if cpu else "gpu") + (" quick" if quick else ""), budget_s=budget_s)

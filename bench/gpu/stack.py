@@ -27,7 +27,9 @@ from tests.support.stack import alive, attempt_processes, children_of, eventuall
 
 START_S = 120.0
 """Until every trainer has said it is there (each imports torch into its zygote first)."""
-STOP_S = 60.0
+STOP_S = 50.0
+"""`baton up` gives its trainers 35 s (`baton.stack.procs.TRAINER_GRACE_S`); with runs, they
+checkpoint within `BATON_GRACE` (10 s here) and go."""
 LEASE_TTL_S = 4
 
 
@@ -41,6 +43,7 @@ class Up:
             # Local snapshots on local disk: a container's /dev/shm is often 64 MB.
             "BATON_SNAPSHOTS": str(root / "snapshots"),
             "BATON_PROGRESS_INTERVAL": "0.1",
+            "BATON_GRACE": "10",
             **env,
         }
         self.proc: asyncio.subprocess.Process | None = None
@@ -93,11 +96,15 @@ class Up:
         return int((self.data / "run" / f"{worker}.pid").read_text())
 
     def zygote(self, worker: str) -> int | None:
-        """The trainer's zygote: its child that is not a training process."""
+        """The trainer's zygote (`services/trainer/zygote.py`): its child started with
+        `--zygote`."""
         pid = self.pid(worker)
         ours = set(attempt_processes(pid))
-        kids = [p for p in children_of(pid) if p not in ours]
-        return kids[0] if kids else None
+        for kid in children_of(pid):
+            with contextlib.suppress(OSError):
+                if kid not in ours and b"--zygote" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                    return kid
+        return None
 
     def attempt(self, worker: str) -> list[int]:
         """The trainer's training processes and what they started (data loader workers)."""
