@@ -9,10 +9,11 @@
 #   options: --out DIR (default $OUT, else out/gpu), --budget SECONDS (default 540, all
 #            in), --only zygote,exact,framework,cost,overhead
 #
-# Where this Python lacks Baton's dependencies (a device's image), the wheels carried in
-# .whl/ (scripts/gpu-wheels.sh) are installed into a scratch path as the device installs
+# Where the Python lacks Baton's dependencies (a lent machine's image), the wheels carried
+# in .whl/ (scripts/gpu-wheels.sh) are installed into a scratch path as the device installs
 # them: pip --no-index --no-deps --target, put first on PYTHONPATH (their nats-server on
-# PATH). The project itself runs from this working tree, not installed.
+# PATH). The project itself runs from this working tree, not installed. Anywhere else the
+# script sets up ./.venv first when there is none (scripts/bootstrap.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
@@ -26,9 +27,12 @@ while [ $# -gt 0 ]; do
     *) args+=("$1"); shift ;;
   esac
 done
+# The interpreter: PYTHON; else ./.venv's; else, on a lent machine (its python3 has torch,
+# .whl/ holds the rest), python3; else ./.venv is set up first, as scripts/test.sh does.
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
-else PY=python3
+elif ls .whl/*.whl >/dev/null 2>&1 && python3 -c "import torch" 2>/dev/null; then PY=python3
+else scripts/bootstrap.sh; PY=.venv/bin/python
 fi
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/baton-gpu-XXXXXX")
 root=$scratch/run

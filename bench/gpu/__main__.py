@@ -146,9 +146,13 @@ def machine(env: dict[str, str]) -> dict[str, Any]:
         env={**os.environ, **env},
     )  # fmt: skip
     out.update(json.loads(found.stdout.strip().splitlines()[-1]))
-    gpus = device.smi("--query-gpu=name,driver_version,memory.total") if not env else []
+    query = "--query-gpu=driver_version,memory.total,compute_mode,name"  # a name may hold ","
+    gpus = device.smi(query) if not env else []
     if gpus:
-        out.update(gpu=gpus[0][0], driver=gpus[0][1], gpu_memory_mib=int(gpus[0][2]))
+        driver, mib, mode, *names = gpus[0]
+        name = ",".join(names)
+        # "Exclusive_Process" would keep the trainers from sharing the GPU.
+        out.update(gpu=name, driver=driver, gpu_memory_mib=int(mib), compute_mode=mode)
         out["gpu_count"] = len(gpus)
     nats = shutil.which("nats-server")
     if nats:
