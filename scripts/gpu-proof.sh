@@ -27,11 +27,13 @@ while [ $# -gt 0 ]; do
     *) args+=("$1"); shift ;;
   esac
 done
-# The interpreter: PYTHON; else ./.venv's; else, on a lent machine (its python3 has torch,
-# .whl/ holds the rest), python3; else ./.venv is set up first, as scripts/test.sh does.
+# The interpreter: PYTHON; else ./.venv's; else, on a lent machine (its python3 is 3.12 with
+# torch, .whl/ holds the rest), python3; else ./.venv is set up first, as scripts/test.sh
+# does.
+lent='import sys, torch; sys.exit(sys.version_info[:2] != (3, 12))'
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
-elif ls .whl/*.whl >/dev/null 2>&1 && python3 -c "import torch" 2>/dev/null; then PY=python3
+elif ls .whl/*.whl >/dev/null 2>&1 && python3 -c "$lent" 2>/dev/null; then PY=python3
 else scripts/bootstrap.sh; PY=.venv/bin/python
 fi
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/baton-gpu-XXXXXX")
