@@ -66,6 +66,7 @@ async def prove(
     gpu = not cpu
     if gpu and not report.machine.get("gpu"):
         raise SystemExit("no GPU here (nvidia-smi lists none): run with --cpu")
+    report.machine["disk_free_gb"] = round(shutil.disk_usage(root).free / 1e9, 1)
     up = Up(root, TRAINERS, env)
     failed = False
     try:

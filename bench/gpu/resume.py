@@ -62,11 +62,14 @@ async def exact(up: Up, sizes: Sizes, p: Proving, gpu: bool, deadline: float) ->
     logs = {run: EventLog(nc, run) for run in (ref, killed, local)}
     try:
         # Side by side: the second kill waits for the first run to be resumed, so that the
-        # trainer free for it is the first one's, restarted, and never its own.
-        at, at_local = await asyncio.gather(
-            _kill_between(up, logs[killed], every, p, "commit"),
-            _kill_between(up, logs[local], every, p, "local", after=logs[killed]),
-        )
+        # trainer free for it is the first one's, restarted, and never its own. (A task
+        # group: one failing, the other is stopped, never left to kill a trainer later.)
+        async with asyncio.TaskGroup() as tg:
+            first = tg.create_task(_kill_between(up, logs[killed], every, p, "commit"))
+            second = tg.create_task(
+                _kill_between(up, logs[local], every, p, "local", after=logs[killed])
+            )
+        at, at_local = first.result(), second.result()
         records = {}
         for run in (ref, killed, local):
             records[run] = await finished(nc, run, timeout=max(10.0, deadline - time.monotonic()))
