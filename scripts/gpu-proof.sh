@@ -16,7 +16,6 @@
 # script sets up ./.venv first when there is none (scripts/bootstrap.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-started=$SECONDS
 budget=540
 out=${OUT:-out/gpu}
 args=()
@@ -36,6 +35,7 @@ elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 elif ls .whl/*.whl >/dev/null 2>&1 && python3 -c "$lent" 2>/dev/null; then PY=python3
 else scripts/bootstrap.sh; PY=.venv/bin/python
 fi
+started=$SECONDS  # the budget counts from here: the wheels' install is in it, a bootstrap not
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/baton-gpu-XXXXXX")
 root=$scratch/run
 pid=
@@ -80,7 +80,7 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$out"
 left=$((budget - (SECONDS - started)))  # the driver keeps a minute of it to stop, report
-"$PY" -m bench.gpu --out "$out" --root "$root" --budget "$left" "${args[@]}" &
+"$PY" -m bench.gpu --out "$out" --root "$root" --budget "$left" ${args[@]+"${args[@]}"} &
 pid=$!
 rc=0
 wait "$pid" || rc=$?

@@ -65,7 +65,11 @@ async def prove(
     report.machine = machine(env)
     gpu = not cpu
     if gpu and not report.machine.get("gpu"):
-        raise SystemExit("no GPU here (nvidia-smi lists none): run with --cpu")
+        error = "no GPU here (nvidia-smi lists none): run with --cpu"
+        report.proofs.append(Proof(key="gpu", title="a GPU", error=error))
+        report.seconds = time.monotonic() - began
+        report.write(out)
+        return report
     report.machine["disk_free_gb"] = round(shutil.disk_usage(root).free / 1e9, 1)
     up = Up(root, TRAINERS, env)
     failed = False

@@ -84,7 +84,8 @@ def judge_saves(p: Proving, found: dict[str, Any]) -> None:
     """The loop's stall per checkpoint (not the first, which allocates; not the final, which
     waits for the last write by design), and what it is made of."""
     steady = [s for s in found["saves"][1:] if not s["final"]]
-    if not p.check(bool(steady), "a checkpoint besides the first and the final", found["saves"]):
+    saves = [(s["step"], s["final"]) for s in found["saves"]]
+    if not p.check(bool(steady), "a checkpoint besides the first and the final", saves):
         return
     s = steady[0]
     p.figure("stall_s", s["stall_s"])
