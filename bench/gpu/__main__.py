@@ -74,8 +74,9 @@ async def prove(
     up = Up(root, TRAINERS, env)
     failed = False
     try:
+        starting = time.monotonic()
         await up.start()
-        report.machine["stack_start_s"] = round(time.monotonic() - began, 2)
+        report.machine["stack_start_s"] = round(time.monotonic() - starting, 2)
         for key, title, run in proofs(up, sizes, gpu, env):
             if only and key not in only:
                 continue
