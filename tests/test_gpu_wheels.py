@@ -27,7 +27,7 @@ LEFT_MODULES = {
 """What each left-behind distribution is imported as."""
 
 RUN_TIME = [
-    "baton.cli.app", "baton.stack.embedded", "services.dispatcher.service",
+    "baton.cli.app", "baton.stack.lifecycle", "services.dispatcher.service",
     "services.checkpointer.service", "services.reaper.service", "services.trainer.service",
     "services.trainer.child", "baton.runtime.context", "baton.runtime.group",
     "bench.gpu.__main__", "bench.gpu.jobs",

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from baton.cli import client
+from baton.client import calls as client
 from bench.gpu import costs, device, resume
 from bench.gpu.report import Proof, Proving, Report
 from bench.gpu.sizes import FULL, QUICK, Sizes

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from nats.aio.client import Client
 
-from baton.cli import client
+from baton.client import calls as client
 from baton.stack.procs import child_preexec
 from shared import credentials
 from shared.bus import names
