@@ -93,6 +93,11 @@ class Reckoner:
             return True
         return any(getattr(old[0], f) != getattr(record, f) for f in RELEVANT)
 
+    def forget_revisions(self) -> None:
+        """The runs bucket went back (a hub that lost its newest writes): the records kept
+        stand, but whatever the bucket now says of them, at any revision, replaces them."""
+        self._records = {run_id: (r, 0) for run_id, (r, _) in self._records.items()}
+
     def _place(self, r: RunRecord) -> None:
         if r.cancel_requested or r.pause_requested:
             return  # the dispatcher ends it, or its trainer stops it: no place in a pass

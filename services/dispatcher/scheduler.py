@@ -28,12 +28,15 @@ import time
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from services.dispatcher.delegation import Delegation
 from services.dispatcher.queues import Reckoner, view_of
 from shared import telemetry
+from shared.backoff import Backoff, retrying
 from shared.bus import names
+from shared.bus.connect import UNAVAILABLE
 from shared.bus.follow import Following
 from shared.bus.kvwrite import KvWriter
 from shared.config import Settings
@@ -93,7 +96,9 @@ class Scheduler:
         self._limit = asyncio.Semaphore(CONCURRENCY)
 
     async def start(self) -> None:
-        runs = Following(self.js, names.RUNS_BUCKET, self._on_record)
+        runs = Following(
+            self.js, names.RUNS_BUCKET, self._on_record, on_reset=self.reckoner.forget_revisions
+        )
         workers = Following(self.js, names.WORKERS_BUCKET, self._on_worker)
         self._following = [runs, workers]
         for f in self._following:
@@ -106,6 +111,22 @@ class Scheduler:
             await f.stop()
         with contextlib.suppress(Exception):
             await self._keep_usage()
+
+    async def check_followed(self) -> None:
+        """After a reconnect: follow again any bucket the hub came back without the newest
+        writes of (`Following.check`); retried while JetStream is not answering yet."""
+
+        async def check() -> None:
+            if any([await f.check() for f in self._following]):
+                log.warning("the hub came back without its newest writes: its runs and "
+                            "trainers are read again")  # fmt: skip
+                self.now.set()
+
+        with contextlib.suppress(Exception):
+            await retrying(
+                check, retry_on=(*UNAVAILABLE, NotFoundError), what="the hub's buckets",
+                backoff=Backoff(first=0.5, most=5.0), attempts=12, log=log,
+            )  # fmt: skip
 
     def observe(self, record: RunRecord, revision: int = 0) -> None:
         """A record as its writer left it (the dispatcher, a decision of ours): the watch

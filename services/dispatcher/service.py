@@ -78,9 +78,13 @@ class Dispatcher:
         self.runs: Runs
         self.lease_secret = lease_secret()
         """Keys each run's lease (`shared.state.lease.lease_key`), handed out in its tasks."""
+        self._checking: asyncio.Task[None] | None = None
+        """The look, after a reconnect, for buckets the hub came back without the newest
+        writes of (`Scheduler.check_followed`)."""
 
     async def on_reconnect(self) -> None:
         self.scheduler.now.set()  # pull consumers resume by themselves once NATS is back
+        self._checking = asyncio.create_task(self.scheduler.check_followed())
 
     async def close(self) -> None:
         await self.scheduler.stop()
