@@ -113,8 +113,9 @@ class Scheduler:
             await self._keep_usage()
 
     async def check_followed(self) -> None:
-        """After a reconnect: follow again any bucket the hub came back without the newest
-        writes of (`Following.check`); retried while JetStream is not answering yet."""
+        """After a reconnect: follow the runs and trainers again from what the hub holds,
+        also when it came back without its newest writes (`Following.check`); retried while
+        JetStream is not answering yet."""
 
         async def check() -> None:
             if any([await f.check() for f in self._following]):

@@ -4,13 +4,14 @@ nats-py's watch is an ordered push consumer: it resets itself after a gap or mis
 heartbeats (a stream's leader lost in a clustered hub), so a follower keeps going through
 an election, late by the reset, and never sees a write twice out of order.
 
-It resets itself *after the last sequence it saw*, though: a hub that came back without the
-unsynced tail of its streams (a host crash; docs/architecture.md, "The store decides")
-writes its next values at sequences the watch has already passed, and the watch would wait,
-silent, until the bucket's sequence caught up. `check` (after a reconnect) finds a bucket
-whose last sequence is below the highest revision followed, tells the owner (`on_reset`:
-what it kept of the lost writes is no longer the bucket's) and follows it again from the
-values it holds.
+After a server restart, though, it resets only once it has missed its idle heartbeats
+(seconds, deaf meanwhile), and *after the last sequence it saw*: a hub that came back
+without the unsynced tail of its streams (a host crash; docs/architecture.md, "The store
+decides") writes its next values at sequences the watch has already passed, and the watch
+would wait, silent, until the bucket's sequence caught up. So after a reconnect the owner
+calls `check`: the bucket is followed again at once from the values it holds, and one
+whose last sequence is below the highest revision followed is said to the owner first
+(`on_reset`: what it kept of the lost writes is no longer the bucket's).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Following:
         self.highest = 0
         """The highest revision handed over."""
         self._task: asyncio.Task[None] | None = None
+        self._checking = asyncio.Lock()
+        """One `check` at a time: two reconnects in a row must not start two watches."""
 
     async def start(self) -> None:
         kv = await self.js.key_value(self.bucket)
@@ -52,18 +55,18 @@ class Following:
         self._task = asyncio.create_task(self._follow(watcher))
 
     async def check(self) -> bool:
-        """Whether the bucket went back past what was followed (its stream's last sequence
-        is below the highest revision handed over); if so, `on_reset` is called and the
-        bucket followed again from the values it holds now."""
-        info = await self.js.stream_info(f"KV_{self.bucket}")
-        if info.state.last_seq >= self.highest:
-            return False
-        await self.stop()
-        self.on_reset()
-        self.highest = 0
-        self.ready.clear()
-        await self.start()
-        return True
+        """After a reconnect: follow the bucket again from the values it holds now; whether
+        it went back past what was followed (its stream's last sequence below the highest
+        revision handed over), in which case `on_reset` was called first."""
+        async with self._checking:
+            info = await self.js.stream_info(f"KV_{self.bucket}")
+            went_back = info.state.last_seq < self.highest
+            await self.stop()
+            if went_back:
+                self.on_reset()
+                self.highest = 0
+            await self.start()
+            return went_back
 
     async def stop(self) -> None:
         if self._task is not None:
