@@ -93,6 +93,15 @@ class Reckoner:
             return True
         return any(getattr(old[0], f) != getattr(record, f) for f in RELEVANT)
 
+    def forget_records(self) -> None:
+        """Drop every record kept: the runs bucket is read again from what it holds now
+        (it may have gone back, the hub's server having lost its unsynced tail, and a
+        revision kept from before would make every newer write look stale)."""
+        self._records.clear()
+        self._queued.clear()
+        self._waiting.clear()
+        self._holding.clear()
+
     def _place(self, r: RunRecord) -> None:
         if r.cancel_requested or r.pause_requested:
             return  # the dispatcher ends it, or its trainer stops it: no place in a pass

@@ -93,7 +93,7 @@ class Scheduler:
         self._limit = asyncio.Semaphore(CONCURRENCY)
 
     async def start(self) -> None:
-        runs = Following(self.js, names.RUNS_BUCKET, self._on_record)
+        runs = Following(self.js, names.RUNS_BUCKET, self._on_record, self.reckoner.forget_records)
         workers = Following(self.js, names.WORKERS_BUCKET, self._on_worker)
         self._following = [runs, workers]
         for f in self._following:
@@ -131,6 +131,7 @@ class Scheduler:
     async def _until_read(self, stop: asyncio.Event) -> None:
         """No pass before the records and heartbeats stored now are read (or `READY_S`): a
         pass that saw half the runs training would count their trainers free."""
+
         async def read() -> None:
             for f in self._following:
                 await f.ready.wait()
