@@ -135,7 +135,7 @@ class Step:
     """Steps of one lane never overlap: the next waits for the last to be undone."""
     target: int = 0
     """Which spec (submits), trainer (trainer faults) or hub node (node faults); for a
-    pause's resume, the pause's index in the schedule."""
+    pause's resume, the pause's `pause_key`."""
     pace: float = 0.0
     hold: float = 0.0
     """How long a fault lasts before it is undone."""
@@ -169,7 +169,7 @@ def schedule(seed: int, duration_s: float, topology: Topology) -> list[Step]:
         spec = rng.randrange(len(SPECS))
         steps.append(Step(t, kind, "ops", spec, rng.choice(PACES)))
         if kind == "pause":
-            steps.append(Step(round(t + u(3, 10), 1), RESUME, "resume", len(steps) - 1))
+            steps.append(Step(round(t + u(3, 10), 1), RESUME, "resume", pause_key(t)))
     # Trainer faults, one at a time, on any trainer at the hub or the site.
     t = u(5, 10)
     while t < duration_s:
@@ -198,6 +198,11 @@ def schedule(seed: int, duration_s: float, topology: Topology) -> list[Step]:
         steps.append(Step(t, kind, "hub", rng.randrange(topology.hub_nodes), 0, hold))
         t = round(t + hold + gap, 1)
     return sorted(steps, key=lambda s: s.at)
+
+
+def pause_key(at: float) -> int:
+    """A pause's resume names it by its time (the steps are sorted after they are made)."""
+    return round(at * 10)
 
 
 def seeds(default: tuple[int, ...]) -> list[int]:
@@ -328,7 +333,7 @@ class Campaign:
             "priority": lambda: self.submit(step.target, step.pace, "priority"),
             "dual": lambda: self.dual(step.target, step.pace),
             "cancel": self.cancel,
-            "pause": lambda: self.pause(index),
+            "pause": lambda: self.pause(pause_key(step.at)),
             RESUME: lambda: self.resume(step.target),
             "rollback": self.rollback,
             "fork": self.fork,
@@ -368,21 +373,38 @@ class Campaign:
         a submitter retries while the hub is down."""
         if t.how == "dual":
             return await self._at_hub(t.job)
-        nc = self.nc if t.how in ("operator", "fork") else self.person
+        said: list[str] = []
+        failures = 0
 
         async def sent() -> str | None:
+            nonlocal failures
+            operator = t.how in ("operator", "fork")
             try:
-                run_id, answer = await client.submit(nc, t.job, 10)
-            except Exception:
+                run_id, answer = await client.submit(
+                    self.nc if operator else self.person, t.job, 10
+                )
+            except Exception as exc:
+                said[:] = [repr(exc)]
+                failures += 1
+                if not operator and failures % 3 == 0:
+                    # Seen after the hub's server came back on a copy of its store: the
+                    # person's connection, reconnected, had no publish answered while a
+                    # new connection's were. A submitter would log in again.
+                    self.say(f"  {PERSON}'s submit failed {failures} times ({exc!r}): new client")
+                    self.person = await self.stack.client_as(PERSON)
                 return None
             if answer is None or isinstance(answer, Accepted):
                 return run_id
             reason = answer.reason if isinstance(answer, Rejected) else repr(answer)
             if "try again" in reason:  # e.g. the owner's credits changing meanwhile
+                said[:] = [reason]
                 return None
             raise Refused(f"{t.how} submit refused: {reason}")
 
-        return await eventually(sent, 90, f"a {t.how} submission to be stored", 1.0)
+        try:
+            return await eventually(sent, 60, f"a {t.how} submission to be stored", 1.0)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc} (last: {said})") from None
 
     async def _at_hub(self, job: JobSpec) -> str:
         """Published at the hub on the site submitter's subject (the operator may)."""
