@@ -713,7 +713,7 @@ class Campaign:
                 what = f"{run_id} ({t.how}) ended {record.state.value}: {record.reason}"
                 assert t.cancelled, what
         for run_id, record in records.items():
-            if record.owner:  # priced: the reaper settles it
+            if record.owner and record.price:  # priced: the reaper settles it
                 await settled(self.nc, record.owner, run_id, timeout=120)
         await self.check()
 
