@@ -119,7 +119,12 @@ class Holds:
                             break
                         account.fold(seq, hold)
                 except book.Moved:
-                    continue  # read the owner's entries since, and check again
+                    # Read the owner's account whole again, not only the entries since: the
+                    # ledger may have gone back (a hub server that lost the unsynced tail of
+                    # its streams), and then none come after the sequence kept, which the
+                    # ledger will not reach again before a write at it succeeds.
+                    self._accounts.pop(owner, None)
+                    continue
             raise ContractError(f"{owner}'s credits kept changing under this hold; try again")
 
     async def _account(self, owner: str) -> book.Account:
