@@ -110,7 +110,12 @@ async def stored(js: JetStreamContext, stream: str, subject: str) -> list[Msg]:
             try:
                 msg = await sub.next_msg(timeout=READ_S)
             except TimeoutError:
-                return found
+                # A history cut short would show every run whose end is in its tail as
+                # never ended: say so rather than check what was not read.
+                raise TimeoutError(
+                    f"{stream} was not read whole: {len(found)} of its messages arrived, "
+                    f"then none for {READ_S:.0f}s"
+                ) from None
             found.append(msg)
             if msg.metadata.num_pending == 0:
                 return found

@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
-from baton.cli.rebase import fork_spec
-from baton.stack.embedded import CLUSTER_LEASE_TTL
 from nats.aio.client import Client
 
-from baton.cli import client
+from baton.client import calls as client
+from baton.client.rebase import fork_spec
 from baton.stack.cluster import current
+from baton.stack.options import CLUSTER_LEASE_TTL
 from shared.bus import names
 from shared.bus import sourcing as sources
 from shared.bus.connect import publish
