@@ -19,6 +19,6 @@ from tests.support.campaign import SINGLE, length_s, run_campaign, seeds
 pytestmark = [pytest.mark.adversary, pytest.mark.timeout(int(length_s()) + 900)]
 
 
-@pytest.mark.parametrize("seed", seeds((1, 2)))
+@pytest.mark.parametrize("seed", seeds((9,)))
 async def test_campaign_single_hub(tmp_path: Path, seed: int) -> None:
     await run_campaign(tmp_path / "campaign", SINGLE, seed)

@@ -71,7 +71,7 @@ from tests.support.stack import Stack, alive, children_of, eventually
 
 SEED_VAR = "BATON_CAMPAIGN_SEED"
 LENGTH_VAR = "BATON_CAMPAIGN_S"
-DEFAULT_S = 300.0
+DEFAULT_S = 45.0
 """The schedule's length, unless `BATON_CAMPAIGN_S` says otherwise."""
 PERSON = "carol"
 """A person with credits in the priced pool, who may also submit at a priority that
