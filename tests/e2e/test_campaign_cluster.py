@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.campaign import CLUSTER, length_s, run_campaign, seeds
+from tests.support.campaign import CLUSTER, asked, length_s, run_campaign, seeds
 
-pytestmark = [pytest.mark.adversary, pytest.mark.timeout(int(length_s()) + 900)]
+pytestmark = [pytest.mark.adversary, pytest.mark.timeout(int(length_s()) + 900), asked()]
 
 
 @pytest.mark.parametrize("seed", seeds((9,)))
