@@ -22,15 +22,16 @@ fi
 # Two workers, a test module each at a time (`--dist loadfile`): a module's tests share its
 # stack, and most of the suite's time is waiting on real servers (leases lapsing, links cut,
 # elections), which two modules can do side by side. BATON_TEST_WORKERS=0 runs it serially.
-# Tests that must run for minutes (links flapping for minutes, soaks) are marked `soak`,
+# Tests that must run for minutes (links flapping for minutes, shaped links, soaks) are
+# marked `soak`, a 3-node hub's leaders killed and restarted `cluster`,
 # the frameworks' end-to-end tests `frameworks`, operators' controls end to end
 # `operations`, replicated runs across sites `diloco`, a pool shared by people `sharing`,
 # runs granted to sites through cuts and take-backs `sites`, exactly once against an
 # adversary (both sides of a cut, a hub that forgets, the fault campaign) `adversary`, and
-# all seven are left out, to keep this under 15 minutes on two cores;
-# `scripts/test.sh -m "soak or frameworks or operations or diloco or sharing or sites or adversary"`
+# all eight are left out, to keep this under 15 minutes on two cores;
+# `scripts/test.sh -m "soak or cluster or frameworks or operations or diloco or sharing or sites or adversary"`
 # runs them (.ci/run does, after the rest).
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 \
   -n "${BATON_TEST_WORKERS:-2}" --dist loadfile \
-  -m "not soak and not frameworks and not operations and not diloco and not sharing and not sites and not adversary" \
+  -m "not soak and not cluster and not frameworks and not operations and not diloco and not sharing and not sites and not adversary" \
   "$@"

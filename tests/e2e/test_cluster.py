@@ -45,7 +45,7 @@ from tests.support.ledger import balanced, topup
 from tests.support.sites import Site
 from tests.support.stack import Stack, eventually
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.asyncio(loop_scope="module")]
 
 SITE_TRAINER = "lab1-trainer-1"
 PRICE = 0.01

@@ -127,6 +127,7 @@ class Tally:
         )
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(240)
 async def test_a_site_trains_over_200ms_round_trips_with_jitter(
     tmp_path: Path, seaweed: SeaweedS3
@@ -146,6 +147,7 @@ async def test_a_site_trains_over_200ms_round_trips_with_jitter(
         tally.report("200±50 ms RTT", leaf_reconnects=reconnects)
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(240)
 async def test_a_site_trains_over_a_2_mbit_uplink_with_uploads_capped(
     tmp_path: Path, seaweed: SeaweedS3
