@@ -74,8 +74,10 @@ def resume(hold: tuple[int, int] | None = None, *, allow_changes: bool = False) 
     """A PAUSED run: QUEUED at the next dispatch, waiting for the scheduler to admit it, no
     longer asked to pause, its failures forgiven (a human looked); with `hold`, its hold
     number `hold[0]` of `hold[1]` units added (taken in the ledger first); with
-    `allow_changes`, allowed to resume under other software (`changes_allowed`). Otherwise
-    None."""
+    `allow_changes`, allowed to resume under other software (`changes_allowed`). A run
+    paused while granted to a site is the hub's again, under the next epoch: the site's
+    grant was spent (its record there stays PAUSED, and a grant is sent once per epoch),
+    so the scheduler decides afresh, and may grant it again. Otherwise None."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if r.state is not RunState.PAUSED:
@@ -85,6 +87,8 @@ def resume(hold: tuple[int, int] | None = None, *, allow_changes: bool = False) 
             if added is None:
                 return None
             r = added
+        if r.site:
+            r = _replace(r, site="", epoch=r.epoch + 1, delivery=None)
         return _replace(
             r, state=RunState.QUEUED, dispatch=r.dispatch + 1, pause_requested=None, retries=0,
             worker=None, group=[], admitted=False, preempt=None, ranks_cap=None,

@@ -365,6 +365,16 @@ def test_resume() -> None:
     refused(t.resume(), record(), record(state=RunState.QUEUED), *terminal())
 
 
+def test_a_run_paused_at_a_site_resumes_as_the_hubs_under_the_next_epoch() -> None:
+    """Its grant was spent (the site's record stays PAUSED; a grant goes out once per
+    epoch): the scheduler decides afresh, and a new grant is the next epoch's."""
+    r = record(state=RunState.PAUSED, site="lab1", epoch=4, worker=None, admitted=True)
+    new = applied(t.resume(), r)
+    assert (new.state, new.site, new.epoch, new.admitted) == (RunState.QUEUED, "", 5, False)
+    regranted = applied(t.delegate("lab1"), new)
+    assert (regranted.site, regranted.epoch) == ("lab1", 6), regranted
+
+
 def test_a_paused_run_is_not_marked_running_nor_redispatched() -> None:
     paused = record(state=RunState.PAUSED, worker=None)
     refused(t.mark_running("w9", 9, None, []), paused)
