@@ -21,13 +21,21 @@ attempt is stopped by its next look at the store.
 **Taking back.** The reaper's sweep looks at every live run granted to a site; once the
 site has been silent (no greeting, on the hub server's clock) for the run's `lost_after` —
 or, for a run nobody there trains now, linked but without an undrained trainer of its pool
-(all drained, or gone) for as long —
+(all drained, or gone) for as long, or beside idle trainers of its pool that never take it
+(its task lost: a grant check that read a stale copy of the hub's record) —
 (`shared.contracts.jobs.Disconnect`), and its policy allows replacing it, the run is taken
 back: first the store's `latest` is moved to the next epoch (`grants.fence`), so the site's
 commits are refused from that instant, then the record (`transitions.take_back`) and a
 fresh task for the hub's queue, and a `taken_back` event. A run whose final checkpoint is
 already committed is not taken back: it was trained to the end, and its site's record will
 say so at heal.
+
+**Finished by the hub.** A run granted to a site whose chain the hub's own attempt ended
+with a final commit (the same job at both sides of a cut, the site's submission taken in
+while the hub trained it) is one its site never completes: the site's attempt yields to
+another side's final chain. The sweep looks at the store for each granted run nobody
+holds (once per `FINAL_LOOK_S` per record revision) and completes such a run from the
+store's final checkpoint (`transitions.complete_from_store`), announced once.
 """
 
 from __future__ import annotations
@@ -44,15 +52,20 @@ from shared.bus import sourcing as sites
 from shared.bus.emit import emit
 from shared.checkpoint import commit
 from shared.checkpoint.store import Store
-from shared.contracts import RunRecord, decode
+from shared.contracts import RunRecord, RunState, decode
 from shared.contracts.control import WorkerInfo
 from shared.contracts.events import Superseded, TakenBack
 from shared.errors import ContractError
 from shared.state import grants, owner, transitions
+from shared.state.endings import settle
 from shared.state.policy import Policy, disconnect_of
 from shared.state.runs import Runs
 
 log = logging.getLogger("baton.reaper")
+
+FINAL_LOOK_S = 10.0
+"""How often the sweep reads the store's `latest` of a granted run nobody holds whose
+record has not changed meanwhile."""
 
 
 class Reconciler:
@@ -125,34 +138,80 @@ class TakeBack:
         the pool (this reaper's monotonic clock)."""
         self._final: set[tuple[str, int]] = set()
         """(run, epoch) found trained to the end at a silent site: said once."""
+        self._idle_since: dict[tuple[str, int], float] = {}
+        """(run, epoch) → when a granted run nobody holds was first seen beside idle
+        trainers of its pool at its linked site (this reaper's monotonic clock)."""
+        self._looked: dict[tuple[str, float], float] = {}
+        """(run, record revision's `updated_at`) → when its store was last read."""
 
     async def sweep(self, granted: list[RunRecord], workers: list[WorkerInfo]) -> list[str]:
-        """Take back every run in `granted` whose site has been silent — or has had no
-        undrained trainer of the run's pool (every one drained or gone) — past its policy's
-        `lost_after`; returns the runs taken back."""
+        """Complete every run in `granted` that the hub's own attempt finished in the store,
+        and take back every other one whose site has been silent — or has had no undrained
+        trainer of the run's pool (every one drained or gone), or idle ones that never take
+        it — past its policy's `lost_after`; returns the runs completed or taken back."""
         serving = {(w.site, w.pool) for w in workers if w.site and not w.drained}
+        idle = {(w.site, w.pool) for w in workers if w.site and not w.drained and not w.run_id}
         now = time.monotonic()
+        unheld = [r for r in granted if r.worker is None]
+        kept = {(r.run_id, r.epoch) for r in unheld}
+        self._idle_since = {k: t for k, t in self._idle_since.items() if k in kept}
         for key in [k for k in self._unserved_since if k in serving]:
             del self._unserved_since[key]
         if not granted:
             return []
         silent = {v.site: v.last_seen_s for v in await sites.views(self.nc)}
         taken = []
-        for r in granted:
+        self._looked = {k: t for k, t in self._looked.items() if now - t < FINAL_LOOK_S}
+        for r in unheld:
+            if (r.run_id, r.updated_at) not in self._looked:
+                self._looked[(r.run_id, r.updated_at)] = now
+                if await self.finished_by_hub(r):
+                    taken.append(r.run_id)
+        for r in (r for r in granted if r.run_id not in taken):
             policy = disconnect_of(r.spec, self.policy.table)
             quiet, why = silent.get(r.site), "silent"
             if quiet is not None and quiet < sites.SILENCE_S:
-                if r.worker is not None or (r.site, r.spec.pool) in serving:
-                    continue  # trained, or a trainer there can take it
-                # Linked, but no trainer there takes it: as good as silent for this run.
-                since = self._unserved_since.setdefault((r.site, r.spec.pool), now)
-                quiet, why = now - since, f"without a trainer of pool {r.spec.pool}"
+                quiet, why = self._unserved(r, now, serving, idle)
             if quiet is None or quiet < policy.lost_after_s or not policy.replace:
                 continue
             why = f"site {r.site} {why} for {quiet:.0f}s (lost_after {policy.lost_after_s:.0f}s)"
             if await self.take_back(r, why):
                 taken.append(r.run_id)
         return taken
+
+    def _unserved(
+        self, r: RunRecord, now: float, serving: set[tuple[str, str]], idle: set[tuple[str, str]]
+    ) -> tuple[float | None, str]:
+        """For a run granted to a linked site: how long nobody there has been able to take
+        it, and why; (None, "") while it is held, paused, or waits its turn."""
+        if r.worker is not None or r.state is RunState.PAUSED:
+            return None, ""  # trained, or waiting for a resume
+        where = (r.site, r.spec.pool)
+        if where not in serving:  # every trainer of its pool there drained, or gone
+            since = self._unserved_since.setdefault(where, now)
+            return now - since, f"without a trainer of pool {r.spec.pool}"
+        if where not in idle:
+            return None, ""  # its trainers there are busy: one takes it in turn
+        # Idle trainers there, and nobody takes it: its task is gone.
+        since = self._idle_since.setdefault((r.run_id, r.epoch), now)
+        return now - since, "with idle trainers that never take it"
+
+    async def finished_by_hub(self, r: RunRecord) -> bool:
+        """Complete `r` from the store when its chain ends in the hub's own final commit
+        (the module's "finished by the hub"); True if it did."""
+        found = await commit.read_latest(self.store, r.run_id)
+        if found is None or not found[0].final or found[0].site:
+            return False
+        manifest = await commit.load_manifest(self.store, found[0].manifest)
+        done = transitions.complete_from_store(
+            r.site, r.epoch, manifest.step, manifest.digest, manifest.metrics
+        )
+        if await settle(self.js, self.runs, r.run_id, done) is None:
+            return False
+        log.warning("%s: granted to site %s, but the hub's attempt committed its final "
+                    "checkpoint (step %d): completed from the store", r.run_id, r.site,
+                    manifest.step)  # fmt: skip
+        return True
 
     async def take_back(self, r: RunRecord, why: str) -> bool:
         epoch = r.epoch + 1

@@ -200,6 +200,13 @@ class GrantCheck:
         if found is None:
             return None  # the hub has not taken in a run submitted here yet
         hub = found[0]
+        if hub.epoch < self.record.epoch:
+            # The hub's record is older than the site's: a run submitted here whose job the
+            # hub also queued (the same key at both sides of a cut), or which the hub forgot
+            # with its unsynced tail. Not a take-back: the store decides between the two
+            # sides (`shared.state.owner`), and the hub takes this site's record in when its
+            # chain is the run's.
+            return None
         if hub.site != g.site or hub.epoch != self.record.epoch:
             return (
                 f"the hub took the run back from site {g.site} (grant epoch {self.record.epoch}"

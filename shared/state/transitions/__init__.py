@@ -31,7 +31,8 @@ newer one), so a fenced attempt writes nothing.
                    (a rollback), yield_to and past_store (the store decides:
                    `shared.state.owner`)
     reaper         end, fail (deliveries used up), warn, redispatch, pause_unowned,
-                   take_back and reconcile (a site's grant), settled (the ledger)
+                   take_back and reconcile (a site's grant), complete_from_store (a grant
+                   whose chain the hub finished), settled (the ledger)
     delegator      delegate (the scheduler granting queued runs to sites)
     site trainer   accept_grant, forward_requests, and the trainer's own, on the site's
                    records of the runs granted to it
@@ -89,6 +90,7 @@ from shared.state.transitions.sharing import (
 )
 from shared.state.transitions.sites import (
     accept_grant,
+    complete_from_store,
     delegate,
     forward_requests,
     grantable,
@@ -114,6 +116,7 @@ __all__ = [
     "cancel_unowned",
     "cap_ranks",
     "complete",
+    "complete_from_store",
     "count_failure",
     "delegate",
     "drop_rollback",

@@ -127,6 +127,27 @@ def yield_to(token: int, site: str, epoch: int, side: str = "") -> Change:
     return change
 
 
+def complete_from_store(
+    site: str, epoch: int, step: int, digest: str, metrics: dict[str, float]
+) -> Change:
+    """The store's chain ends in a final commit (at `step`, `digest`, `metrics`) that the
+    side the record names will never complete from (another side wrote it): while the run
+    is not over and still granted to `site` under `epoch`, COMPLETED from the store, nobody
+    holding it. A run whose chain ends in a final commit is complete, whatever the record
+    said (`shared.state.owner`)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or (r.site, r.epoch) != (site, epoch):
+            return None
+        return _replace(
+            r, state=RunState.COMPLETED, step=step, digest=digest, metrics=metrics,
+            worker=None, delivery=None, group=[],
+            reason=None,
+        )  # fmt: skip
+
+    return change
+
+
 def past_store(token: int, epoch: int) -> Change:
     """The store holds a token of this side at or above `token`, which the hub issued
     and then forgot (the unsynced tail of its streams lost in a crash): while the run is

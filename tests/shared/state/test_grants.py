@@ -220,6 +220,22 @@ def test_a_token_the_hub_forgot_moves_the_runs_epoch_past_the_stores() -> None:
     refused(t.past_store(7, 3), record(token=8), *terminal(token=7))
 
 
+def test_a_grant_whose_chain_the_hub_finished_completes_from_the_store() -> None:
+    """The site yields to another side's final chain and never completes it: the record
+    follows the store, once, while it still names that grant."""
+    granted = record(state=RunState.RUNNING, site="lab1", epoch=LAB1, worker=None, step=40)
+    done = applied(t.complete_from_store("lab1", LAB1, 90, "d" * 64, {"loss": 0.5}), granted)
+    assert (done.state, done.step, done.digest, done.metrics, done.worker) == (
+        RunState.COMPLETED, 90, "d" * 64, {"loss": 0.5}, None
+    ), done
+    refused(
+        t.complete_from_store("lab1", LAB1, 90, "d" * 64, {}),
+        *terminal(site="lab1", epoch=LAB1),
+        record(site="lab1", epoch=LAB1 + 1),  # taken back and granted again since
+        record(site="", epoch=LAB1),
+    )  # fmt: skip
+
+
 def test_a_sites_reports_keep_what_the_hubs_ledger_holds_for_the_run() -> None:
     """The site's record of a run holds no credits: taking its reports in never drops the
     price and holds the hub's copy took at submit, which settle the run when it ends."""
