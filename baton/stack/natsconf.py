@@ -131,6 +131,11 @@ def cluster_block(c: ClusterRoutes) -> str:
     creds = f"{quote(c.user, safe='')}:{quote(c.password, safe='')}@" if c.user else ""
     routes = ", ".join(json.dumps(f"nats-route://{creds}{HOST}:{p}") for p in c.ports)
     lines.append(f"  routes: [{routes}]")
+    # The nodes' addresses are not gossiped to clients or to sites' leaf nodes: every
+    # client is given every node's URL (`HubCluster.url`), and a site reaches the hub at
+    # the address its operator gave it (a load balancer, a proxy, a public name), never at
+    # a node's own listener it could not reach, or that bypasses what is between them.
+    lines.append("  no_advertise: true")
     return "cluster {\n" + "\n".join(lines) + "\n}"
 
 
