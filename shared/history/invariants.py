@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from dataclasses import dataclass
 
 from shared.contracts import events as ev
 from shared.contracts.records import RunState, replica_of
@@ -69,19 +70,25 @@ def run_kept(history: History) -> list[Violation]:
 
 def ends_stay(history: History) -> list[Violation]:
     """2a. A run leaves a terminal state only when an operator reopens it, and its events say
-    so: after a `completed`, `failed` or `cancelled` event, no other such event and no
-    `started` appears, nor any `progress`, `restored` or `checkpoint_committed` but the
-    attempt's that was training when it ended (its last words: its trainer's or its group's
-    members', under its token), until a `rolled_back` event (or the reopened attempt's
-    `rollback_refused` warning) says the run was reopened. A second `completed` is
-    `completed-once`'s to say."""
+    so: after a `completed`, `failed` or `cancelled` event, no other such event appears, and
+    nothing of an attempt that could go on training it — a `started`, `progress`, `restored`
+    or `checkpoint_committed` — but the last words of attempts that could not: the one
+    training when it ended (its trainer's or its group's members', under its token), one
+    under a lower token (a site's grant taken back, whose outbox delivers late), or one a
+    `superseded` event says lost to the other side — until a `rolled_back` event (or the
+    reopened attempt's `rollback_refused` warning) says the run was reopened. A second
+    `completed` is `completed-once`'s to say."""
     out = []
     for run_id, logged in by_run(history).items():
+        lost = {lg.event.loser_token for lg in logged if isinstance(lg.event, ev.Superseded)}
         ended: Logged | None = None
         workers, token = frozenset[str](), -1  # the attempt training when the run ended
         last_workers, last_token = frozenset[str](), -1
+        started: dict[str, int] = {}  # each worker's newest `started` token so far
         for lg in logged:
             e = lg.event
+            if isinstance(e, ev.Started):
+                started[e.worker] = e.token
             if ended is None:
                 if isinstance(e, ev.Started):
                     last_workers, last_token = frozenset([e.worker]), e.token
@@ -93,20 +100,20 @@ def ends_stay(history: History) -> list[Violation]:
             if _reopens(e):
                 ended = None
                 continue
-            if isinstance(e, ev.Completed) and isinstance(ended.event, ev.Completed):
-                continue
-            if _goes_on(e, workers, token):
-                out.append(
-                    Violation(
-                        invariant=ENDS_STAY,
-                        detail=f"run {run_id} ended ({ev.kind_of(ended.event)}, event "
-                        f"{ended.seq}) and then {ev.kind_of(e)} (event {lg.seq}) with no "
-                        "rollback reopening it",
-                        runs=[run_id],
-                        entries=[f"event {ended.seq}", f"event {lg.seq}"],
-                    )
-                )
+            completed = isinstance(ended.event, ev.Completed)
+            if _goes_on(e, Ended(workers, token, lost, started, completed)):
+                out.append(_went_on(run_id, ended, lg))
     return out
+
+
+def _went_on(run_id: str, ended: Logged, lg: Logged) -> Violation:
+    return Violation(
+        invariant=ENDS_STAY,
+        detail=f"run {run_id} ended ({ev.kind_of(ended.event)}, event {ended.seq}) and then "
+        f"{ev.kind_of(lg.event)} (event {lg.seq}) with no rollback reopening it",
+        runs=[run_id],
+        entries=[f"event {ended.seq}", f"event {lg.seq}"],
+    )
 
 
 def end_told(history: History) -> list[Violation]:
@@ -145,16 +152,38 @@ def _reopens(e: ev.Event) -> bool:
     return isinstance(e, ev.RolledBack) or (isinstance(e, ev.RunWarning) and e.kind == REOPENED_BY)
 
 
-def _goes_on(e: ev.Event, workers: frozenset[str], token: int) -> bool:
-    """Whether `e`, after the run's end, is the run going on (not the last words of the
-    attempt of `token` that was training when it ended, on `workers`: its trainer, and its
-    group's members)."""
-    if isinstance(e, (*ENDINGS, ev.Started)):
-        return True
+@dataclass(frozen=True)
+class Ended:
+    """What `ends_stay` knows of a run that ended, for the events after its end."""
+
+    workers: frozenset[str]
+    """The attempt training when it ended: its trainer, and its group's members."""
+    token: int
+    """That attempt's token."""
+    lost: set[int]
+    """Tokens of attempts a `superseded` event says lost to the other side."""
+    started: dict[str, int]
+    """Each worker's newest `started` token so far."""
+    completed: bool
+    """It ended COMPLETED (a second `completed` is `completed-once`'s to say)."""
+
+    def silenced(self, token: int | None) -> bool:
+        """An attempt under `token` could not go on training the run: the ending one's,
+        one below it, or one that lost to the other side."""
+        return token is not None and (token <= self.token or token in self.lost)
+
+
+def _goes_on(e: ev.Event, end: Ended) -> bool:
+    """Whether `e`, after the run's end, is the run going on (not the last words of an
+    attempt that could not go on: `Ended.silenced`)."""
+    if isinstance(e, ENDINGS):
+        return not (end.completed and isinstance(e, ev.Completed))
+    if isinstance(e, ev.Started):
+        return not end.silenced(e.token)
     if isinstance(e, (ev.Progress, ev.Restored)):
-        return e.worker not in workers
+        return e.worker not in end.workers and not end.silenced(end.started.get(e.worker))
     if isinstance(e, ev.CheckpointCommitted):
-        return e.token != token
+        return not end.silenced(e.token)
     return False
 
 

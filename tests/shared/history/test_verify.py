@@ -324,3 +324,27 @@ def test_a_completion_still_being_announced_is_no_violation() -> None:
     pending = replace(h.archived[A], announce_pending=True)
     told = _events(replace(h, archived={A: pending}), _without(ev.Completed))
     assert [v.runs for v in check(told)] == [[B]], check(told)  # B's completed is gone too
+
+
+def test_late_words_of_a_taken_back_or_losing_attempt_are_no_violation() -> None:
+    """A site's grant taken back (a lower token) and a side that lost to the store's chain
+    (`superseded`) may still be heard after the end: their outboxes deliver late, and
+    neither could go on training the run."""
+
+    def late(es: list[ev.Event]) -> list[ev.Event]:
+        taken_back = ev.Started(run_id=A, worker="site-w", token=3, attempt=1, start_step=0)
+        lost = ev.Started(run_id=A, worker="dual-w", token=9, attempt=1, start_step=0)
+        said = [
+            ev.Progress(run_id=A, step=8, total_steps=20, worker="site-w"),
+            ev.CheckpointCommitted(run_id=A, step=8, token=3, manifest=key(A, 8, 3), bytes=1),
+            ev.Progress(run_id=A, step=4, total_steps=20, worker="dual-w"),
+            ev.Superseded(
+                run_id=A, owner="", epoch=0, loser="lab1", loser_token=9, wasted_steps=4
+            ),
+        ]
+        return [*es[:1], taken_back, *es[1:6], lost, *said, *es[6:]]
+
+    assert check(_events(clean(), late)) == []
+    # Without the `superseded` event, the later attempt's words are the run going on.
+    going_on = _events(clean(), lambda es: _without(ev.Superseded)(late(es)))
+    assert {v.invariant for v in check(going_on)} == {invariants.ENDS_STAY}, check(going_on)
