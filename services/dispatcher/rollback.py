@@ -17,7 +17,10 @@ dead-lettered with its reason, nothing changed.
     RUNNING       ordered and its trainer woken: the attempt stops without a checkpoint and
                   gives its task back (PREEMPTED); the next one rewinds
     PAUSED        ordered; the attempt after `baton resume` rewinds
-    FAILED        reopened: QUEUED at the next dispatch, ordered, its task published
+    FAILED        reopened: QUEUED at the next dispatch, ordered, its task published; a
+                  run with a price once its life is settled, as a new life with a new
+                  hold for its steps from the checkpoint on (a balance short of it
+                  refuses the rollback, nothing changed)
     COMPLETED,    refused: a run that is over is forked instead (`baton fork`)
     CANCELLED
 """
@@ -25,6 +28,7 @@ dead-lettered with its reason, nothing changed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from shared import config
 from shared.checkpoint import lineage
@@ -40,11 +44,21 @@ log = logging.getLogger("baton.dispatcher")
 RETRY_S = 1.0
 
 
+Reopen = Callable[[RunRecord, int], Awaitable[transitions.Taken | None]]
+"""The first hold of a FAILED run's next life, back to a step, taken in the ledger."""
+
+
 async def order(
-    runs: Runs, req: Rollback, record: RunRecord, store_url: str | None = None
+    runs: Runs,
+    req: Rollback,
+    record: RunRecord,
+    store_url: str | None = None,
+    reopen: Reopen | None = None,
 ) -> RunRecord:
     """Check `req` and write the order; the record as ordered (a reopened run QUEUED, for
-    the scheduler to admit). `store_url` defaults to the service's (`BATON_STORE`)."""
+    the scheduler to admit). `store_url` defaults to the service's (`BATON_STORE`).
+    `reopen`: what a FAILED run holds for its next life, taken once the step is checked
+    (its refusal refuses the rollback, nothing changed)."""
     if record.state in (RunState.COMPLETED, RunState.CANCELLED):
         raise ContractError(
             f"run {req.run_id} is {record.state.value}: a run that is over does not go back; "
@@ -57,7 +71,10 @@ async def order(
         except IntegrityError as exc:
             raise ContractError(str(exc), "$.step") from None
     reason = req.reason or "rolled back by an operator"
-    ordered = await runs.update(req.run_id, transitions.order_rollback(req.step, reason))
+    taken = None
+    if record.state is RunState.FAILED and reopen is not None:
+        taken = await reopen(record, req.step)
+    ordered = await runs.update(req.run_id, transitions.order_rollback(req.step, reason, taken))
     if ordered is None:
         found = await runs.get(req.run_id)
         now = found[0] if found else None

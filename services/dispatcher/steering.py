@@ -11,7 +11,8 @@ a submitter publish on); a body naming another run is refused the same way.
     pause        QUEUED: PAUSED; RUNNING: pause_requested        its trainer checkpoints
                                                                  and stops: PAUSED
     resume       PAUSED: QUEUED at the next dispatch (priced:    the scheduler admits it
-                 a new hold first)
+                 checked PAUSED first, then a hold for
+                 what its holds no longer cover, if any)
     checkpoint   RUNNING: checkpoints_asked + 1                 its trainer checkpoints
     rollback     see `services/dispatcher/rollback.py`
 """
@@ -35,8 +36,8 @@ from shared.contracts import RunRecord, RunState, decode, encode
 from shared.contracts.control import Command, Pause, Resume, Rollback, Steer, TakeCheckpoint
 from shared.contracts.events import Paused, Resumed, RunWarning
 from shared.contracts.ledger import Hold
-from shared.errors import ContractError
-from shared.ledger.holds import Holds, reckon
+from shared.errors import ContractError, TransientError
+from shared.ledger.holds import Estimate, Holds, reckon, shortfall
 from shared.state import transitions
 from shared.state.pools import Pools
 from shared.state.runs import Change, Runs
@@ -103,9 +104,15 @@ class Steering:
         await emit(self.js, paused, msg_id=f"paused.{req.run_id}.{record.dispatch}.queued")
 
     async def _resume(self, req: Resume, paused: RunRecord) -> None:
-        """A paused run is queued again; one whose credits are held takes a new hold first,
-        for the steps it still has to train (a balance short of it refuses the resume)."""
-        hold: tuple[int, int] | None = None
+        """A paused run is queued again. One whose credits are held is checked PAUSED (and
+        not settled) before anything is held — a resume delivered again, or asked twice,
+        holds nothing — and then holds only what its holds no longer cover of the steps it
+        still has to train (a balance short of that refuses the resume)."""
+        if paused.state is not RunState.PAUSED or paused.settled:
+            raise ContractError(
+                f"resume does not apply to run {req.run_id} ({paused.state.value})", "$.run_id"
+            )
+        hold: transitions.Taken | None = None
         if paused.price and paused.owner:
             try:
                 hold = await self._hold_again(paused)
@@ -118,17 +125,40 @@ class Steering:
         resumed = Resumed(run_id=req.run_id, reason=req.reason or "resumed by an operator")
         await emit(self.js, resumed, msg_id=f"resumed.{req.run_id}.{record.dispatch}")
 
-    async def _hold_again(self, r: RunRecord) -> tuple[int, int]:
-        """The run's next hold (its number, its units), taken in the ledger."""
+    async def _hold_again(self, r: RunRecord) -> transitions.Taken | None:
+        """The hold the run needs to train its remaining steps — their estimate less what
+        its life's holds still cover (`shortfall`) — taken in the ledger; None when its
+        holds cover them."""
+        steps = max(1, r.spec.total_steps - r.step)
+        estimate = await self._estimate(r, steps)
+        need = shortfall(estimate.amount, r.held, r.life_metered_s, r.price)
+        if need <= 0:
+            log.info("%s: its holds still cover %s; nothing more held", r.run_id, estimate.how)
+            return None
+        return await self._take(r, r.life, len(r.holds), need, estimate.how)
+
+    async def _estimate(self, r: RunRecord, steps: int) -> Estimate:
         pool = (await self.pools.policy.current()).pool(r.spec.pool)
         priced = msgspec.structs.replace(pool, price=r.price)  # what it was accepted at
-        steps = max(1, r.spec.total_steps - r.step)
-        estimate = await reckon(self.pools, r.spec, priced, steps, own=(r.metered_s, r.step))
-        n = len(r.holds)
-        wanted = Hold(owner=r.owner, run_id=r.run_id, n=n, amount=estimate.amount,
-                      estimate=estimate.how)  # fmt: skip
-        await self.holds.take(r.owner, [wanted])
-        return n, estimate.amount
+        return await reckon(self.pools, r.spec, priced, steps, own=(r.metered_s, r.step))
+
+    async def _take(
+        self, r: RunRecord, life: int, n: int, amount: int, how: str
+    ) -> transitions.Taken:
+        wanted = Hold(owner=r.owner, run_id=r.run_id, n=n, life=life, amount=amount, estimate=how)
+        (stored,) = await self.holds.take(r.owner, [wanted])
+        return transitions.Taken(life, n, stored)
+
+    async def _reopen_hold(self, r: RunRecord, step: int) -> transitions.Taken | None:
+        """For a priced FAILED run rolled back to `step`: the first hold of its next life,
+        for the steps from `step` on, taken in the ledger once its life is settled (before
+        that, the rollback waits: `TransientError`). None for a run without a price."""
+        if not (r.price and r.owner):
+            return None
+        if not r.settled:
+            raise TransientError(f"run {r.run_id}'s credits are still being settled", 1.0)
+        estimate = await self._estimate(r, max(1, r.spec.total_steps - step))
+        return await self._take(r, r.life + 1, 0, estimate.amount, estimate.how)
 
     def _queued(self, record: RunRecord) -> None:
         if self.scheduler is not None and record.state is RunState.QUEUED:
@@ -148,7 +178,7 @@ class Steering:
         await self._change(req, transitions.ask_checkpoint)
 
     async def _rollback(self, req: Rollback, record: RunRecord) -> None:
-        ordered = await rollback.order(self.runs, req, record)
+        ordered = await rollback.order(self.runs, req, record, reopen=self._reopen_hold)
         self._queued(ordered)
         await self._wake(ordered, req.reason or "rolled back")
 

@@ -10,24 +10,31 @@ outbox sourced to the end (`sourcing`): a run trained through a cut is metered f
 the site reports at heal — and the holds from the ledger itself (`hold.<run>.<n>`, in
 order), so the entry says exactly what the ledger held. A run is retired only once settled
 (`service.py`).
+
+A run reopened after its settlement (`baton rollback` of a FAILED run) is settled again when
+its new life ends, for that life alone: the events after the last life's end, the holds of
+that life (`settle.<run>.l<life>`). The settlement is written after the owner's newest
+ledger entry (`Holds.settle`), with what the ledger holds for the life then: a hold that
+landed before it — one the record never took in, a resume that lost a race with the
+run's end — is given back with the rest, and none can land after it.
 """
 
 from __future__ import annotations
 
 import logging
 
-from nats.js import JetStreamContext
+from nats.aio.client import Client
 
 from services.reaper.sites import SiteWatch
 from shared import telemetry
-from shared.bus import names
 from shared.bus.history import run_events
 from shared.contracts import RunRecord
-from shared.contracts.ledger import Hold, Settle
+from shared.contracts.ledger import Settle
 from shared.contracts.pools import UNITS_PER_CREDIT, credits
 from shared.history.goodput import END
 from shared.ledger import book
-from shared.ledger.charges import charge
+from shared.ledger.charges import charge, life_events
+from shared.ledger.holds import Holds
 from shared.state import transitions
 from shared.state.runs import Runs
 
@@ -40,10 +47,11 @@ def billable(r: RunRecord) -> bool:
 
 
 class Billing:
-    def __init__(self, js: JetStreamContext, runs: Runs, sites: SiteWatch) -> None:
-        self.js = js
+    def __init__(self, nc: Client, runs: Runs, sites: SiteWatch) -> None:
+        self.js = nc.jetstream()
         self.runs = runs
         self.sites = sites
+        self.holds = Holds(nc)
 
     async def sweep(self, records: list[RunRecord]) -> list[str]:
         """Settle every ended run that is due; the runs settled."""
@@ -63,17 +71,19 @@ class Billing:
         return done
 
     async def settle(self, r: RunRecord) -> bool:
-        events = await run_events(self.js, r.run_id)
+        events = life_events(await run_events(self.js, r.run_id), r.life)
         if not any(isinstance(e, END) for e in events):
             return False  # its terminal event is on its way
-        held = await held_for(self.js, r)
         spent = charge(events, r.price)
-        entry = Settle(
-            owner=r.owner, run_id=r.run_id, held=held, charged=spent.charged,
-            productive_s=spent.productive_s, failed_s=spent.failed_s, free_s=spent.free_s,
-            state=r.state.value,
-        )  # fmt: skip
-        written = await book.write(self.js, entry)
+
+        def entry(held: int) -> Settle:
+            return Settle(
+                owner=r.owner, run_id=r.run_id, life=r.life, held=held, charged=spent.charged,
+                productive_s=spent.productive_s, failed_s=spent.failed_s, free_s=spent.free_s,
+                state=r.state.value,
+            )  # fmt: skip
+
+        written = await self.holds.settle(r.owner, r.run_id, r.life, entry)
         await self.runs.update(r.run_id, transitions.settled)
         if written is not None:
             telemetry.CREDITS_CHARGED.add(
@@ -81,19 +91,9 @@ class Billing:
                 {telemetry.OWNER: r.owner, telemetry.POOL: r.spec.pool},
             )
             log.info(
-                "%s: settled: %s credits charged of %s held (%.1f productive and %.1f failed "
-                "trainer-seconds; %.1f not charged)", r.run_id, credits(spent.charged),
-                credits(held), spent.productive_s, spent.failed_s, spent.free_s,
+                "%s: settled (life %d): %s credits charged of %s held (%.1f productive and "
+                "%.1f failed trainer-seconds; %.1f not charged)", r.run_id, r.life,
+                credits(spent.charged), credits(written.held), spent.productive_s,
+                spent.failed_s, spent.free_s,
             )  # fmt: skip
         return True
-
-
-async def held_for(js: JetStreamContext, r: RunRecord) -> int:
-    """Units the ledger holds for run `r`: its holds `hold.<run>.0`, `.1`… in order."""
-    total, n = 0, 0
-    while True:
-        found = await book.find(js, names.ledger_subject(r.owner, "hold", f"{r.run_id}.{n}"))
-        if not isinstance(found, Hold):
-            return total
-        total += found.amount
-        n += 1

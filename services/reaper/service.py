@@ -130,7 +130,7 @@ class Reaper(Sweeps):
         await declared(declare, log)
         self.runs = await Runs.open(self.js)
         self.reconciler = Reconciler(self.js, self.runs, self.store)
-        self.billing = Billing(self.js, self.runs, self.sites)
+        self.billing = Billing(self.nc, self.runs, self.sites)
         self.take_back = TakeBack(self.nc, self.js, self.runs, self.store, self.policy)
         self.lapses = Lapses(self.nc, self.js, self.runs, self.lease_secret)
         await self.lapses.start()

@@ -1,11 +1,12 @@
 """A run's credits, spent as it trains: the run pauses when its holds are used up.
 
 Invariant: a run with a price (`RunRecord.price`) trains on no longer than its holds pay
-for, as its trainers measure it — the trainer-seconds its ended attempts trained
-(`RunRecord.metered_s`) plus this attempt's since its training process restored, times its
-ranks, at its price for this trainer's device. When they reach its holds the attempt is
-paused (`budget: …`) at its next checkpoint, losing no step; `baton resume` after a
-top-up takes a new hold and goes on. At 80 % a `warning` (`credits_80`) says so first.
+for, as its trainers measure it — the trainer-seconds its ended attempts trained in its
+life (`RunRecord.life_metered_s`: a reopened run's holds are its new life's) plus this
+attempt's since its training process restored, times its ranks, at its price for this
+trainer's device. When they reach its holds the attempt is paused (`budget: …`) at its
+next checkpoint, losing no step; `baton resume` after a top-up holds what its holds no
+longer cover and goes on. At 80 % a `warning` (`credits_80`) says so first.
 
 What the run is charged is settled from its events once it ends (`shared.ledger.charges`):
 its productive seconds and its own failures', never more than this meter counts (which
@@ -30,7 +31,7 @@ class Meter:
         self.price = record.price.get(device, record.price.get("*", 0.0))
         """Credits per trainer-second."""
         self.held = record.held
-        self.before_s = record.metered_s
+        self.before_s = record.life_metered_s
         self.ranks = max(1, ranks)
         self.began: float | None = None
         self.started = asyncio.Event()

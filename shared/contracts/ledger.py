@@ -7,10 +7,16 @@ election or cut, whoever writes it. An owner's balance is the sum of its entries
 
     kind     delta                        written by
     topup    + amount                     an operator (`baton credits topup`)
-    hold     - amount                     the dispatcher, at submit and at each resume
+    hold     - amount                     the dispatcher, at submit, at a resume that
+                                          its holds no longer cover, and at a reopening
     settle   + (held - charged)           the reaper, once the run ended: its holds come
                                           back less what it is charged (an overage, when
                                           it was charged more, is taken from the balance)
+
+A run reopened after it was settled (`baton rollback` of a FAILED run) begins a new *life*:
+its holds and its settlement are the life's own (`life`, 0 for the first), so a settlement
+posts what its own life trained and voids the rest of its own life's holds, exactly once.
+Life 0's entries carry no `life` (omitted, as entries written before lives were).
 """
 
 from __future__ import annotations
@@ -55,13 +61,18 @@ class TopUp(_Entry, tag="topup", frozen=True):
         return self.amount
 
 
-class Hold(_Entry, tag="hold", frozen=True):
-    """The `n`-th hold of run `run_id`'s estimated cost (0 at submit, 1 at its first
-    resume…): taken from the balance until the run is settled."""
+Life = Annotated[int, Meta(ge=0, le=10_000)]
+
+
+class Hold(_Entry, tag="hold", frozen=True, omit_defaults=True):
+    """The `n`-th hold of run `run_id`'s estimated cost in its life `life` (0 at submit or
+    at its reopening, 1 at its first resume its holds did not cover…): taken from the
+    balance until that life is settled."""
 
     run_id: Annotated[str, Meta(pattern=RUN_ID)]
     n: Annotated[int, Meta(ge=0, le=10_000)]
     amount: Units
+    life: Life = 0
     estimate: Annotated[str, Meta(max_length=512)] = ""
     """How the amount was reckoned, for people."""
 
@@ -70,15 +81,17 @@ class Hold(_Entry, tag="hold", frozen=True):
         return -self.amount
 
 
-class Settle(_Entry, tag="settle", frozen=True):
-    """Run `run_id` is over: of `held` units it is charged `charged` — its productive
-    trainer-seconds and those of its own failures at its price (`shared.ledger.charges`),
-    never time Baton's own failures, recovery, queueing or preemption cost — and gets the
-    rest back (`refund`, below zero for an overage)."""
+class Settle(_Entry, tag="settle", frozen=True, omit_defaults=True):
+    """Life `life` of run `run_id` is over: of `held` units (that life's holds) it is
+    charged `charged` — the life's productive trainer-seconds and those of its own failures
+    at its price (`shared.ledger.charges`), never time Baton's own failures, recovery,
+    queueing or preemption cost — and gets the rest back (`refund`, below zero for an
+    overage)."""
 
     run_id: Annotated[str, Meta(pattern=RUN_ID)]
     held: Units
     charged: Units
+    life: Life = 0
     productive_s: float = 0.0
     """Trainer-seconds of kept progress."""
     failed_s: float = 0.0

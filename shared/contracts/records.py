@@ -187,15 +187,22 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     empty: the run costs no credits. Its holds were reckoned at it, and it is charged at
     it (`shared.ledger`)."""
     holds: list[int] = []
-    """The credits held for the run, in units (`shared.contracts.pools.units`), one per
-    hold: at submit, and at each resume."""
+    """The credits held for the run's life (`life`), in units
+    (`shared.contracts.pools.units`), one per hold: at submit (or its reopening), and at
+    each resume its holds did not cover."""
     metered_s: float = 0.0
     """Trainer-seconds its ended attempts trained (a failure of its own code: the whole
     attempt), as their trainers measured them: the running attempt's meter adds its own
     to this, against the holds, and pauses the run when they are spent. The settlement
     charges what the run's events say (`shared.ledger.charges`)."""
     settled: bool = False
-    """The run's holds are settled in the ledger (charged, the rest refunded), once."""
+    """The life's holds are settled in the ledger (charged, the rest refunded), once."""
+    life: int = 0
+    """How often a settled run was reopened (`baton rollback` of a FAILED run): each life
+    holds, is metered and is settled on its own (`hold.<run>.l<life>.<n>`,
+    `settle.<run>.l<life>`; life 0's are `hold.<run>.<n>` and `settle.<run>`)."""
+    metered_before: float = 0.0
+    """`metered_s` when this life began: the life's own trainer-seconds are the rest."""
     trace: dict[str, str] = {}
     """The submission's trace context (W3C headers; empty when untraced): every task the
     scheduler publishes for the run carries it, so a run is one trace however often it is
@@ -207,8 +214,13 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
     @property
     def held(self) -> int:
-        """Units held for the run so far."""
+        """Units held for the run's life so far."""
         return sum(self.holds)
+
+    @property
+    def life_metered_s(self) -> float:
+        """Trainer-seconds its ended attempts trained in this life."""
+        return max(0.0, self.metered_s - self.metered_before)
 
 
 def run_owner(run_id: str) -> str:

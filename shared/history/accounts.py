@@ -32,12 +32,12 @@ def ledger_sums(history: History) -> list[Violation]:
     """5a. Each owner's balance is the sum of its entries: every entry is stored under the
     subject that names it (`book.subject_of`: its owner, kind and identity — what makes it
     written once), and the balance the ledger's fold gives each owner is the sum of its
-    entries' deltas; a settlement gives back what the ledger held for its run before it
-    (`held` is the sum of the run's holds stored ahead of it)."""
+    entries' deltas; a settlement gives back what the ledger held for its run's life before
+    it (`held` is the sum of the holds of the run's life stored ahead of it)."""
     out = []
     accounts: dict[str, Account] = {}
     sums: Counter[str] = Counter()
-    held: Counter[str] = Counter()
+    held: Counter[tuple[str, int]] = Counter()
     for p in history.ledger:
         e = p.entry
         if p.subject != subject_of(e):
@@ -45,9 +45,12 @@ def ledger_sums(history: History) -> list[Violation]:
         accounts.setdefault(e.owner, Account(e.owner)).fold(p.seq, e)
         sums[e.owner] += e.delta
         if isinstance(e, Hold):
-            held[e.run_id] += e.amount
-        elif isinstance(e, Settle) and e.held != held[e.run_id]:
-            why = f"run {e.run_id} settled {e.held} units held, the ledger held {held[e.run_id]}"
+            held[e.run_id, e.life] += e.amount
+        elif isinstance(e, Settle) and e.held != held[e.run_id, e.life]:
+            why = (
+                f"run {e.run_id} settled {e.held} units held (life {e.life}), the ledger "
+                f"held {held[e.run_id, e.life]}"
+            )
             out.append(_entry(why, p, e.run_id))
     for owner, account in sorted(accounts.items()):
         if account.balance != sums[owner]:
@@ -69,21 +72,28 @@ def _entry(why: str, p: Posted, run_id: str = "") -> Violation:
 
 
 def settled_once(history: History, exactly: bool = False) -> list[Violation]:
-    """5b. Each ended run is settled at most once: one `settle` entry at most per run, and a
-    record marked `settled` has one. With `exactly` (`baton verify --settled`: once the
-    reaper has had its chance), every ended run with a price and an owner has exactly one."""
+    """5b. Each life of an ended run is settled at most once: one `settle` entry at most per
+    run and life (a run reopened by a rollback after its settlement begins a new life), and
+    a record marked `settled` has one for its life. With `exactly` (`baton verify
+    --settled`: once the reaper has had its chance), every ended run with a price and an
+    owner has exactly one for its life."""
     out = []
-    settles: dict[str, list[str]] = defaultdict(list)
+    settles: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     for p in history.ledger:
         if isinstance(p.entry, Settle):
-            settles[p.entry.run_id].append(p.subject)
+            settles[p.entry.run_id][p.entry.life].append(p.subject)
     for run_id in sorted(set(settles) | set(history.run_ids())):
-        found = settles.get(run_id, [])
+        lives = settles.get(run_id, {})
         record = history.record(run_id)
+        life = record.life if record is not None else 0
+        found = lives.get(life, [])
         billable = record is not None and record.state.terminal and bool(record.price)
         billable = billable and record is not None and bool(record.owner)
-        if len(found) > 1:
-            why = f"run {run_id} is settled {len(found)} times"
+        twice = {n: subjects for n, subjects in lives.items() if len(subjects) > 1}
+        if twice:
+            n, subjects = min(twice.items())
+            why = f"run {run_id} is settled {len(subjects)} times (life {n})"
+            found = subjects
         elif not found and record is not None and record.settled:
             why = f"run {run_id}'s record says settled but the ledger has no settlement"
         elif not found and exactly and billable:
@@ -95,16 +105,16 @@ def settled_once(history: History, exactly: bool = False) -> list[Violation]:
 
 
 def nothing_after_settle(history: History) -> list[Violation]:
-    """5c. Nothing is written for a run after its settlement: no entry naming the run is
-    stored after (in the stream's order) its `settle` entry."""
+    """5c. Nothing is written for a run's life after its settlement: no entry naming the
+    run and that life is stored after (in the stream's order) the life's `settle` entry."""
     out = []
-    settled: dict[str, Posted] = {}
+    settled: dict[tuple[str, int], Posted] = {}
     for p in history.ledger:
         e = p.entry
         if isinstance(e, TopUp):
             continue
-        if e.run_id in settled:
-            first = settled[e.run_id]
+        if (e.run_id, e.life) in settled:
+            first = settled[e.run_id, e.life]
             out.append(
                 Violation(
                     invariant=NOTHING_AFTER_SETTLE,
@@ -114,7 +124,7 @@ def nothing_after_settle(history: History) -> list[Violation]:
                 )
             )
         elif isinstance(e, Settle):
-            settled[e.run_id] = p
+            settled[e.run_id, e.life] = p
     return out
 
 

@@ -42,8 +42,24 @@ def subject_of(entry: Entry) -> str:
     if isinstance(entry, TopUp):
         return names.ledger_subject(entry.owner, "topup", entry.id)
     if isinstance(entry, Hold):
-        return names.ledger_subject(entry.owner, "hold", f"{entry.run_id}.{entry.n}")
-    return names.ledger_subject(entry.owner, "settle", entry.run_id)
+        return hold_subject(entry.owner, entry.run_id, entry.life, entry.n)
+    return settle_subject(entry.owner, entry.run_id, entry.life)
+
+
+def _of_life(run_id: str, life: int) -> str:
+    """A run's life in an entry's identity: the run alone for life 0 (as entries were
+    written before lives), `<run>.l<life>` after."""
+    return f"{run_id}.l{life}" if life else run_id
+
+
+def hold_subject(owner: str, run_id: str, life: int, n: int) -> str:
+    """Hold `n` of life `life` of run `run_id`: `hold.<run>.<n>`, `hold.<run>.l<life>.<n>`."""
+    return names.ledger_subject(owner, "hold", f"{_of_life(run_id, life)}.{n}")
+
+
+def settle_subject(owner: str, run_id: str, life: int) -> str:
+    """The settlement of life `life` of run `run_id`: `settle.<run>`, `settle.<run>.l<life>`."""
+    return names.ledger_subject(owner, "settle", _of_life(run_id, life))
 
 
 class Moved(Exception):
@@ -101,7 +117,9 @@ class Account:
     balance: int = 0
     """The sum of its entries' deltas: what it may still hold for new runs."""
     holds: dict[str, int] = field(default_factory=dict)
-    """Units held per run not yet settled."""
+    """Units held per run whose life is not settled yet."""
+    settled: set[tuple[str, int]] = field(default_factory=set)
+    """The (run, life) pairs settled: no hold is taken for them any more (`holds.Holds`)."""
     last_seq: int = 0
     """The stream sequence of its newest entry (0: none)."""
     entries: list[tuple[int, Entry]] = field(default_factory=list)
@@ -120,6 +138,7 @@ class Account:
             self.holds[entry.run_id] = self.holds.get(entry.run_id, 0) + entry.amount
         elif isinstance(entry, Settle):
             self.holds.pop(entry.run_id, None)
+            self.settled.add((entry.run_id, entry.life))
         if keep:
             self.entries.append((seq, entry))
 

@@ -21,7 +21,7 @@ import msgspec
 from shared.contracts import events as ev
 from shared.contracts.events import Event
 from shared.contracts.pools import units
-from shared.history.goodput import per_attempt
+from shared.history.goodput import END, per_attempt
 from shared.history.timeline import Attempt
 
 BATONS_OWN = ("gave up after ", "hard_timeout")
@@ -46,6 +46,18 @@ def own_failure(a: Attempt) -> bool:
     if isinstance(end, ev.AttemptFailed | ev.Guarded):
         return True
     return isinstance(end, ev.Failed) and not end.reason.startswith(BATONS_OWN)
+
+
+def life_events(events: list[Event], life: int) -> list[Event]:
+    """The events of life `life` of a run whose events are `events`: each life ends at a
+    terminal event, and a life after the first (a settled run reopened by a rollback)
+    begins after the previous one's — so each is charged its own trainer-seconds only."""
+    ends = [i for i, e in enumerate(events) if isinstance(e, END)]
+    first = ends[life - 1] + 1 if life > 0 and life - 1 < len(ends) else 0
+    if life > len(ends):
+        return []
+    last = ends[life] + 1 if life < len(ends) else len(events)
+    return events[first:last]
 
 
 def charge(events: list[Event], price: dict[str, float]) -> Charge:

@@ -10,20 +10,27 @@ nothing would bound what it spends.
 
 Holds of one owner are taken one at a time in this process, each a compare-and-swap on the
 owner's newest ledger entry (`book.write(after=…)`): a balance read once is never spent
-twice, by this dispatcher or another.
+twice, by this dispatcher or another. So is a settlement (`Holds.settle`), and a hold is
+taken only while its run's life is not settled in the account it was checked against: a
+hold and the settlement of its life are ordered by the ledger itself, so no hold ever
+lands after its life's settlement (which would hold credits nobody gives back), and the
+settlement gives back every hold stored ahead of it — one the run's record never took in
+(its resume lost a race with the run's end) too. Like a pending transfer: the settlement
+posts what the life is charged and voids the rest, once.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from shared.contracts.jobs import JobSpec
-from shared.contracts.ledger import Hold
+from shared.contracts.ledger import Hold, Settle
 from shared.contracts.pools import Pool, credits, units
 from shared.errors import ContractError
 from shared.ledger import book
@@ -77,8 +84,20 @@ def _held(trainer_s: float, how: str, pool: Pool) -> Estimate:
     return Estimate(trainer_s, amount, how)
 
 
+def shortfall(amount: int, held: int, metered_s: float, price: dict[str, float]) -> int:
+    """Units a run must hold more to train on for an estimate of `amount` units, when its
+    life holds `held` and has trained `metered_s` trainer-seconds (at its dearest price, as
+    estimates are reckoned): the estimate less what its holds still cover; 0 when they do."""
+    spent = units(metered_s * max(price.values(), default=0.0))
+    return max(0, amount - (held - spent))
+
+
 class Short(ContractError):
     """The owner's balance does not cover the holds asked for."""
+
+
+class Settled(ContractError):
+    """The run's life is settled: nothing is held for it any more."""
 
 
 class Holds:
@@ -90,16 +109,23 @@ class Holds:
         self._accounts: dict[str, book.Account] = {}
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
-    async def take(self, owner: str, wanted: list[Hold]) -> None:
+    async def take(self, owner: str, wanted: list[Hold]) -> list[int]:
         """Take every hold of `wanted` not taken yet (a submission delivered again finds
-        its own), all or none: `Short`, naming the balance and what was asked, when the
-        owner's balance does not cover them."""
+        its own), all or none; the units each holds as stored (a hold taken before keeps
+        its amount). `Short`, naming the balance and what was asked, when the owner's
+        balance does not cover them; `Settled` when a run's life is settled already."""
         async with self._locks[owner]:
             missing = [h for h in wanted if await book.find(self.js, book.subject_of(h)) is None]
             for _ in range(TRIES):
                 if not missing:
-                    return
+                    return [await self._stored(h) for h in wanted]
                 account = await self._account(owner)
+                over = [h for h in missing if (h.run_id, h.life) in account.settled]
+                if over:
+                    raise Settled(
+                        f"run {over[0].run_id} is settled (life {over[0].life}): "
+                        "nothing is held for it any more", "$.run_id",
+                    )  # fmt: skip
                 need = sum(h.amount for h in missing)
                 if account.balance < need:
                     why = "; ".join(h.estimate for h in missing)
@@ -126,6 +152,35 @@ class Holds:
                     self._accounts.pop(owner, None)
                     continue
             raise ContractError(f"{owner}'s credits kept changing under this hold; try again")
+
+    async def _stored(self, hold: Hold) -> int:
+        found = await book.find(self.js, book.subject_of(hold))
+        return found.amount if isinstance(found, Hold) else hold.amount
+
+    async def settle(
+        self, owner: str, run_id: str, life: int, entry: Callable[[int], Settle]
+    ) -> Settle | None:
+        """Settle life `life` of `owner`'s run `run_id` once: `entry(held)` — `held` the
+        units the ledger holds for the life as the settlement is written, every one of its
+        holds stored ahead of it — written after the owner's newest entry (a hold landing
+        meanwhile makes it read again). The entry written, or None when the life was
+        settled before. `book.NotStored` when the store refused it."""
+        async with self._locks[owner]:
+            for _ in range(TRIES):
+                account = await self._account(owner)
+                if (run_id, life) in account.settled:
+                    return None
+                settle = entry(account.holds.get(run_id, 0))
+                try:
+                    seq = await book.write(self.js, settle, after=account.last_seq)
+                except book.Moved:
+                    self._accounts.pop(owner, None)
+                    continue
+                if seq is None:
+                    return None  # a first try whose answer was lost
+                account.fold(seq, settle)
+                return settle
+            raise book.NotStored(f"{owner}'s credits kept changing under {run_id}'s settlement")
 
     async def _account(self, owner: str) -> book.Account:
         """`owner`'s account: read whole once, then only the entries since."""

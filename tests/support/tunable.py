@@ -20,7 +20,8 @@ def gated(ctx: RunContext) -> None:
     restore, since an optimizer's saved state carries the rate it was saved with. Prints the
     digest of the weights it restored (`restored step N digest D`), and waits before step
     `gate_at` until the file `gate` exists, so a test acts while the run is at a known step;
-    `pace` seconds after each step. A timed `Event.wait`, never `time.sleep` (see
+    fails (its own code's failure) at step `fail_at` unless the file `mend` exists; `pace`
+    seconds after each step. A timed `Event.wait`, never `time.sleep` (see
     `tests.support.workloads.paced`)."""
     dim, hidden, batch = (
         int(ctx.config.get(k, d)) for k, d in (("dim", 16), ("hidden", 32), ("batch", 32))
@@ -36,10 +37,13 @@ def gated(ctx: RunContext) -> None:
     print(f"restored step {start} digest {weights_digest(weights)}", flush=True)
     gate, gate_at = Path(str(ctx.config.get("gate", "-"))), int(ctx.config.get("gate_at", -1))
     pace = float(ctx.config.get("pace", 0.0))
+    fail_at, mend = int(ctx.config.get("fail_at", -1)), Path(str(ctx.config.get("mend", "-")))
     never = threading.Event()
     for step in ctx.steps():
         while step == gate_at and not gate.exists():
             never.wait(0.05)
+        if step == fail_at and not mend.exists():
+            raise RuntimeError(f"failing at step {step}, as asked")
         x, y = make_batch(ctx.seed, step, batch, dim)
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()

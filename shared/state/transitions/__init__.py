@@ -20,6 +20,7 @@ newer one), so a fenced attempt writes nothing.
 
     who            transitions
     dispatcher     cancel, pause, resume, order_rollback, add_hold (a resume's hold),
+                   Taken (a hold taken, for resume and a reopening order_rollback),
                    ask_checkpoint (`baton checkpoint`)
     scheduler      admit, queued_because, ask_preempt, cap_ranks (in the dispatcher:
                    `shared.scheduling`)
@@ -66,6 +67,7 @@ from shared.state.transitions.attempts import (
     wait,
 )
 from shared.state.transitions.lifecycle import (
+    Taken,
     add_hold,
     announced,
     cancel,
@@ -103,6 +105,7 @@ from shared.state.transitions.sites import (
 __all__ = [
     "Change",
     "Spent",
+    "Taken",
     "accept_grant",
     "add_hold",
     "admit",

@@ -12,6 +12,15 @@ from shared.state.runs import Change
 _replace = msgspec.structs.replace
 
 
+class Taken(msgspec.Struct, frozen=True):
+    """A hold the dispatcher took in the ledger for a run: hold number `n` of its life
+    `life`, of `amount` units (`shared.ledger.holds`), for its record to add."""
+
+    life: int
+    n: int
+    amount: int
+
+
 # -- ending, cancelling, stopping -------------------------------------------------------
 
 
@@ -70,20 +79,20 @@ def pause(reason: str) -> Change:
     return change
 
 
-def resume(hold: tuple[int, int] | None = None, *, allow_changes: bool = False) -> Change:
-    """A PAUSED run: QUEUED at the next dispatch, waiting for the scheduler to admit it, no
-    longer asked to pause, its failures forgiven (a human looked); with `hold`, its hold
-    number `hold[0]` of `hold[1]` units added (taken in the ledger first); with
-    `allow_changes`, allowed to resume under other software (`changes_allowed`). A run
-    paused while granted to a site is the hub's again, under the next epoch: the site's
-    grant was spent (its record there stays PAUSED, and a grant is sent once per epoch),
-    so the scheduler decides afresh, and may grant it again. Otherwise None."""
+def resume(hold: Taken | None = None, *, allow_changes: bool = False) -> Change:
+    """A PAUSED run not settled: QUEUED at the next dispatch, waiting for the scheduler to
+    admit it, no longer asked to pause, its failures forgiven (a human looked); with
+    `hold`, that hold added (taken in the ledger first: `add_hold`); with `allow_changes`,
+    allowed to resume under other software (`changes_allowed`). A run paused while granted
+    to a site is the hub's again, under the next epoch: the site's grant was spent (its
+    record there stays PAUSED, and a grant is sent once per epoch), so the scheduler
+    decides afresh, and may grant it again. Otherwise None."""
 
     def change(r: RunRecord) -> RunRecord | None:
-        if r.state is not RunState.PAUSED:
+        if r.state is not RunState.PAUSED or r.settled:
             return None
         if hold is not None:
-            added = add_hold(*hold)(r)
+            added = add_hold(hold)(r)
             if added is None:
                 return None
             r = added
@@ -98,14 +107,14 @@ def resume(hold: tuple[int, int] | None = None, *, allow_changes: bool = False) 
     return change
 
 
-def add_hold(n: int, amount: int) -> Change:
-    """While the run is not over and holds `n` holds: the `n`-th, of `amount` units,
-    added (its ledger entry is written first, once: `shared.ledger`)."""
+def add_hold(hold: Taken) -> Change:
+    """While the run is not over nor settled, in life `hold.life`, and holds `hold.n`
+    holds: that hold added (its ledger entry is written first, once: `shared.ledger`)."""
 
     def change(r: RunRecord) -> RunRecord | None:
-        if r.state.terminal or len(r.holds) != n:
+        if r.state.terminal or r.settled or r.life != hold.life or len(r.holds) != hold.n:
             return None
-        return _replace(r, holds=[*r.holds, amount])
+        return _replace(r, holds=[*r.holds, hold.amount])
 
     return change
 
@@ -150,16 +159,28 @@ def hand_over(token: int) -> Change:
 # -- rolling a run back (`baton rollback`) ----------------------------------------------
 
 
-def order_rollback(step: int, reason: str) -> Change:
+def order_rollback(step: int, reason: str, reopen: Taken | None = None) -> Change:
     """A QUEUED, RUNNING or PAUSED run: ordered back to its committed checkpoint at `step`
     (`rollback_to`: the attempt running stops without a checkpoint, and the next one rewinds
     `latest` before it starts). A FAILED run whose failure was announced: reopened — QUEUED
     at the next dispatch, for the scheduler to admit, its failures forgiven — and ordered
-    the same way. A COMPLETED or CANCELLED run, or a FAILED one whose failure is
-    still being announced: None."""
+    the same way. A FAILED run with a price is reopened only once its life is settled, and
+    only with `reopen`, the first hold of its next life (`reopen.life`, `n` 0): it begins
+    that life, its holds that one, metered from now, to be settled on its own. A COMPLETED
+    or CANCELLED run, a FAILED one whose failure is still being announced, or a priced one
+    not settled yet or without its next life's hold: None."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if r.state is RunState.FAILED and not r.announce_pending:
+            if r.price and r.owner:
+                if not r.settled or reopen is None:
+                    return None
+                if reopen.life != r.life + 1 or reopen.n != 0:
+                    return None
+                r = _replace(
+                    r, life=reopen.life, holds=[reopen.amount], settled=False,
+                    metered_before=r.metered_s,
+                )  # fmt: skip
             return _replace(
                 r, state=RunState.QUEUED, dispatch=r.dispatch + 1, retries=0, reason=None,
                 worker=None, group=[], delivery=None, rollback_to=step, rollback_reason=reason,

@@ -459,9 +459,10 @@ def test_cap_ranks() -> None:
 
 def test_add_hold_and_settled() -> None:
     r = record(holds=[100])
-    assert changed(r, applied(t.add_hold(1, 50), r)) == {"holds": [100, 50]}
-    refused(t.add_hold(0, 50), r)  # the first hold is there already
-    refused(t.add_hold(1, 50), *terminal(holds=[100]))
+    assert changed(r, applied(t.add_hold(t.Taken(0, 1, 50)), r)) == {"holds": [100, 50]}
+    refused(t.add_hold(t.Taken(0, 0, 50)), r)  # the first hold is there already
+    refused(t.add_hold(t.Taken(1, 1, 50)), r)  # a hold of another life
+    refused(t.add_hold(t.Taken(0, 1, 50)), *terminal(holds=[100]))
     done = record(state=RunState.COMPLETED)
     assert applied(t.settled, done).settled
     refused(t.settled, record(), record(state=RunState.COMPLETED, settled=True))

@@ -1,0 +1,228 @@
+"""Credits in every corner, on real processes under `baton up`'s authorization (a priced
+pool, a person of their own for each test; the stack of `test_credits.py`): a resume holds only what
+the run's holds no longer cover, and a repeated one nothing; a hold that would land after
+its run's settlement is refused, and one its record never took in is given back; a failed,
+settled run reopened by a rollback holds for its second life (refused, nothing changed, on
+a short balance) and is settled again for that life alone (docs/scheduling.md, "Credits").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+
+from baton.client import calls as client
+from shared.bus import names
+from shared.checkpoint.store import open_store
+from shared.contracts import RunRecord, RunState
+from shared.contracts.control import Pause, Resume, Rollback
+from shared.contracts.events import CheckpointCommitted, RunWarning
+from shared.contracts.ledger import Hold, Settle
+from shared.contracts.pools import units
+from shared.errors import ContractError
+from shared.history.collect import collect
+from shared.history.facts import Sighting
+from shared.history.verify import check, describe
+from shared.ledger import book
+from shared.ledger.charges import charge, life_events
+from shared.ledger.holds import Holds
+from tests.e2e.jobs import finished, history, job, submit
+from tests.e2e.test_credits import POOLS, PRICE, _past, charlm, record
+from tests.e2e.test_rollback import _letter
+from tests.support.ledger import balance, balanced, settled, topup
+from tests.support.stack import Stack, attempt_processes, eventually
+
+pytestmark = [
+    pytest.mark.sharing,
+    pytest.mark.timeout(600),
+    pytest.mark.asyncio(loop_scope="module"),
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    """As `test_credits.py`'s: the hub's services, two trainers restarted when they die;
+    a person for each test, so that each test's balance is its own."""
+    root = tmp_path_factory.mktemp("lives")
+    pools = root / "pools.toml"
+    pools.write_text(POOLS)
+    people = ("alice", "bob", "carol")
+    s = Stack(root / "stack", trainers=0, people=people, env={"BATON_POOLS_FILE": str(pools)})
+    try:
+        await s.start(("dispatcher", "checkpointer", "reaper"))
+        for name in ("t1", "t2"):
+            await s.add_trainer(name, restart=True)
+        await s.ready(("trainer",))
+        yield s
+    finally:
+        await s.stop()
+
+
+def _holds(account: book.Account, run_id: str) -> list[Hold]:
+    return [e for _, e in account.entries if isinstance(e, Hold) and e.run_id == run_id]
+
+
+async def _paused(nc: Client, run_id: str) -> None:
+    async def paused() -> bool:
+        return (await record(nc, run_id)).state is RunState.PAUSED
+
+    await eventually(paused, 120, f"{run_id} paused")
+
+
+async def test_a_resume_its_holds_cover_holds_nothing_and_a_repeated_one_nothing_more(
+    stack: Stack,
+) -> None:
+    """Paused by hand with its first hold mostly unspent and a balance of 0: the resume is
+    taken, holding nothing; asked twice, the second is refused before anything is held."""
+    op, alice = await stack.client(), await stack.client_as("alice")
+    first = units(30 * 2.0 * PRICE)  # estimate_s 30 x margin 2 at the price
+    before = await balance(op, "alice")
+    assert before == 0, before
+    before += await topup(op, "alice", first / units(1))
+    run_id = await submit(alice, charlm("covered", 300, 0.02, name="covered", estimate_s=30))
+    held = (await record(op, run_id)).holds
+    assert held == [first], held
+    await eventually(lambda: _past(op, run_id, 40), 120, "steps before the pause")
+    await client.steer(op, Pause(run_id=run_id, reason="a look at it"))
+    await _paused(op, run_id)
+    assert await balance(op, "alice") == 0, "the first hold took the whole balance"
+
+    await client.steer(alice, Resume(run_id=run_id, reason="go on"))
+    await client.steer(alice, Resume(run_id=run_id, reason="go on, again"))
+
+    async def moved_on() -> str | None:
+        refused = [
+            e for e in await history(op, run_id)
+            if isinstance(e, RunWarning) and e.kind == "resume_refused"
+        ]  # fmt: skip
+        if refused:
+            return refused[0].detail
+        return "taken" if (await record(op, run_id)).state is not RunState.PAUSED else None
+
+    assert await eventually(moved_on, 60, "the resume taken or refused") == "taken"
+    done = await finished(op, run_id, 180)
+    assert done.state is RunState.COMPLETED and done.holds == held, done
+    account = (await book.read(op, "alice", keep=True))["alice"]
+    assert [h.n for h in _holds(account, run_id)] == [0], "no hold beyond the first"
+    await balanced(op, "alice", run_id, before, PRICE)
+
+
+async def test_a_hold_after_the_settlement_is_refused_and_one_never_taken_in_given_back(
+    stack: Stack,
+) -> None:
+    """A resume's hold that its record never took in (the resume lost its race with the
+    run's end) is given back by the settlement; one that would land after the settlement
+    (the dispatcher's write for a resume that read the run PAUSED before the reaper ended
+    it) is refused: nothing held that nobody would give back."""
+    op, bob = await stack.client(), await stack.client_as("bob")
+    before = await balance(op, "bob") + await topup(op, "bob", 2.0)
+    run_id = await submit(bob, charlm("late", 300, 0.02, name="late", estimate_s=20))
+    await eventually(lambda: _past(op, run_id, 20), 120, "steps before the pause")
+    await client.steer(op, Pause(run_id=run_id, reason="a look at it"))
+    await _paused(op, run_id)
+    holds = Holds(op)  # as the dispatcher takes them
+    orphan = Hold(owner="bob", run_id=run_id, n=1, amount=units(0.3), estimate="lost race")
+    await holds.take("bob", [orphan])  # the record never takes it in
+    await client.cancel(op, run_id, "ended while a resume was on its way")
+    done = await finished(op, run_id, 60)
+    assert done.state is RunState.CANCELLED and done.holds == [units(0.4)], done
+    settle = await balanced(op, "bob", run_id, before, PRICE)
+    assert settle.held == units(0.4) + units(0.3), settle  # the orphan given back too
+
+    late = Hold(owner="bob", run_id=run_id, n=1 + 1, amount=units(0.5), estimate="too late")
+    refusal = ""
+    try:
+        await holds.take("bob", [late])
+    except ContractError as exc:
+        refusal = exc.reason
+    assert "is settled" in refusal, refusal
+    assert await book.find(op.jetstream(), book.subject_of(late)) is None, "written after all"
+    assert await balance(op, "bob") == before - settle.charged
+
+
+async def test_a_reopened_run_holds_for_its_second_life_and_is_settled_for_it_alone(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """A run whose own code failed, settled, rolled back: refused on a short balance with
+    nothing changed; topped up, reopened as its second life with a hold of its own, trained
+    to the end and settled again — each life charged its own trainer-seconds only."""
+    op, carol = await stack.client(), await stack.client_as("carol")
+    mend = tmp_path / "mend"
+    before = await balance(op, "carol") + await topup(op, "carol", 0.1)
+    spec = job(
+        name="reopened", entry_point="tests.support.tunable:gated", total_steps=120,
+        checkpoint={"every_steps": 10, "keep_last": 20}, on_failure="fail_fast",
+        config={"fail_at": 35, "mend": str(mend), "pace": 0.05}, estimate_s=5,
+    )  # fmt: skip
+    run_id = await submit(carol, spec)
+    failed = await finished(op, run_id, 120)
+    assert failed.state is RunState.FAILED and failed.holds == [units(0.1)], failed
+    first = await settled(op, "carol", run_id)
+    assert first.held == units(0.1), first
+
+    async def marked() -> bool:
+        return (await record(op, run_id)).settled
+
+    await eventually(marked, 60, "the first life marked settled")
+    steps = [e.step for e in await history(op, run_id) if isinstance(e, CheckpointCommitted)]
+    target = min(steps)
+
+    # Short: what is left of its first hold does not pay for its steps from `target` on.
+    await client.steer(op, Rollback(run_id=run_id, step=target, reason="short"))
+    letter = await eventually(lambda: _letter(op, "carol's balance of"), 60, "the refusal")
+    assert letter.subject == names.steer_subject(run_id), letter
+    assert "carol's balance of" in letter.reason, letter
+    now = await record(op, run_id)
+    assert (now.state, now.life, now.settled) == (RunState.FAILED, 0, True), now
+    second_hold = book.hold_subject("carol", run_id, 1, 0)
+    assert await book.find(op.jetstream(), second_hold) is None, "held for a refused rollback"
+
+    top = await topup(op, "carol", 1.0)
+    mend.touch()
+    await client.steer(op, Rollback(run_id=run_id, step=target, reason="mended"))
+    done = await finished_life(op, run_id, 1)
+    assert done.state is RunState.COMPLETED and done.life == 1, done
+    opened = await book.find(op.jetstream(), second_hold)
+    assert isinstance(opened, Hold) and done.holds == [opened.amount], (opened, done)
+
+    js = op.jetstream()
+
+    async def second() -> Settle | None:
+        found = await book.find(js, book.settle_subject("carol", run_id, 1))
+        return found if isinstance(found, Settle) else None
+
+    again = await eventually(second, 90, "the second life settled")
+    events = await history(op, run_id)
+    for life, entry in ((0, first), (1, again)):
+        spent = charge(life_events(events, life), done.price)
+        assert (entry.charged, entry.productive_s) == (spent.charged, spent.productive_s), life
+        assert entry.charged == units((entry.productive_s + entry.failed_s) * PRICE), entry
+    assert first.failed_s > 0 and again.failed_s == 0, (first, again)
+    assert again.held == opened.amount and again.life == 1, again
+    account = (await book.read(op, "carol", keep=True))["carol"]
+    assert account.balance == before + top - first.charged - again.charged, account.balance
+    assert run_id not in account.holds, account.holds
+
+    seen = [
+        Sighting(run_id=run_id, pid=pid, alive_at=time.time())
+        for name in ("t1", "t2") for pid in attempt_processes(stack.pid(name))
+    ]  # fmt: skip
+    async with open_store(stack.store_url) as store:
+        found = msgspec.structs.replace(await collect(op, store), sightings=seen)
+    assert check(found, settled_exactly=True) == [], [describe(v) for v in check(found)]
+
+
+async def finished_life(nc: Client, run_id: str, life: int) -> RunRecord:
+    """The run's record once it is terminal in life `life`."""
+
+    async def ended() -> RunRecord | None:
+        r = await record(nc, run_id)
+        return r if r.life == life and r.state.terminal else None
+
+    return await eventually(ended, 180, f"{run_id}'s life {life} to end")

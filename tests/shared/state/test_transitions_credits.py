@@ -1,0 +1,55 @@
+"""The credits' transitions, without NATS: a resume takes in a hold only while the run is
+PAUSED and unsettled, in the life the hold names; a rollback reopens a settled FAILED run
+only as a new life, with that life's first hold (docs/scheduling.md, "Credits")."""
+
+from __future__ import annotations
+
+from shared.contracts import RunState
+from shared.state import transitions as t
+from tests.shared.state.test_transitions import applied, changed, record, refused, terminal
+
+PRICE = {"cpu": 0.01}
+
+
+def test_a_resume_takes_in_its_hold_only_while_paused_unsettled_and_in_its_life() -> None:
+    paused = record(run_id="alice.r1", price=PRICE, holds=[100], state=RunState.PAUSED)
+    new = applied(t.resume(t.Taken(0, 1, 30)), paused)
+    assert new.state is RunState.QUEUED and new.holds == [100, 30], new
+    assert applied(t.resume(None), paused).holds == [100]  # covered: nothing more held
+    refused(t.resume(t.Taken(0, 1, 30)), new)  # a resume again: QUEUED, nothing taken in
+    refused(t.resume(t.Taken(0, 2, 30)), paused)  # not the next hold
+    refused(t.resume(t.Taken(1, 1, 30)), paused)  # another life's
+    refused(t.resume(None), record(state=RunState.PAUSED, settled=True))
+    refused(t.resume(t.Taken(0, 1, 30)), *terminal(holds=[100]))
+
+
+def test_a_settled_failed_run_is_reopened_as_its_next_life_with_that_lifes_hold() -> None:
+    failed = record(
+        run_id="alice.r1", price=PRICE, holds=[100, 30], metered_s=40.0, state=RunState.FAILED,
+        settled=True, reason="boom", worker=None, group=[], delivery=None,
+    )  # fmt: skip
+    new = applied(t.order_rollback(20, "back", t.Taken(1, 0, 70)), failed)
+    assert changed(failed, new) == {
+        "state": RunState.QUEUED, "dispatch": 2, "reason": None, "rollback_to": 20,
+        "rollback_reason": "back", "admitted": False, "life": 1, "holds": [70],
+        "settled": False, "metered_before": 40.0,
+    }, changed(failed, new)  # fmt: skip
+    assert new.life_metered_s == 0.0 and new.held == 70, new
+    # Its second life meters and holds apart from the first.
+    later = applied(t.add_hold(t.Taken(1, 1, 5)), new)
+    assert later.holds == [70, 5] and later.life == 1, later
+    # Not without the next life's first hold, nor before the first life is settled.
+    refused(t.order_rollback(20, "back"), failed)
+    refused(t.order_rollback(20, "back", t.Taken(2, 0, 70)), failed)
+    refused(t.order_rollback(20, "back", t.Taken(1, 1, 70)), failed)
+    unsettled = record(run_id="alice.r1", price=PRICE, state=RunState.FAILED, holds=[100])
+    refused(t.order_rollback(20, "back", t.Taken(1, 0, 70)), unsettled)
+    # A run without a price is reopened as before: one life, nothing held.
+    free = record(state=RunState.FAILED)
+    assert applied(t.order_rollback(20, "back"), free).life == 0
+
+
+def test_a_reopened_life_is_settled_on_its_own() -> None:
+    done = record(run_id="alice.r1", price=PRICE, holds=[70], life=1, state=RunState.COMPLETED)
+    assert applied(t.settled, done).settled
+    refused(t.settled, applied(t.settled, done))
