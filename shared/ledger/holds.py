@@ -121,6 +121,9 @@ class Holds:
                     return [await self._stored(h) for h in wanted]
                 account = await self._account(owner)
                 over = [h for h in missing if (h.run_id, h.life) in account.settled]
+                if over and not await self._settled(over[0]):
+                    self._accounts.pop(owner, None)  # a settlement the hub lost: read again
+                    continue
                 if over:
                     raise Settled(
                         f"run {over[0].run_id} is settled (life {over[0].life}): "
@@ -153,6 +156,11 @@ class Holds:
                     continue
             raise ContractError(f"{owner}'s credits kept changing under this hold; try again")
 
+    async def _settled(self, hold: Hold) -> bool:
+        """Whether the ledger holds the settlement of `hold`'s life, as the stream stands."""
+        subject = book.settle_subject(hold.owner, hold.run_id, hold.life)
+        return await book.find(self.js, subject) is not None
+
     async def _stored(self, hold: Hold) -> int:
         found = await book.find(self.js, book.subject_of(hold))
         return found.amount if isinstance(found, Hold) else hold.amount
@@ -169,7 +177,14 @@ class Holds:
             for _ in range(TRIES):
                 account = await self._account(owner)
                 if (run_id, life) in account.settled:
-                    return None
+                    subject = book.settle_subject(owner, run_id, life)
+                    if await book.find(self.js, subject) is not None:
+                        return None
+                    # The account this process folded holds a settlement the stream no
+                    # longer has (the hub lost the unsynced tail of its ledger): read it
+                    # whole again, and settle.
+                    self._accounts.pop(owner, None)
+                    continue
                 settle = entry(account.holds.get(run_id, 0))
                 try:
                     seq = await book.write(self.js, settle, after=account.last_seq)

@@ -15,7 +15,7 @@ from pathlib import Path
 from nats.aio.client import Client
 
 from baton.stack.natsserver import NatsServer
-from shared.contracts.ledger import Hold, TopUp
+from shared.contracts.ledger import Hold, Settle, TopUp
 from shared.contracts.pools import units
 from shared.ledger import book
 from shared.ledger.holds import Holds
@@ -60,3 +60,45 @@ def _taking(holds: Holds, wanted: Hold) -> Callable[[], Awaitable[bool]]:
         return True
 
     return took
+
+
+async def test_a_settlement_the_hub_lost_is_written_again(
+    nats_server: NatsServer, declared: Client, tmp_path: Path
+) -> None:
+    """The reaper's cached account said the run was settled after the hub lost that very
+    settlement with its tail: the run was marked settled with no entry, and its owner never
+    got the hold back (found by the fault campaign, seed 1 of the single-node hub)."""
+    js = declared.jetstream()
+    assert await book.write(js, TopUp(owner="carol", id="t1", amount=units(10))) is not None
+    holds = Holds(declared)
+    await holds.take("carol", [Hold(owner="carol", run_id="carol.r1", n=0, amount=units(3))])
+
+    def settle(held: int) -> Settle:
+        return Settle(owner="carol", run_id="carol.r1", held=held, charged=units(1))
+
+    await nats_server.stop()
+    copy = tmp_path / "copy"
+    shutil.copytree(nats_server.store_dir, copy)
+    await nats_server.start()
+
+    async def first() -> bool:
+        try:
+            return await holds.settle("carol", "carol.r1", 0, settle) is not None
+        except Exception:
+            return False  # the server still starting
+
+    await eventually(first, 20, "the settlement before the loss")
+    await nats_server.kill()
+    shutil.rmtree(nats_server.store_dir)
+    shutil.copytree(copy, nats_server.store_dir)
+    await nats_server.start()
+
+    async def again() -> bool:
+        try:
+            return await holds.settle("carol", "carol.r1", 0, settle) is not None
+        except Exception:
+            return False
+
+    await eventually(again, 30, "the lost settlement written again")
+    account = (await book.read(declared, "carol"))["carol"]
+    assert account.balance == units(10 - 1) and not account.holds, account
