@@ -30,6 +30,9 @@ when a run is given up.
                  (`revocations.py`)
     unannounced  a run that ended without its terminal event (the writer died in between):
                  the event published, once (`shared.state.endings`)
+    sealed       a run cancelled at the hub: its checkpoint chain sealed in the store, so
+                 a site that accepted the same job while cut off trains it in vain
+                 (`seals.py`)
     garbage      checkpoint files never committed, older than `BATON_GC_AGE`: deleted
     retire       a run over for `BATON_GC_AGE`, its event stored: its last garbage
                  collected, its record archived, out of the live index (`shared.state.runs`)
@@ -37,8 +40,10 @@ when a run is given up.
     credits      an ended run with a price: charged once, the rest of its holds given
                  back (`billing.py`); retired only once settled
 
-    taken back   a run granted to a site silent past its `lost_after`: fenced in the
-                 store, queued again at the hub (`grants.py`)
+    taken back   a run granted to a site silent past its `lost_after`, or never taken by
+                 its idle trainers there: fenced in the store, queued again at the hub; one
+                 whose chain the hub's own attempt finished: completed from the store
+                 (`grants.py`)
 
 Beside the sweeps, the reaper watches the sites' greetings and (re)attaches their outboxes
 to the hub's streams (`sites.py`), and takes in the records of the runs granted to sites
@@ -62,6 +67,7 @@ from services.reaper.departures import Departures
 from services.reaper.grants import Reconciler, TakeBack
 from services.reaper.lapses import Lapses
 from services.reaper.revocations import Revocations
+from services.reaper.seals import Seals
 from services.reaper.silences import Silences
 from services.reaper.sites import SiteWatch
 from services.reaper.sweeps import Sweeps
@@ -132,6 +138,7 @@ class Reaper(Sweeps):
         self.reconciler = Reconciler(self.js, self.runs, self.store)
         self.billing = Billing(self.nc, self.runs, self.sites)
         self.take_back = TakeBack(self.nc, self.js, self.runs, self.store, self.policy)
+        self.seals = Seals(self.store)
         self.lapses = Lapses(self.nc, self.js, self.runs, self.lease_secret)
         await self.lapses.start()
         self.revocations = Revocations(self.nc, self.js, self.runs, self.lease_secret)
@@ -206,6 +213,7 @@ class Reaper(Sweeps):
                 redispatched.append(r.run_id)
         await self._orphans(workers)
         await self._announce([r for r in records if r.state.terminal and r.announce_pending])
+        await self.seals.sweep(records)
         await self._garbage(records)
         await self.accounts.sweep(records)
         await self.billing.sweep(records)

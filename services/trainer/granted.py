@@ -169,7 +169,7 @@ class Granted:
             latest = await commit.read_latest(self.store, grant.run_id)
         except Exception:  # the store out of reach: the task's next delivery looks again
             return
-        if latest is not None and epoch_of(latest[0].token) > grant.epoch:
+        if latest is not None and (epoch_of(latest[0].token) > grant.epoch or latest[0].ended):
             log.info("%s: grant epoch %d was revoked; its task ended", grant.run_id, grant.epoch)
             with contextlib.suppress(Exception):  # answered already
                 await msg.term()

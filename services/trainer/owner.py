@@ -6,9 +6,12 @@ again when the store refuses its commit; here is what it does with each answer.
     COMPLETE    COMPLETED from the final checkpoint  —
                 the store holds: nothing trained
     YIELD       YIELDED: the record follows the      YIELDED, with the steps it trained
-                store, `superseded` says so (at a     reported as wasted
-                site, only for a final chain: a run
+                store, `superseded` says so (at a     reported as wasted (at a site, only
+                site, only for a final chain: a run   for a final chain)
                 taken back is fenced, as before)
+    ENDED       at a site, YIELDED (the run was      likewise
+                cancelled at the hub); at the hub,
+                STOPPED
     FORGOTTEN   the record's epoch moves past the    —
                 store's, the task goes back now (at
                 the hub; a site trains as before)
@@ -47,6 +50,12 @@ async def before_training(a: AttemptView, latest: Pointer | None) -> Verdict | N
                     "the store, nothing trained", a.run_id, manifest.step)  # fmt: skip
         done = transitions.complete(a.spent(), manifest.step, manifest.digest, manifest.metrics)
         return Verdict(Outcome.COMPLETED, change=done)
+    if said.decision is Decision.ENDED:
+        log.warning("%s: the run was %s (the store is sealed): nothing trained", a.run_id,
+                    latest.ended)  # fmt: skip
+        if not a.site:
+            return Verdict(Outcome.STOPPED)
+        return yielded(a, said.site, said.epoch, wasted=0)
     if said.decision is Decision.YIELD:
         if a.site and not latest.final:
             return None  # taken back: its keeper and its commits fence it, as before
@@ -62,13 +71,17 @@ async def before_training(a: AttemptView, latest: Pointer | None) -> Verdict | N
 
 
 async def after_refusal(a: AttemptView) -> Verdict | None:
-    """At the hub, once the store refused this attempt's commit: YIELDED if another side's
-    chain is the run's, None to be fenced as before."""
-    if a.site:
+    """Once the store refused this attempt's commit: YIELDED if another side's chain is the
+    run's (at a site, only one that is final or sealed: a grant taken back is fenced, as
+    before), None to be fenced as before."""
+    found = await commit.read_latest(a.store, a.run_id)
+    latest = found[0] if found else None
+    if a.site and not (latest is not None and (latest.final or latest.ended)):
         return None
-    latest = await commit.read_latest(a.store, a.run_id)
-    said = owner.decide(a.site, a.token, latest[0] if latest else None)
-    if said.decision is not Decision.YIELD:
+    said = owner.decide(a.site, a.token, latest)
+    if said.decision is Decision.ENDED and not a.site:
+        return None  # the record ended at the hub already: fenced as before
+    if said.decision not in (Decision.YIELD, Decision.ENDED):
         return None
     a.child.kill()
     return yielded(a, said.site, said.epoch, wasted=max(0, a.step - a.start_step))

@@ -240,14 +240,45 @@ def _check_order(wanted: Pointer, current: tuple[Pointer, str] | None) -> None:
 
 
 def check_open(latest: Pointer) -> None:
-    """`FinalCommitted` if `latest` is the run's final checkpoint: the store refuses any
-    commit, rewind or fence after it."""
+    """`FinalCommitted` if `latest` is the run's final checkpoint, or seals its end
+    (`seal`): the store refuses any commit, rewind or fence after it."""
+    side = f"site {latest.site}" if latest.site else "the hub"
     if latest.final:
-        side = f"site {latest.site}" if latest.site else "the hub"
         raise FinalCommitted(
             f"the run's final checkpoint (step {latest.step}, token {latest.token}, by "
             f"{side}) is committed: nothing may follow it"
         )
+    if latest.ended:
+        raise FinalCommitted(
+            f"the run was {latest.ended} by {side} at step {latest.step}: nothing may follow"
+        )
+
+
+async def seal(store: Store, run_id: str, ended: str, site: str = "") -> bool:
+    """Seal the end of a run that ended without its final checkpoint (`ended`, e.g.
+    "cancelled", by `site`, "" the hub): `latest` keeps naming its newest checkpoint, and
+    refuses every commit after it (`check_open`), whichever side or token — so an attempt
+    the end did not reach (a site cut off that accepted the same job) trains in vain and
+    learns it at its next look at the store (`shared.state.owner`). With no checkpoint
+    yet, a fence alone is written (token 0). True once sealed (or sealed before); False
+    when `latest` is final already (the run was trained to the end)."""
+    while True:
+        current = await read_latest(store, run_id)
+        if current is None:
+            pointer = Pointer(run_id=run_id, token=0, step=0, manifest="", ended=ended, site=site)
+            version = None
+        else:
+            have, version = current
+            if have.final:
+                return False
+            if have.ended:
+                return True
+            pointer = msgspec.structs.replace(have, ended=ended, site=site)
+        try:
+            await store.write_pointer(latest_key(run_id), encode(pointer), version)
+            return True
+        except PreconditionFailed:
+            continue
 
 
 async def restorable(store: Store, run_id: str) -> tuple[Manifest | None, list[int]]:

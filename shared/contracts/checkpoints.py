@@ -89,11 +89,11 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 class Pointer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The run's `latest`. Ordered by (token, step): a higher token always wins, the same
-    token needs a higher step — until a final checkpoint is named, after which nothing
-    moves it (`shared.checkpoint.commit`). A `manifest` of "" is a fence that no checkpoint
-    follows yet (step 0): a run taken back from a site before any checkpoint of it was
-    committed, whose old grant's tokens are refused from then on
-    (`shared.state.grants.fence`)."""
+    token needs a higher step — until a final checkpoint is named, or the run's end is
+    sealed (`ended`), after which nothing moves it (`shared.checkpoint.commit`). A
+    `manifest` of "" is a fence that no checkpoint follows yet (step 0): a run taken back
+    from a site before any checkpoint of it was committed, whose old grant's tokens are
+    refused from then on (`shared.state.grants.fence`), or cancelled before any."""
 
     run_id: str
     token: int
@@ -103,6 +103,9 @@ class Pointer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     site: str = ""
     """The side whose authority wrote it ("" the hub, else a site's name): with the token's
     epoch, who owns the run's chain (`shared.state.owner`)."""
+    ended: str = ""
+    """The run ended without its final checkpoint ("cancelled"), sealed by the side that
+    ended it (`shared.checkpoint.commit.seal`): like a final one, nothing follows it."""
 
     def supersedes(self, other: Pointer) -> bool:
         return (self.token, self.step) > (other.token, other.step)

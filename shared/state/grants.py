@@ -75,7 +75,8 @@ async def fence(store: Store, run_id: str, epoch: int) -> bool:
     makes: either the old grant's first commit came first, and is fenced as any, or it
     comes after, and is refused (without it, a site that finished the run before the new
     epoch's first commit had its completion counted too). False when `latest` is the run's
-    final checkpoint: it was trained to the end, and only its record has yet to come back."""
+    final checkpoint (it was trained to the end, and only its record has yet to come back)
+    or seals its end (`commit.seal`)."""
     floor = token_of(epoch, 0)
     while True:
         current = await commit.read_latest(store, run_id)
@@ -89,7 +90,7 @@ async def fence(store: Store, run_id: str, epoch: int) -> bool:
         if current[0].token >= floor:
             return True
         pointer, version = current
-        if pointer.final:
+        if pointer.final or pointer.ended:
             return False
         moved = Pointer(
             run_id=run_id, token=floor, step=pointer.step, manifest=pointer.manifest,

@@ -26,6 +26,9 @@ An attempt that has just taken its lease (`token`, under the record's `epoch`, a
                                                                      the store's
                                                                      (`transitions.past_store`)
                                                                      and the task goes back
+    sealed: the run ended without a final checkpoint    ENDED        stops, nothing trained (a
+    (`ended`, a cancel at the hub: `commit.seal`)                    site's attempt lets the
+                                                                     run go, and says so)
 
 The same question is asked when the store refuses an attempt's commit (`services/trainer`),
 and by the hub's reconciler when a site reports a run the hub also ran
@@ -46,13 +49,14 @@ class Decision(enum.Enum):
     COMPLETE = "complete"
     YIELD = "yield"
     FORGOTTEN = "forgotten"
+    ENDED = "ended"
 
 
 @dataclass(frozen=True)
 class Ownership:
     decision: Decision
     site: str = ""
-    """The side the store names (YIELD): "" the hub, else a site."""
+    """The side the store names (YIELD, ENDED): "" the hub, else a site."""
     epoch: int = 0
     """YIELD: the epoch the winning side writes under; FORGOTTEN: the lowest epoch whose
     tokens are all above the store's."""
@@ -63,6 +67,8 @@ def decide(side: str, token: int, latest: Pointer | None) -> Ownership:
     `latest` (the module's table)."""
     if latest is None:
         return Ownership(Decision.TRAIN)
+    if latest.ended:
+        return Ownership(Decision.ENDED, site=latest.site, epoch=latest.epoch)
     ours = latest.site == side
     if latest.final:
         if ours:

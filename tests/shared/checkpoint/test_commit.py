@@ -88,6 +88,34 @@ async def test_a_final_commit_is_terminal_for_the_store(tmp_path: Path) -> None:
     assert latest is not None and latest[0] == done, latest
 
 
+async def test_a_sealed_end_refuses_every_commit_after_it(tmp_path: Path) -> None:
+    """A run cancelled at the hub: `latest` keeps naming its checkpoint, and no side, under
+    any token, commits after it; sealing again changes nothing, and a final chain is never
+    sealed."""
+    store = FileStore(tmp_path)
+    refs = await files(store, "r", 5, 10, b"a")
+    done, _ = await commit.commit(store, request("r", 5, 10, refs))
+    assert await commit.seal(store, "r", "cancelled")
+    latest = await commit.read_latest(store, "r")
+    assert latest is not None and latest[0].ended == "cancelled", latest
+    assert latest[0].checkpoint == done.manifest and latest[0].token == 5, latest
+    for token, step, site in ((5, 20, ""), (1 << 40, 10, "lab1")):
+        with pytest.raises(FinalCommitted, match="cancelled"):
+            more = await files(store, "r", token, step, b"b")
+            await commit.commit(store, request("r", token, step, more), site=site)
+    assert await commit.seal(store, "r", "cancelled")
+    # Cancelled before any checkpoint: a seal alone, which refuses a first commit too.
+    assert await commit.seal(store, "q", "cancelled")
+    with pytest.raises(FinalCommitted):
+        await commit.commit(store, request("q", 1, 1, await files(store, "q", 1, 1, b"c")))
+    # A run trained to the end is complete, never sealed as cancelled.
+    final = msgspec.structs.replace(
+        request("f", 1, 5, await files(store, "f", 1, 5, b"d")), final=True
+    )
+    await commit.commit(store, final)
+    assert not await commit.seal(store, "f", "cancelled")
+
+
 async def test_racing_committers_leave_one_increasing_lineage(tmp_path: Path) -> None:
     store = FileStore(tmp_path)
     reqs = [

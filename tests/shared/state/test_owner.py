@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from shared.contracts import Pointer
 from shared.state import grants
 from shared.state.owner import Decision, Ownership, decide, wins_report
@@ -41,6 +43,15 @@ def test_another_sides_final_chain_is_theirs_whatever_its_epoch() -> None:
     latest = pointer(grants.token_of(0, 4), final=True)
     said = decide("lab1", grants.token_of(LAB1, 2), latest)
     assert said == Ownership(Decision.YIELD, site="", epoch=0), said
+
+
+def test_a_sealed_end_stops_every_attempt() -> None:
+    """Cancelled at the hub (`commit.seal`): a site's attempt under its own, higher epoch,
+    and any attempt of the hub, trains nothing."""
+    sealed = msgspec.structs.replace(pointer(grants.token_of(0, 4)), ended="cancelled")
+    for side, token in (("lab1", grants.token_of(LAB1, 2)), ("", grants.token_of(0, 9))):
+        said = decide(side, token, sealed)
+        assert said == Ownership(Decision.ENDED, site="", epoch=0), said
 
 
 def test_another_sides_lower_epoch_is_not_the_runs_yet() -> None:
