@@ -35,7 +35,9 @@ with a final commit (the same job at both sides of a cut, the site's submission 
 while the hub trained it) is one its site never completes: the site's attempt yields to
 another side's final chain. The sweep looks at the store for each granted run nobody
 holds (once per `FINAL_LOOK_S` per record revision) and completes such a run from the
-store's final checkpoint (`transitions.complete_from_store`), announced once.
+store's final checkpoint (`transitions.complete_from_store`), announced once; a run whose
+chain the hub sealed (cancelled, then forgotten with the hub's unsynced tail) is
+CANCELLED the same way.
 """
 
 from __future__ import annotations
@@ -198,8 +200,19 @@ class TakeBack:
 
     async def finished_by_hub(self, r: RunRecord) -> bool:
         """Complete `r` from the store when its chain ends in the hub's own final commit
-        (the module's "finished by the hub"); True if it did."""
+        (the module's "finished by the hub"), or end it CANCELLED when the hub sealed it
+        (`commit.seal`); True if it did."""
         found = await commit.read_latest(self.store, r.run_id)
+        if found is not None and found[0].ended and not found[0].site:
+            # Cancelled at the hub, which then forgot (its unsynced tail lost) and took the
+            # site's copy in; the site let it go on the sealed chain: the record follows.
+            why = f"{found[0].ended} at the hub: its checkpoint chain is sealed"
+            if await settle(self.js, self.runs, r.run_id, transitions.end_granted(
+                r.site, r.epoch, RunState.CANCELLED, why
+            )) is None:  # fmt: skip
+                return False
+            log.warning("%s: granted to site %s, but %s", r.run_id, r.site, why)
+            return True
         if found is None or not found[0].final or found[0].site:
             return False
         manifest = await commit.load_manifest(self.store, found[0].manifest)

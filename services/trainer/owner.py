@@ -9,9 +9,10 @@ again when the store refuses its commit; here is what it does with each answer.
                 store, `superseded` says so (at a     reported as wasted (at a site, only
                 site, only for a final chain: a run   for a final chain)
                 taken back is fenced, as before)
-    ENDED       at a site, YIELDED (the run was      likewise
+    ENDED       at a site, YIELDED (the run was      likewise (at the hub: fenced)
                 cancelled at the hub); at the hub,
-                STOPPED
+                CANCELLED (it was, and the hub
+                forgot)
     FORGOTTEN   the record's epoch moves past the    —
                 store's, the task goes back now (at
                 the hub; a site trains as before)
@@ -54,7 +55,10 @@ async def before_training(a: AttemptView, latest: Pointer | None) -> Verdict | N
         log.warning("%s: the run was %s (the store is sealed): nothing trained", a.run_id,
                     latest.ended)  # fmt: skip
         if not a.site:
-            return Verdict(Outcome.STOPPED)
+            # The hub ended it and then forgot (the unsynced tail of its streams lost):
+            # the record follows the store, and the end is told again.
+            why = f"{latest.ended}: its checkpoint chain is sealed"
+            return Verdict(Outcome.CANCELLED, change=transitions.cancel_attempt(a.spent(), why))
         return yielded(a, said.site, said.epoch, wasted=0)
     if said.decision is Decision.YIELD:
         if a.site and not latest.final:

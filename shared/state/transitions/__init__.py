@@ -32,8 +32,9 @@ newer one), so a fenced attempt writes nothing.
                    (a rollback), yield_to and past_store (the store decides:
                    `shared.state.owner`)
     reaper         end, fail (deliveries used up), warn, redispatch, pause_unowned,
-                   take_back and reconcile (a site's grant), complete_from_store (a grant
-                   whose chain the hub finished), settled (the ledger)
+                   take_back and reconcile (a site's grant), complete_from_store and
+                   end_granted (a grant whose chain the hub finished, or sealed), settled
+                   (the ledger)
     delegator      delegate (the scheduler granting queued runs to sites)
     site trainer   accept_grant, forward_requests, and the trainer's own, on the site's
                    records of the runs granted to it
@@ -94,6 +95,7 @@ from shared.state.transitions.sites import (
     accept_grant,
     complete_from_store,
     delegate,
+    end_granted,
     forward_requests,
     grantable,
     past_store,
@@ -124,6 +126,7 @@ __all__ = [
     "delegate",
     "drop_rollback",
     "end",
+    "end_granted",
     "fail",
     "forward_requests",
     "grantable",

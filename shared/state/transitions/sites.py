@@ -148,6 +148,19 @@ def complete_from_store(
     return change
 
 
+def end_granted(site: str, epoch: int, state: RunState, reason: str) -> Change:
+    """While the run is not over and still granted to `site` under `epoch`: `state`
+    (terminal) for `reason`, nobody holding it — the store's chain says it ended
+    (`complete_from_store` for a final one)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        if r.state.terminal or (r.site, r.epoch) != (site, epoch):
+            return None
+        return _replace(r, state=state, reason=reason, worker=None, delivery=None, group=[])
+
+    return change
+
+
 def past_store(token: int, epoch: int) -> Change:
     """The store holds a token of this side at or above `token`, which the hub issued
     and then forgot (the unsynced tail of its streams lost in a crash): while the run is

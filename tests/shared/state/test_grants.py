@@ -236,6 +236,16 @@ def test_a_grant_whose_chain_the_hub_finished_completes_from_the_store() -> None
     )  # fmt: skip
 
 
+def test_a_grant_whose_chain_the_hub_sealed_ends_as_the_store_says() -> None:
+    granted = record(state=RunState.RUNNING, site="lab1", epoch=LAB1, worker=None)
+    ended = applied(t.end_granted("lab1", LAB1, RunState.CANCELLED, "sealed"), granted)
+    assert (ended.state, ended.reason, ended.worker) == (RunState.CANCELLED, "sealed", None)
+    refused(
+        t.end_granted("lab1", LAB1, RunState.CANCELLED, "sealed"),
+        *terminal(site="lab1", epoch=LAB1), record(site="lab1", epoch=LAB1 + 1),
+    )  # fmt: skip
+
+
 def test_a_sites_reports_keep_what_the_hubs_ledger_holds_for_the_run() -> None:
     """The site's record of a run holds no credits: taking its reports in never drops the
     price and holds the hub's copy took at submit, which settle the run when it ends."""
