@@ -109,9 +109,9 @@ class Dashboard:
 
     async def stop(self) -> None:
         await self.queues.stop()
-        await self.sites_seen.following.stop()
-        await self.beats.following.stop()
-        await self.index.following.stop()
+        await self.sites_seen.following.close()
+        await self.beats.following.close()
+        await self.index.following.close()
 
     def app(self, hosts: Hosts) -> Guard:
         """The routes, behind the Host and Origin checks of `guard`."""

@@ -108,7 +108,7 @@ class Scheduler:
 
     async def stop(self) -> None:
         for f in self._following:
-            await f.stop()
+            await f.close()
         with contextlib.suppress(Exception):
             await self._keep_usage()
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import shutil
 
+import pytest
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
 from baton.stack.natsserver import NatsServer
+from shared.bus import follow
 from shared.bus.connect import connect
 from shared.bus.follow import Following
 from tests.support.stack import eventually
@@ -66,3 +68,39 @@ async def _has(seen: dict[str, bytes], key: str) -> bool:
 async def _answers(nc: object) -> bool:
     await asyncio.sleep(0)
     return bool(getattr(nc, "is_connected", False))
+
+
+async def test_a_watch_fallen_silent_is_followed_again(
+    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watch whose reset failed is deaf for good (nats-py's activity check ends on the
+    error): the guard finds the bucket past what was handed over, twice in a row, and
+    follows it again — the writes made while it was deaf arrive."""
+    monkeypatch.setattr(follow, "GUARD_S", 0.2)
+    nc = await connect(nats_server.url, "test", first_attempt_timeout=5)
+    following: Following | None = None
+    try:
+        js = nc.jetstream()
+        kv = await js.create_key_value(KeyValueConfig(bucket="deaf", history=1))
+        seen: dict[str, bytes] = {}
+
+        def on_entry(entry: KeyValue.Entry) -> None:
+            assert entry.value is not None
+            seen[entry.key] = entry.value
+
+        following = Following(js, "deaf", on_entry)
+        await following.start()
+        await following.ready.wait()
+        assert following._task is not None
+        following._task.cancel()  # deaf, as a watch whose reset failed: no error, no word
+        await kv.put("a", b"while deaf")
+        await kv.delete("gone")
+
+        async def heard() -> bool:
+            return seen.get("a") == b"while deaf"
+
+        await eventually(heard, 10, "the write made while the watch was deaf")
+    finally:
+        if following is not None:
+            await following.close()
+        await nc.close()
