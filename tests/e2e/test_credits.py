@@ -37,7 +37,7 @@ from shared.ledger import book
 from shared.state.runs import Runs
 from tests.e2e.jobs import finished, history, job, submit
 from tests.support.cli import as_json, baton
-from tests.support.ledger import balance, balanced, topup
+from tests.support.ledger import balance, balanced, priced_stack, topup
 from tests.support.stack import Stack, attempt_processes, eventually
 
 pytestmark = [
@@ -65,20 +65,8 @@ def charlm(key: str, total: int, pace: float, **over: Any) -> JobSpec:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     """The hub's services, two trainers restarted when they die (as under `baton up`)."""
-    root = tmp_path_factory.mktemp("credits")
-    pools = root / "pools.toml"
-    pools.write_text(POOLS)
-    s = Stack(
-        root / "stack", trainers=0, people=("alice",), env={"BATON_POOLS_FILE": str(pools)}
-    )
-    try:
-        await s.start(("dispatcher", "checkpointer", "reaper"))
-        for name in ("t1", "t2"):
-            await s.add_trainer(name, restart=True)
-        await s.ready(("trainer",))
+    async with priced_stack(tmp_path_factory.mktemp("credits"), POOLS, ("alice",)) as s:
         yield s
-    finally:
-        await s.stop()
 
 
 _reference: dict[int, str] = {}

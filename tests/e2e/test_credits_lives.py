@@ -35,7 +35,7 @@ from shared.ledger.holds import Holds
 from tests.e2e.jobs import finished, history, job, submit
 from tests.e2e.test_credits import POOLS, PRICE, _past, charlm, record
 from tests.e2e.test_rollback import _letter
-from tests.support.ledger import balance, balanced, settled, topup
+from tests.support.ledger import balance, balanced, priced_stack, settled, topup
 from tests.support.stack import Stack, attempt_processes, eventually
 
 pytestmark = [
@@ -49,19 +49,9 @@ pytestmark = [
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     """As `test_credits.py`'s: the hub's services, two trainers restarted when they die;
     a person for each test, so that each test's balance is its own."""
-    root = tmp_path_factory.mktemp("lives")
-    pools = root / "pools.toml"
-    pools.write_text(POOLS)
     people = ("alice", "bob", "carol")
-    s = Stack(root / "stack", trainers=0, people=people, env={"BATON_POOLS_FILE": str(pools)})
-    try:
-        await s.start(("dispatcher", "checkpointer", "reaper"))
-        for name in ("t1", "t2"):
-            await s.add_trainer(name, restart=True)
-        await s.ready(("trainer",))
+    async with priced_stack(tmp_path_factory.mktemp("lives"), POOLS, people) as s:
         yield s
-    finally:
-        await s.stop()
 
 
 def _holds(account: book.Account, run_id: str) -> list[Hold]:

@@ -3,7 +3,10 @@ and its owner's balance to the unit (docs/scheduling.md, "Credits")."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 from nats.aio.client import Client
 
@@ -13,7 +16,25 @@ from shared.contracts.pools import units
 from shared.history.goodput import goodput
 from shared.ledger import book
 from tests.e2e.jobs import history
-from tests.support.stack import eventually
+from tests.support.stack import Stack, eventually
+
+
+@contextlib.asynccontextmanager
+async def priced_stack(root: Path, pools: str, people: tuple[str, ...]) -> AsyncIterator[Stack]:
+    """The hub's services under the pool table `pools` (a priced pool), `people` with their
+    own credentials, and two trainers restarted when they die (as under `baton up`);
+    stopped however the test ends."""
+    table = root / "pools.toml"
+    table.write_text(pools)
+    s = Stack(root / "stack", trainers=0, people=people, env={"BATON_POOLS_FILE": str(table)})
+    try:
+        await s.start(("dispatcher", "checkpointer", "reaper"))
+        for name in ("t1", "t2"):
+            await s.add_trainer(name, restart=True)
+        await s.ready(("trainer",))
+        yield s
+    finally:
+        await s.stop()
 
 
 async def topup(nc: Client, owner: str, credits: float) -> int:
