@@ -50,6 +50,7 @@ class Commits:
         site: str = "",
         ranks: int = 1,
         elastic: bool = False,
+        trained_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.js = js
         self.store = store
@@ -63,6 +64,8 @@ class Commits:
         self._ranks = ranks
         self._elastic = elastic
         self._site = site
+        self._trained_s = trained_s
+        """Trainer-seconds the attempt trained so far (its meter's), booked with each commit."""
         """At a site, requests go to the site's checkpointer, whose events come back on
         the site's subjects."""
         self.trace_context: Context | None = None
@@ -144,7 +147,8 @@ class Commits:
             at = self._reached.pop((event.token, event.step), None)
             if at is not None and event.step > self.newest[0]:
                 self.newest = (event.step, at)
-            await self.runs.update(self.run_id, transitions.advance_step(self._token(), event.step))
+            advance = transitions.advance_step(self._token(), event.step, self._trained_s())
+            await self.runs.update(self.run_id, advance)
 
     async def wait(self, token: int, step: int, timeout: float) -> bool:
         """True once the checkpoint (token, step) is committed; False if refused, if a

@@ -2,7 +2,9 @@
 
 Invariant: a run with a price (`RunRecord.price`) trains on no longer than its holds pay
 for, as its trainers measure it — the trainer-seconds its ended attempts trained in its
-life (`RunRecord.life_metered_s`: a reopened run's holds are its new life's) plus this
+life (`RunRecord.life_metered_s`: a reopened run's holds are its new life's; an attempt
+that died without a verdict — its host lost, its lease taken over — counts what it trained
+up to its last commit, booked by each commit, which is what it is charged) plus this
 attempt's since its training process restored, times its ranks, at its price for this
 trainer's device. When they reach its holds the attempt is paused (`budget: …`) at its
 next checkpoint, losing no step; `baton resume` after a top-up holds what its holds no

@@ -195,6 +195,12 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     attempt), as their trainers measured them: the running attempt's meter adds its own
     to this, against the holds, and pauses the run when they are spent. The settlement
     charges what the run's events say (`shared.ledger.charges`)."""
+    committed_s: float = 0.0
+    """Trainer-seconds the attempt named by `token` trained up to its newest committed
+    checkpoint (booked by each commit, `transitions.advance_step`), not in `metered_s`
+    yet: its verdict books the whole attempt instead, and an attempt that died without one
+    (its host lost, its lease taken over) is booked this much when the next one starts
+    (`transitions.mark_running`) — the steps it kept, which are what it is charged."""
     settled: bool = False
     """The life's holds are settled in the ledger (charged, the rest refunded), once."""
     life: int = 0
@@ -219,8 +225,9 @@ class RunRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
     @property
     def life_metered_s(self) -> float:
-        """Trainer-seconds its ended attempts trained in this life."""
-        return max(0.0, self.metered_s - self.metered_before)
+        """Trainer-seconds its attempts trained in this life: the ended ones', and the
+        committed part of one that died without a verdict."""
+        return max(0.0, self.metered_s + self.committed_s - self.metered_before)
 
 
 def run_owner(run_id: str) -> str:

@@ -8,6 +8,7 @@ a short balance) and is settled again for that life alone (docs/scheduling.md, "
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from shared.bus import names
 from shared.checkpoint.store import open_store
 from shared.contracts import RunRecord, RunState
 from shared.contracts.control import Pause, Resume, Rollback
-from shared.contracts.events import CheckpointCommitted, RunWarning
+from shared.contracts.events import CheckpointCommitted, Paused, RunWarning, Started
 from shared.contracts.ledger import Hold, Settle
 from shared.contracts.pools import units
 from shared.errors import ContractError
@@ -49,7 +50,7 @@ pytestmark = [
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     """As `test_credits.py`'s: the hub's services, two trainers restarted when they die;
     a person for each test, so that each test's balance is its own."""
-    people = ("alice", "bob", "carol")
+    people = ("alice", "bob", "carol", "dave", "erin")
     async with priced_stack(tmp_path_factory.mktemp("lives"), POOLS, people) as s:
         yield s
 
@@ -216,3 +217,41 @@ async def finished_life(nc: Client, run_id: str, life: int) -> RunRecord:
         return r if r.life == life and r.state.terminal else None
 
     return await eventually(ended, 180, f"{run_id}'s life {life} to end")
+
+
+async def test_a_host_that_dies_leaves_its_trained_seconds_on_the_meter(stack: Stack) -> None:
+    """A trainer SIGKILLed well into its run's hold (a host that dies: no verdict, nothing
+    booked by it) leaves what it committed on the run's meter: the next attempt pauses
+    when the holds are spent in all — not after a whole hold of its own — and the run is
+    charged about its holds, not half as much again."""
+    op, dave = await stack.client(), await stack.client_as("dave")
+    before = await balance(op, "dave") + await topup(op, "dave", 1.0)
+    # Holds 10 s x 2 (the pool's margin) = 20 trainer-seconds; checkpoints every 40 steps.
+    run_id = await submit(dave, charlm("host-lost", 100_000, 0.02, name="host-lost",
+                                       estimate_s=10))  # fmt: skip
+    held_s = (await record(op, run_id)).held / units(PRICE)
+
+    async def well_into_it() -> bool:
+        events = await history(op, run_id)
+        began = [e.at for e in events if isinstance(e, Started)]
+        kept = [e.at for e in events if isinstance(e, CheckpointCommitted)]
+        return bool(began and kept) and kept[-1] - began[0] >= 0.6 * held_s
+
+    await eventually(well_into_it, 120, "a commit past 60% of the run's hold")
+    holder = (await record(op, run_id)).worker
+    assert holder in ("t1", "t2"), holder
+    stack.signal(holder, signal.SIGKILL)
+
+    async def paused() -> Paused | None:
+        found = [e for e in await history(op, run_id) if isinstance(e, Paused)]
+        return found[0] if found else None
+
+    pause = await eventually(paused, 120, "the run to pause on its credits")
+    assert pause.reason.startswith("budget:"), pause
+    starts = [e for e in await history(op, run_id) if isinstance(e, Started)]
+    assert len(starts) == 2, starts  # the pause came in the attempt after the kill
+    await client.cancel(op, run_id, "enough", "")
+    settle = await balanced(op, "dave", run_id, before, PRICE)
+    # On a meter that forgot the dead attempt the second one trained a whole hold of its
+    # own: charged 1.6 times the hold. A pause is at the next checkpoint, so a little over.
+    assert settle.charged <= 1.25 * settle.held, (settle, held_s)

@@ -24,13 +24,17 @@ def mark_running(
     """Unless the run is over, a newer token holds it, it is granted elsewhere than to
     `site` ("" = the hub) or it waits for the scheduler (not admitted): RUNNING under
     `worker` and `token`, one more attempt, answering `delivery`, trained by `group` (its
-    workers by rank, [] for one rank), no longer waiting nor asked to make room."""
+    workers by rank, [] for one rank), no longer waiting nor asked to make room. An
+    attempt before it that ended without a verdict is booked the seconds it committed
+    (`RunRecord.committed_s`)."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if r.state.terminal or r.state is RunState.PAUSED or (r.token or 0) > token:
             return None
         if r.site != site or (r.state is RunState.QUEUED and not r.admitted):
             return None
+        if r.token != token:
+            r = book_committed(r)
         # A shrink is done once the smaller group trains; a whole preemption never gets here.
         return _replace(
             r, state=RunState.RUNNING, worker=worker, token=token, attempts=r.attempts + 1,
@@ -41,14 +45,22 @@ def mark_running(
     return change
 
 
-def advance_step(token: int, step: int) -> Change:
+def book_committed(r: RunRecord) -> RunRecord:
+    """`r` with the seconds its last attempt committed (`committed_s`) in `metered_s`."""
+    if not r.committed_s:
+        return r
+    return _replace(r, metered_s=r.metered_s + r.committed_s, committed_s=0.0)
+
+
+def advance_step(token: int, step: int, trained_s: float = 0.0) -> Change:
     """While the run is not over, names `token` and is behind `step`: its newest committed
-    checkpoint is at `step`."""
+    checkpoint is at `step`, which the attempt reached after training `trained_s`
+    trainer-seconds (`RunRecord.committed_s`)."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if r.token != token or r.step >= step or r.state.terminal:
             return None
-        return _replace(r, step=step)
+        return _replace(r, step=step, committed_s=max(r.committed_s, trained_s))
 
     return change
 
@@ -105,9 +117,9 @@ class Spent(NamedTuple):
 
 
 def book_time(spent: Spent, **fields: object) -> Change:
-    """While the run is not over and names `spent.token`: the attempt's time and cost added,
-    and `fields` set (`worker=None` clears `group` too: nobody holds the run, so no group
-    trains it)."""
+    """While the run is not over and names `spent.token`: the attempt's time and cost added
+    (the whole attempt's metered seconds, its commits' included), and `fields` set
+    (`worker=None` clears `group` too: nobody holds the run, so no group trains it)."""
     if fields.get("worker", "") is None:
         fields["group"] = []
 
@@ -116,7 +128,7 @@ def book_time(spent: Spent, **fields: object) -> Change:
             return None
         return _replace(
             r, busy_s=r.busy_s + spent.busy_s, actual_cost=r.actual_cost + spent.cost,
-            metered_s=r.metered_s + spent.metered_s, **fields,
+            metered_s=r.metered_s + spent.metered_s, committed_s=0.0, **fields,
         )  # fmt: skip
 
     return change

@@ -8,6 +8,7 @@ import msgspec
 from shared.contracts import RunRecord, RunState
 from shared.contracts.records import MAX_REWINDS, Rewind
 from shared.state.runs import Change
+from shared.state.transitions.attempts import book_committed
 
 _replace = msgspec.structs.replace
 
@@ -177,6 +178,7 @@ def order_rollback(step: int, reason: str, reopen: Taken | None = None) -> Chang
                     return None
                 if reopen.life != r.life + 1 or reopen.n != 0:
                     return None
+                r = book_committed(r)
                 r = _replace(
                     r, life=reopen.life, holds=[reopen.amount], settled=False,
                     metered_before=r.metered_s,

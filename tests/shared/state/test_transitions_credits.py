@@ -4,6 +4,8 @@ only as a new life, with that life's first hold (docs/scheduling.md, "Credits").
 
 from __future__ import annotations
 
+import msgspec
+
 from shared.contracts import RunState
 from shared.state import transitions as t
 from tests.shared.state.test_transitions import applied, changed, record, refused, terminal
@@ -53,3 +55,36 @@ def test_a_reopened_life_is_settled_on_its_own() -> None:
     done = record(run_id="alice.r1", price=PRICE, holds=[70], life=1, state=RunState.COMPLETED)
     assert applied(t.settled, done).settled
     refused(t.settled, applied(t.settled, done))
+
+
+def test_an_attempt_that_dies_is_metered_what_it_committed_when_the_next_one_starts() -> None:
+    """A commit books the seconds its attempt trained up to it; a verdict books the whole
+    attempt instead; an attempt that died without a verdict keeps its committed seconds,
+    which the next attempt's start books (the meter's figure counts them either way)."""
+    running = record(run_id="alice.r1", price=PRICE, holds=[100], token=3, metered_s=5.0)
+    committed = applied(t.advance_step(3, 40, 12.0), running)
+    assert committed.committed_s == 12.0 and committed.life_metered_s == 17.0, committed
+    later = applied(t.advance_step(3, 80, 20.0), committed)
+    assert later.committed_s == 20.0 and later.metered_s == 5.0, later
+    refused(t.advance_step(2, 120, 30.0), later)  # a fenced attempt's commit books nothing
+    # Its host dies; the next attempt starts under token 4: the 20 s are booked.
+    queued = msgspec.structs.replace(later, state=RunState.QUEUED, worker=None, admitted=True)
+    again = applied(t.mark_running("t2", 4, None, []), queued)
+    assert again.metered_s == 25.0 and again.committed_s == 0.0, again
+    assert again.life_metered_s == 25.0, again
+    # A verdict books the whole attempt (its commits' seconds among them), once.
+    more = applied(t.advance_step(4, 120, 8.0), again)
+    booked = applied(t.release(t.Spent(4, 10.0, 0.0, 9.0)), more)
+    assert booked.metered_s == 34.0 and booked.committed_s == 0.0, booked
+
+
+def test_a_reopened_life_begins_after_what_a_dead_attempt_committed() -> None:
+    failed = record(
+        run_id="alice.r1", price=PRICE, holds=[100], metered_s=40.0, committed_s=6.0,
+        state=RunState.FAILED, settled=True, reason="boom", worker=None, group=[],
+        delivery=None,
+    )  # fmt: skip
+    assert failed.life_metered_s == 46.0
+    new = applied(t.order_rollback(20, "back", t.Taken(1, 0, 70)), failed)
+    assert new.metered_s == 46.0 and new.metered_before == 46.0 and new.committed_s == 0.0
+    assert new.life_metered_s == 0.0, new
