@@ -59,7 +59,7 @@ from shared.contracts.ledger import Hold
 from shared.contracts.records import replica_run_id
 from shared.credentials import lease_secret
 from shared.errors import ContractError
-from shared.ledger.holds import Holds, reckon
+from shared.ledger.holds import Holds, Settled, reckon
 from shared.state import transitions
 from shared.state.endings import settle
 from shared.state.policy import FRESH_S, Policy, PoolsFile, load_table
@@ -216,7 +216,16 @@ class Dispatcher:
             Hold(owner=owner, run_id=one_id, n=0, amount=estimate.amount, estimate=estimate.how)
             for one_id, _ in runs
         ]
-        await self.holds.take(owner, wanted)
+        try:
+            await self.holds.take(owner, wanted)
+        except Settled as exc:
+            # Its run id was used before and that run settled; its record is forgotten (the
+            # archive dropped it), so a retry cannot be told from a new job: refused.
+            raise ContractError(
+                f"{exc.reason}: its idempotency key was used for a run that ended and whose "
+                "record is no longer kept; submit it with a new idempotency key",
+                "$.idempotency_key",
+            ) from None  # fmt: skip
         return Terms(priority=priority, budget=budget, price=dict(pool.price), hold=estimate.amount)
 
     async def _dispatch_run(self, run_id: str, spec: JobSpec, terms: Terms) -> bool:

@@ -113,14 +113,14 @@ class Holds:
         """Take every hold of `wanted` not taken yet (a submission delivered again finds
         its own), all or none; the units each holds as stored (a hold taken before keeps
         its amount). `Short`, naming the balance and what was asked, when the owner's
-        balance does not cover them; `Settled` when a run's life is settled already."""
+        balance does not cover them; `Settled` when a run's life is settled already — a
+        hold stored before included: it was given back with the settlement, and holds
+        nothing now (a run id used again once its record is forgotten)."""
         async with self._locks[owner]:
             missing = [h for h in wanted if await book.find(self.js, book.subject_of(h)) is None]
             for _ in range(TRIES):
-                if not missing:
-                    return [await self._stored(h) for h in wanted]
                 account = await self._account(owner)
-                over = [h for h in missing if (h.run_id, h.life) in account.settled]
+                over = [h for h in wanted if (h.run_id, h.life) in account.settled]
                 if over and not await self._settled(over[0]):
                     self._accounts.pop(owner, None)  # a settlement the hub lost: read again
                     continue
@@ -129,6 +129,8 @@ class Holds:
                         f"run {over[0].run_id} is settled (life {over[0].life}): "
                         "nothing is held for it any more", "$.run_id",
                     )  # fmt: skip
+                if not missing:
+                    return [await self._stored(h) for h in wanted]
                 need = sum(h.amount for h in missing)
                 if account.balance < need:
                     why = "; ".join(h.estimate for h in missing)

@@ -3,7 +3,9 @@ pool, a person of their own for each test; the stack of `test_credits.py`): a re
 the run's holds no longer cover, and a repeated one nothing; a hold that would land after
 its run's settlement is refused, and one its record never took in is given back; a failed,
 settled run reopened by a rollback holds for its second life (refused, nothing changed, on
-a short balance) and is settled again for that life alone (docs/scheduling.md, "Credits").
+a short balance) and is settled again for that life alone; a host that dies leaves what it
+committed on the run's meter; a run id used again once its record is forgotten is refused
+(docs/scheduling.md, "Credits").
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from shared.bus import names
 from shared.checkpoint.store import open_store
 from shared.contracts import RunRecord, RunState
 from shared.contracts.control import Pause, Resume, Rollback
-from shared.contracts.events import CheckpointCommitted, Paused, RunWarning, Started
+from shared.contracts.events import CheckpointCommitted, Paused, Rejected, RunWarning, Started
 from shared.contracts.ledger import Hold, Settle
 from shared.contracts.pools import units
 from shared.errors import ContractError
@@ -33,6 +35,7 @@ from shared.history.verify import check, describe
 from shared.ledger import book
 from shared.ledger.charges import charge, life_events
 from shared.ledger.holds import Holds
+from shared.state.runs import Runs
 from tests.e2e.jobs import finished, history, job, submit
 from tests.e2e.test_credits import POOLS, PRICE, _past, charlm, record
 from tests.e2e.test_rollback import _letter
@@ -255,3 +258,43 @@ async def test_a_host_that_dies_leaves_its_trained_seconds_on_the_meter(stack: S
     # On a meter that forgot the dead attempt the second one trained a whole hold of its
     # own: charged 1.6 times the hold. A pause is at the next checkpoint, so a little over.
     assert settle.charged <= 1.25 * settle.held, (settle, held_s)
+
+
+async def test_a_run_id_used_again_once_its_record_is_forgotten_is_refused(stack: Stack) -> None:
+    """A run settled, its record gone from the runs bucket and the archive (as the archive
+    drops its oldest at its limit): a job submitted again with the same idempotency key —
+    the same run id — would find its first life's hold and settlement and train free. It is
+    refused, saying why; nothing is held, nothing queued."""
+    op, erin = await stack.client(), await stack.client_as("erin")
+    await topup(op, "erin", 1.0)
+    spec = charlm("used-again", 40, 0.0, name="used-again", estimate_s=5)
+    run_id = await submit(erin, spec)
+    assert (await finished(op, run_id, 120)).state is RunState.COMPLETED
+    await settled(op, "erin", run_id)
+
+    async def marked() -> bool:
+        return (await record(op, run_id)).settled
+
+    await eventually(marked, 60, "the run marked settled")
+    js = op.jetstream()
+    await (await js.key_value(names.RUNS_BUCKET)).purge(run_id)
+    await js.purge_stream(names.ARCHIVE_STREAM, subject=names.archive_subject(run_id))
+    assert await (await Runs.open(js)).find(run_id) is None
+    after = await balance(op, "erin")
+
+    # Any NATS client, the same idempotency key (a message id of its own, past the submit
+    # stream's duplicate window).
+    await erin.jetstream().publish(
+        names.submit_subject(spec.pool, "erin"), msgspec.json.encode(spec),
+        headers={"Nats-Msg-Id": "used-again-later"},
+    )  # fmt: skip
+
+    async def refused() -> Rejected | None:
+        found = [e for e in await history(op, run_id) if isinstance(e, Rejected)]
+        return found[-1] if found else None
+
+    no = await eventually(refused, 60, "the submission refused")
+    assert "no longer kept" in no.reason and no.path == "$.idempotency_key", no
+    assert await (await Runs.open(js)).find(run_id) is None, "nothing queued"
+    assert await balance(op, "erin") == after, "nothing held"
+    assert await book.find(js, book.hold_subject("erin", run_id, 1, 0)) is None

@@ -38,6 +38,11 @@ async def test_each_life_is_settled_once_and_nothing_held_after_it(declared: Cli
         with pytest.raises(Settled):
             await writer.take("erin", [Hold(owner="erin", run_id=RUN, n=2, amount=units(1))])
     assert await book.find(js, book.hold_subject("erin", RUN, 0, 2)) is None
+    # Its first hold asked again (the run id used again once its record is forgotten): it
+    # was given back with the settlement, and holds nothing now.
+    for writer in (holds, Holds(declared)):
+        with pytest.raises(Settled):
+            await writer.take("erin", [Hold(owner="erin", run_id=RUN, n=0, amount=units(2))])
     # Reopened: its second life holds and is settled apart.
     second = Hold(owner="erin", run_id=RUN, n=0, amount=units(4), life=1)
     assert await holds.take("erin", [second]) == [units(4)]
