@@ -34,7 +34,7 @@ from shared.bus import names
 from shared.bus.emit import emit
 from shared.contracts import RunRecord, RunState, decode, encode
 from shared.contracts.control import Command, Pause, Resume, Rollback, Steer, TakeCheckpoint
-from shared.contracts.events import Paused, Resumed, RunWarning
+from shared.contracts.events import Paused, Reopened, Resumed, RunWarning
 from shared.contracts.ledger import Hold
 from shared.errors import ContractError, TransientError
 from shared.ledger.holds import Estimate, Holds, reckon, shortfall
@@ -179,6 +179,13 @@ class Steering:
 
     async def _rollback(self, req: Rollback, record: RunRecord) -> None:
         ordered = await rollback.order(self.runs, req, record, reopen=self._reopen_hold)
+        if ordered.life > record.life:
+            # Its next life begins: the event marks where its events begin (and the
+            # last life's end), whatever reaches the stream after the last life's end.
+            reopened = Reopened(
+                run_id=req.run_id, life=ordered.life, step=req.step, reason=req.reason
+            )
+            await emit(self.js, reopened, msg_id=f"reopened.{req.run_id}.l{ordered.life}")
         self._queued(ordered)
         await self._wake(ordered, req.reason or "rolled back")
 

@@ -9,7 +9,11 @@ them is at the hub — its terminal event stored, and for a run a site ended, th
 outbox sourced to the end (`sourcing`): a run trained through a cut is metered from what
 the site reports at heal — and the holds from the ledger itself (`hold.<run>.<n>`, in
 order), so the entry says exactly what the ledger held. A run is retired only once settled
-(`service.py`).
+(`service.py`). A run whose events outlived the events stream's retention (its life's
+beginning gone) is charged what its trainers metered (`RunRecord.life_metered_s`), never more
+than it held: settled, never charged from a part of its events nor left unsettled. A run the
+hub ended while a site held its grant waits, like one its site ended, for that site's
+outbox to be sourced: what the site trained through a cut is charged.
 
 A run reopened after its settlement (`baton rollback` of a FAILED run) is settled again when
 its new life ends, for that life alone: the events after the last life's end, the holds of
@@ -33,7 +37,7 @@ from shared.contracts.ledger import Settle
 from shared.contracts.pools import UNITS_PER_CREDIT, credits
 from shared.history.goodput import END
 from shared.ledger import book
-from shared.ledger.charges import charge, life_events
+from shared.ledger.charges import charge, life_events, metered, whole
 from shared.ledger.holds import Holds
 from shared.state import transitions
 from shared.state.runs import Runs
@@ -59,8 +63,11 @@ class Billing:
         for r in records:
             if not billable(r) or r.announce_pending:
                 continue
-            if r.ending_site and not await self.sites.caught_up(r.ending_site):
-                continue  # its last events are still in its site's outbox
+            site = r.ending_site or r.site
+            if site and not await self.sites.caught_up(site):
+                # Its last events are still in its site's outbox: also those of a run the
+                # hub ended while the site it was granted to trained it through a cut.
+                continue
             try:
                 if await self.settle(r):
                     done.append(r.run_id)
@@ -71,10 +78,19 @@ class Billing:
         return done
 
     async def settle(self, r: RunRecord) -> bool:
-        events = life_events(await run_events(self.js, r.run_id), r.life)
-        if not any(isinstance(e, END) for e in events):
+        history = await run_events(self.js, r.run_id)
+        events = life_events(history, r.life)
+        if not whole(history, r.life):
+            # The events stream no longer holds the life's beginning (its retention, 30
+            # days or 2 GiB, dropped the oldest): charged what its trainers metered, never
+            # more than it held, rather than from a part of its events or never.
+            spent = metered(r)
+            log.warning("%s: its events before its end are gone; charged what its trainers "
+                        "metered (%.1f trainer-seconds)", r.run_id, spent.productive_s)  # fmt: skip
+        elif not any(isinstance(e, END) for e in events):
             return False  # its terminal event is on its way
-        spent = charge(events, r.price)
+        else:
+            spent = charge(events, r.price)
 
         def entry(held: int) -> Settle:
             return Settle(

@@ -120,7 +120,8 @@ class Attempt:
         self.commits = Commits(
             self.js, store, runs, task.run_id, self.worker, lambda: lease.token,
             task.spec.checkpoint.keep_last, task.spec.pool, self.site,
-            ranks=task.spec.max_ranks, elastic=task.spec.elastic, trained_s=self._trained_s,
+            ranks=task.spec.max_ranks, elastic=task.spec.elastic,
+            trained_s=lambda: self.meter.trained_s() if self.meter is not None else 0.0,
         )  # fmt: skip
         self.step = 0
         self.start_step = 0
@@ -387,10 +388,6 @@ class Attempt:
         ranks = meter.ranks if meter is not None else 1
         metered = elapsed * ranks if own_failure else (meter.trained_s() if meter else 0.0)
         return transitions.Spent(self.lease.token, elapsed, cost, metered)
-
-    def _trained_s(self) -> float:
-        """Trainer-seconds the attempt trained so far, as its meter counts them."""
-        return self.meter.trained_s() if self.meter is not None else 0.0
 
     def _out_of_credits(self, reason: str) -> None:
         log.warning("%s: %s; pausing at the next checkpoint", self.run_id, reason)

@@ -306,6 +306,16 @@ class Resumed(_Event, tag="resumed", frozen=True):
     reason: str
 
 
+class Reopened(_Event, tag="reopened", frozen=True):
+    """A FAILED run, settled, was reopened by a rollback to its checkpoint at `step`: its
+    life `life` begins here — what it trains from now on is held, metered and settled
+    apart from the lives before (`shared.ledger.charges.life_events`)."""
+
+    life: int
+    step: int
+    reason: str = ""
+
+
 class RolledBack(_Event, tag="rolled_back", frozen=True):
     """The run went back from its checkpoint at `from_step` to its committed one at `to_step`
     (`baton rollback`): `latest` names that checkpoint under `token`, the attempt that goes
@@ -367,6 +377,7 @@ Event = (
     | Guarded
     | Paused
     | Resumed
+    | Reopened
     | RolledBack
     | Forked
     | Round

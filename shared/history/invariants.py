@@ -149,7 +149,9 @@ def end_told(history: History) -> list[Violation]:
 
 
 def _reopens(e: ev.Event) -> bool:
-    return isinstance(e, ev.RolledBack) or (isinstance(e, ev.RunWarning) and e.kind == REOPENED_BY)
+    return isinstance(e, ev.Reopened | ev.RolledBack) or (
+        isinstance(e, ev.RunWarning) and e.kind == REOPENED_BY
+    )
 
 
 @dataclass(frozen=True)

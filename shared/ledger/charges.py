@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.contracts import RunRecord
 from shared.contracts import events as ev
 from shared.contracts.events import Event
 from shared.contracts.pools import units
@@ -49,15 +50,46 @@ def own_failure(a: Attempt) -> bool:
 
 
 def life_events(events: list[Event], life: int) -> list[Event]:
-    """The events of life `life` of a run whose events are `events`: each life ends at a
-    terminal event, and a life after the first (a settled run reopened by a rollback)
-    begins after the previous one's — so each is charged its own trainer-seconds only."""
+    """The events of life `life` of a run whose events are `events` (in stream order). A
+    life after the first (a settled run reopened by a rollback) begins at its `reopened`
+    event, and each life runs to the next one's: so each is charged its own trainer-seconds
+    only, and events that reach the stream after a life's end — a site's, sourced once its
+    link heals — are still that life's. A history without the marker (a reopening older
+    Baton wrote) is split at each life's terminal event instead."""
+    marks = _marks(events)
+    if life == 0 or life in marks:
+        first = marks[life] + 1 if life else 0
+        later = [i for n, i in marks.items() if n > life]
+        return events[first : min(later, default=len(events))]
     ends = [i for i, e in enumerate(events) if isinstance(e, END)]
-    first = ends[life - 1] + 1 if life > 0 and life - 1 < len(ends) else 0
-    if life > len(ends):
-        return []
+    if life > len(ends) or (marks and max(marks) < life):
+        return []  # not begun (yet)
+    first = ends[life - 1] + 1
     last = ends[life] + 1 if life < len(ends) else len(events)
     return events[first:last]
+
+
+def whole(events: list[Event], life: int) -> bool:
+    """Whether `events` (a run's, in stream order) begin at or before life `life`'s
+    beginning: the run's `accepted` for its first life, its `reopened` for a later one (in
+    a history without the marker: its `accepted` and the lives' ends before). False when
+    the stream's retention dropped it."""
+    accepted = any(isinstance(e, ev.Accepted) for e in events)
+    marks = _marks(events)
+    if life == 0 or life in marks:
+        return accepted or life > 0
+    if marks and max(marks) < life:
+        return False  # not begun (yet)
+    return accepted and sum(isinstance(e, END) for e in events) >= life
+
+
+def _marks(events: list[Event]) -> dict[int, int]:
+    """Each life's first `reopened` event's index."""
+    marks: dict[int, int] = {}
+    for i, e in enumerate(events):
+        if isinstance(e, ev.Reopened):
+            marks.setdefault(e.life, i)
+    return marks
 
 
 def charge(events: list[Event], price: dict[str, float]) -> Charge:
@@ -81,3 +113,13 @@ def charge(events: list[Event], price: dict[str, float]) -> Charge:
         free += (mine - kept - extra) * ranks
         credits += (kept + extra) * ranks * rate
     return Charge(productive_s=productive, failed_s=failed, free_s=free, charged=units(credits))
+
+
+def metered(r: RunRecord) -> Charge:
+    """The charge of run `r`'s life as its trainers metered it (`RunRecord.life_metered_s`,
+    at its dearest price), never more than the life held: for a run whose events are gone."""
+    rate = max(r.price.values(), default=0.0)
+    seconds = r.life_metered_s
+    return Charge(
+        productive_s=seconds, failed_s=0.0, free_s=0.0, charged=min(r.held, units(seconds * rate))
+    )

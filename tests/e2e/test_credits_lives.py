@@ -25,7 +25,14 @@ from shared.bus import names
 from shared.checkpoint.store import open_store
 from shared.contracts import RunRecord, RunState
 from shared.contracts.control import Pause, Resume, Rollback
-from shared.contracts.events import CheckpointCommitted, Paused, Rejected, RunWarning, Started
+from shared.contracts.events import (
+    CheckpointCommitted,
+    Paused,
+    Rejected,
+    Reopened,
+    RunWarning,
+    Started,
+)
 from shared.contracts.ledger import Hold, Settle
 from shared.contracts.pools import units
 from shared.errors import ContractError
@@ -193,6 +200,7 @@ async def test_a_reopened_run_holds_for_its_second_life_and_is_settled_for_it_al
 
     again = await eventually(second, 90, "the second life settled")
     events = await history(op, run_id)
+    assert [(e.life, e.step) for e in events if isinstance(e, Reopened)] == [(1, target)]
     for life, entry in ((0, first), (1, again)):
         spent = charge(life_events(events, life), done.price)
         assert (entry.charged, entry.productive_s) == (spent.charged, spent.productive_s), life
@@ -298,3 +306,26 @@ async def test_a_run_id_used_again_once_its_record_is_forgotten_is_refused(stack
     assert await (await Runs.open(js)).find(run_id) is None, "nothing queued"
     assert await balance(op, "erin") == after, "nothing held"
     assert await book.find(js, book.hold_subject("erin", run_id, 1, 0)) is None
+
+
+async def test_a_run_whose_events_are_gone_is_charged_what_its_trainers_metered(
+    stack: Stack,
+) -> None:
+    """A run ended while the reaper was held still, and its events dropped before it came
+    back (as the events stream's retention drops the oldest): settled from what its
+    trainers metered, never more than it held — not left unsettled for want of its end."""
+    op, dave = await stack.client(), await stack.client_as("dave")
+    await topup(op, "dave", 1.0)
+    stack.signal("reaper", signal.SIGSTOP)
+    try:
+        run_id = await submit(dave, charlm("events-gone", 80, 0.02, name="gone", estimate_s=10))
+        done = await finished(op, run_id, 120)
+        assert done.state is RunState.COMPLETED and done.metered_s > 0, done
+        js = op.jetstream()
+        await js.purge_stream(names.EVENTS_STREAM, subject=names.events_of_run(run_id))
+        assert await history(op, run_id) == []
+    finally:
+        stack.signal("reaper", signal.SIGCONT)
+    settle = await settled(op, "dave", run_id)
+    assert settle.charged == min(settle.held, units(done.metered_s * PRICE)), (settle, done)
+    assert settle.productive_s == done.metered_s and settle.charged > 0, settle

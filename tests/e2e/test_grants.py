@@ -39,13 +39,14 @@ from shared.contracts.events import (
     Started,
     TakenBack,
 )
+from shared.ledger import book
 from shared.state.drains import Drains
 from shared.state.runs import Runs
 from shared.state.workers import live_workers
 from tests.e2e import jobs
 from tests.e2e.jobs import finished, history, job, paced, submit
 from tests.support.cli import as_json
-from tests.support.ledger import balanced, topup
+from tests.support.ledger import balanced, settled, topup
 from tests.support.sites import Site
 from tests.support.stack import Stack, attempt_processes, eventually
 
@@ -467,6 +468,40 @@ async def test_a_granted_run_is_timed_at_the_hub_and_stopped_at_its_site(
     trainers = [hub.pid(name) for name in site.trainers]
     await eventually(lambda: _idle(trainers), 60, "the site's trainers to stop training it")
     assert not await site_events(site, run_id, "completed")
+
+
+async def test_a_run_the_hub_ends_during_a_cut_is_settled_with_what_its_site_trained(
+    hub: Stack, site: Site
+) -> None:
+    """carol's run, granted to lab1 and training there when the link is cut, is ended at
+    the hub by its hard timeout during the cut. Its settlement waits for what the site
+    trained through the cut — its events, sourced at heal — and then charges every one of
+    them, once. Seen before: it was settled at once from the hub's events alone, and the
+    site's training through the cut cost nothing."""
+    nc, carol = await hub.client(), await hub.client_as("carol")
+    topped = await topup(nc, "carol", 2.0)
+    limits = {"hard_timeout_s": 20}
+    spec = paced(100_000, pace=0.05, name="timed-out", estimate_s=60, limits=limits)
+    run_id = await submit(carol, spec)
+    await eventually(lambda: _started_at(nc, run_id, "lab1"), 60, "the run to start at the site")
+    # A run of three ranks no site of two trainers is granted, and no hub trainer takes:
+    # cancelled while queued, it is settled at once — a mark that the reaper's billing has
+    # passed the runs it could settle.
+    mark = await submit(carol, paced(10, name="mark", estimate_s=5, ranks=3))
+    site.proxy.sever()
+    try:
+        ended = await finished(nc, run_id, timeout=90)
+        assert ended.state is RunState.FAILED and ended.site == "lab1", ended
+        assert (ended.reason or "").startswith("hard_timeout"), ended.reason
+        await client.cancel(carol, mark, "a mark", "")
+        await settled(nc, "carol", mark)
+        assert not (await _record(nc, run_id) or ended).settled, "settled without the site"
+        subject = names.ledger_subject("carol", "settle", run_id)
+        assert await book.find(nc.jetstream(), subject) is None
+    finally:
+        site.proxy.restore()
+    settle = await balanced(nc, "carol", run_id, topped, PRICE)
+    assert settle.productive_s > 0, settle
 
 
 async def test_a_group_granted_to_a_site_trains_through_a_cut(hub: Stack, site: Site) -> None:

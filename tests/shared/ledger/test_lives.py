@@ -11,7 +11,7 @@ from shared.contracts.pools import units
 from shared.history.accounts import ledger_sums, nothing_after_settle, settled_once
 from shared.history.facts import History, Posted
 from shared.ledger import book
-from shared.ledger.charges import life_events
+from shared.ledger.charges import life_events, whole
 from shared.ledger.holds import shortfall
 
 RUN = "alice.r1"
@@ -53,13 +53,32 @@ def test_each_life_is_charged_its_own_events_only() -> None:
     e = [
         ev.Accepted(run_id=RUN, at=1.0, name="n", pool="p", total_steps=5),
         ev.Failed(run_id=RUN, reason="boom", at=5.0),
+        ev.Progress(run_id=RUN, worker="s1", step=3, total_steps=5, at=4.0),  # a site's, late
+        ev.Reopened(run_id=RUN, life=1, step=2, at=6.0),
+        ev.Resumed(run_id=RUN, reason="back", at=6.0),
+        ev.Completed(run_id=RUN, at=9.0, step=5, digest="d"),
+        ev.Reopened(run_id=RUN, life=1, step=2, at=6.0),  # the marker again: the first counts
+    ]  # fmt: skip
+    assert life_events(e, 0) == e[:3]
+    assert life_events(e, 1) == e[4:]
+    assert life_events(e[:5], 1) == e[4:5]  # a live second life: its end is on its way
+    assert life_events(e, 2) == []
+    assert whole(e, 0) and whole(e, 1) and not whole(e, 2)
+    assert not whole(e[1:], 0) and not whole(e[4:6], 1)  # their beginnings dropped
+
+
+def test_a_history_without_markers_is_split_at_each_lifes_end() -> None:
+    """A reopening an older Baton wrote (no `reopened` event)."""
+    e = [
+        ev.Accepted(run_id=RUN, at=1.0, name="n", pool="p", total_steps=5),
+        ev.Failed(run_id=RUN, reason="boom", at=5.0),
         ev.Resumed(run_id=RUN, reason="back", at=6.0),
         ev.Completed(run_id=RUN, at=9.0, step=5, digest="d"),
     ]  # fmt: skip
-    assert life_events(e, 0) == e[:2]
     assert life_events(e, 1) == e[2:]
-    assert life_events(e[:3], 1) == e[2:3]  # a live second life: its end is on its way
+    assert life_events(e[:3], 1) == e[2:3]
     assert life_events(e, 2) == []
+    assert whole(e, 1) and not whole(e[:1], 1)
 
 
 def _history(*entries: Hold | Settle | TopUp) -> History:
