@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand
 
+from baton.client.connection import OPERATOR_AUTH_FILE
 from baton.client.errors import SEEN, CliError, explain
 from shared.errors import BatonError
 
@@ -96,7 +97,7 @@ Site = Annotated[
     ),
 ]
 SERVICES = ("dispatcher", "trainer", "checkpointer", "reaper")
-DEFAULT_AUTH_FILE = Path(".baton") / "auth" / "operator.env"
+DEFAULT_AUTH_FILE = OPERATOR_AUTH_FILE
 DASHBOARD_AUTH_FILE = Path(".baton") / "auth" / "dashboard.env"
 """`baton ui`'s default credentials next to `baton up`: the least-privilege `dashboard`."""
 
@@ -116,24 +117,13 @@ class Connection:
         """Credentials: `--creds` (a JWT creds file), else `--auth-file`, else NATS_USER and
         NATS_PASSWORD, else the file that `baton up` wrote in ./.baton (`default`, the
         operator's unless a command asks for its own role's) — so the CLI next to a stack it
-        started just works."""
-        import ssl
+        started just works. The order is `baton.client.connection.options`, which the
+        Python API (`baton.Client`) follows too."""
+        from baton.client import connection
 
-        from shared import credentials
-
-        opts: dict[str, Any] = {}
-        if cls.creds:
-            opts["user_credentials"] = cls.creds
-        elif cls.auth_file:
-            opts.update(credentials.options_for(credentials.read_env_file(Path(cls.auth_file))))
-        elif not credentials.client_options() and default.is_file():
-            opts.update(credentials.options_for(credentials.read_env_file(default)))
-        if cls.tls_ca or cls.tls_cert:
-            ctx = ssl.create_default_context(cafile=cls.tls_ca)
-            if cls.tls_cert:
-                ctx.load_cert_chain(cls.tls_cert, cls.tls_key)
-            opts["tls"] = ctx
-        return opts
+        return connection.options(
+            cls.creds, cls.auth_file, cls.tls_ca, cls.tls_cert, cls.tls_key, default
+        )
 
 
 def run(coro: Callable[[], Awaitable[T]]) -> T:

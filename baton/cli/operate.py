@@ -157,15 +157,12 @@ def _steer_and_wait(req: Any, wanted: str, server: str, wait: float, as_json: bo
     """Send an operator's request about a run, then wait for the state it leads to. A
     resume the dispatcher refuses (the owner's credits are short of the run's new hold)
     ends at its refusal, exit 1, rather than at the end of the wait."""
-    from baton.client import calls as client
+    from baton.client import steering
 
     states = {wanted, "RUNNING"} if wanted == "QUEUED" else {wanted}
 
     async def go(nc: Any) -> Any:
-        if req.action == "resume" and wait > 0:
-            return await _resume_or_refusal(nc, req, states, wait)
-        await client.steer(nc, req)
-        return await client.await_state(nc, req.run_id, states, wait)
+        return await steering.steer_and_await(nc, req, states, wait)
 
     record = run(lambda: with_nats(server, go))
     if as_json:
@@ -175,64 +172,3 @@ def _steer_and_wait(req: Any, wanted: str, server: str, wait: float, as_json: bo
         out.print(f"{req.run_id}: {record.state.value}" + (f" ({why})" if why else ""))
     if wait > 0 and record.state.value not in states:
         raise typer.Exit(1)
-
-
-async def _resume_or_refusal(nc: Any, req: Any, states: set[str], wait: float) -> Any:
-    """Resume, then wait as `client.await_state` does — but the dispatcher's `warning` of
-    kind `resume_refused` about the run, stored after the request was made, ends the wait
-    with its reason (`CliError`, exit 1). The run's warnings are read from before the
-    request is published, from the events stream's end: only a refusal of this request
-    counts, never an earlier one's."""
-    import asyncio
-
-    from baton.client import calls as client
-    from baton.client import reader
-    from baton.client.errors import CliError, needs
-    from shared.bus import names
-
-    with needs("events stream"):
-        warnings = await reader.read(
-            nc, names.EVENTS_STREAM, names.event_subject(req.run_id, "warning"),
-            client.hub_domain(nc), new=True,
-        )  # fmt: skip
-    try:
-        await client.steer(nc, req)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
-        while True:
-            found = await client.record(nc, req.run_id)
-            if found.state.value in states or found.state.terminal:
-                return found
-            left = deadline - loop.time()
-            if left <= 0:
-                return found
-            refused = await refusal(warnings, min(left, 0.2))
-            if refused is not None:
-                raise CliError(f"run {req.run_id}: resume refused: {refused}", 1)
-    finally:
-        await warnings.unsubscribe()
-
-
-async def refusal(warnings: Any, timeout: float) -> str | None:
-    """The reason of a `resume_refused` warning among those `warnings` delivers within
-    `timeout` seconds, if one comes; None otherwise."""
-    import asyncio
-
-    from shared.contracts import decode
-    from shared.contracts.events import Event, RunWarning
-    from shared.errors import ContractError
-
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while (left := deadline - loop.time()) > 0:
-        try:
-            msg = await warnings.next_msg(timeout=left)
-        except TimeoutError:
-            return None
-        try:
-            event = decode(msg.data, Event)
-        except ContractError:
-            continue  # a newer Baton's event
-        if isinstance(event, RunWarning) and event.kind == "resume_refused":
-            return event.detail
-    return None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import AsyncIterator
 
 import msgspec
 from nats.aio.client import Client
@@ -12,6 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from baton.client import calls as client
+from baton.client import watching
+from baton.client.watching import ending, until_end
 from shared.contracts import RunRecord, RunState
 from shared.contracts.events import (
     AttemptFailed,
@@ -153,16 +154,9 @@ def divergence(event: Diverged) -> str:
     )
 
 
-def _terminal(event: Event) -> bool | None:
-    if isinstance(event, Completed):
-        return True
-    if isinstance(event, Failed | Cancelled | Rejected):
-        return False
-    return None
-
-
-QUIET_S = 2.0
-"""Seconds without an event after which `watch` looks at the run record."""
+QUIET_S = watching.QUIET_S
+"""Seconds without an event after which `watch` looks at the run record (a test shortens
+it)."""
 
 
 async def watch_run(nc: Client, run_id: str, console: Console, as_json: bool) -> bool:
@@ -176,14 +170,14 @@ async def watch_run(nc: Client, run_id: str, console: Console, as_json: bool) ->
 
 async def _watch_as_json(nc: Client, run_id: str) -> bool:
     """One JSON line per event, and the record as the last line if it ended the watch."""
-    async for item in _until_end(nc, run_id):
+    async for item in until_end(nc, run_id, QUIET_S):
         if isinstance(item, RunRecord):
-            ending = {"type": "record", "record": msgspec.to_builtins(item)}
-            sys.stdout.write(json.dumps(ending) + "\n")
+            last = {"type": "record", "record": msgspec.to_builtins(item)}
+            sys.stdout.write(json.dumps(last) + "\n")
             return item.state is RunState.COMPLETED
         sys.stdout.write(json.dumps(json.loads(msgspec.json.encode(item))) + "\n")
         sys.stdout.flush()
-        if (done := _terminal(item)) is not None:
+        if (done := ending(item)) is not None:
             return done
     return False
 
@@ -200,7 +194,7 @@ async def _watch_with_bar(nc: Client, run_id: str, record: RunRecord, console: C
     )
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task(record.spec.name, total=record.spec.total_steps, loss="-", rate="-")
-        async for item in _until_end(nc, run_id):
+        async for item in until_end(nc, run_id, QUIET_S):
             if isinstance(item, RunRecord):
                 why = f": {item.reason}" if item.reason else ""
                 bar.console.print(
@@ -216,19 +210,6 @@ async def _watch_with_bar(nc: Client, run_id: str, record: RunRecord, console: C
                 bar.update(task, rate=f"{item.steps_per_s:.0f}")
             if (line := describe(item)) is not None:
                 bar.console.print(line)
-            if (done := _terminal(item)) is not None:
+            if (done := ending(item)) is not None:
                 return done
     return False
-
-
-async def _until_end(nc: Client, run_id: str) -> AsyncIterator[Event | RunRecord]:
-    """The run's events; after a quiet spell, its record instead if that is terminal (and
-    then nothing more)."""
-    async for event in client.follow(nc, run_id, QUIET_S):
-        if event is not None:
-            yield event
-            continue
-        found = await client.record(nc, run_id)
-        if found.state.terminal:
-            yield found
-            return

@@ -23,7 +23,7 @@ from baton.client.at_site import hub_answers as hub_answers
 from baton.client.at_site import hub_domain as hub_domain
 from baton.client.at_site import site_of as site_of
 from baton.client.errors import CliError as CliError  # re-exported: callers catch client.CliError
-from baton.client.errors import needs
+from baton.client.errors import InvalidSpec, needs
 from baton.client.patience import PatientClient
 from baton.client.pull import pull as pull  # re-exported: callers pull with client.pull
 from shared import auth
@@ -92,15 +92,15 @@ def load_spec(path: Path) -> JobSpec:
     try:
         raw = path.read_bytes()
     except OSError as exc:
-        raise CliError(f"cannot read {path}: {exc.strerror}", 2) from None
+        raise InvalidSpec(f"cannot read {path}: {exc.strerror}") from None
     try:
         data: Any = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CliError(f"{path}: not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}", 2) from None
+        raise InvalidSpec(f"{path}: not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}") from None
     try:
         return convert(data, JobSpec)
     except ContractError as exc:
-        raise CliError(f"{path}: invalid job spec: {exc}", 2) from None
+        raise InvalidSpec(f"{path}: invalid job spec: {exc}") from None
 
 
 async def submit(

@@ -23,6 +23,30 @@ class CliError(BatonError):
         self.code = code
 
 
+class InvalidSpec(CliError):
+    """A job spec that does not validate here, before anything was published (exit 2)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 2)
+
+
+class SubmissionRejected(CliError):
+    """The dispatcher refused a submission: `reason` and the field at `path` as its
+    `rejected` event says them (exit 2). Nothing ran; no run record was kept for it."""
+
+    def __init__(self, run_id: str, reason: str, path: str) -> None:
+        super().__init__(f"rejected: {reason} (at {path})", 2)
+        self.run_id, self.reason, self.path = run_id, reason, path
+
+
+class WaitTimedOut(CliError, TimeoutError):
+    """A run did not end within the time a caller gave it; it goes on (exit 1)."""
+
+    def __init__(self, run_id: str, state: str, timeout: float) -> None:
+        super().__init__(f"run {run_id} is still {state} after {timeout:g} s")
+        self.run_id, self.state, self.timeout = run_id, state, timeout
+
+
 class Seen:
     """What the command in this process found out about where it asked (set by
     `common.with_nats`, one command per process)."""
