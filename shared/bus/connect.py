@@ -77,8 +77,11 @@ async def connect(
     delays = Backoff(first=0.2, most=5.0)
     while True:
         creds = {**credentials.client_options(), **(options or {})}
+        left = None if deadline is None else max(0.1, deadline - loop.time())
         try:
-            await _attempt(
+            # nats-py tries a first connection as long as it would reconnect (for ever,
+            # here): a command's wait is bounded by its deadline instead.
+            await asyncio.wait_for(_attempt(
                 nc,
                 url,
                 denied,
@@ -93,18 +96,28 @@ async def connect(
                 disconnected_cb=disconnected,
                 reconnected_cb=reconnected,
                 error_cb=errored,
-            )
+            ), left)  # fmt: skip
             return nc
         except (TimeoutError, NoServersError, OSError) as exc:
             delay = delays.next()
             if deadline is not None and loop.time() + delay > deadline:
-                raise ConnectionError(
-                    f"cannot reach NATS at {url}: {exc or type(exc).__name__}"
-                ) from None
+                raise await _unreachable(nc, url, exc, first_attempt_timeout) from None
             log.warning(
                 "%s: NATS at %s not reachable (%s); retrying", name, url, type(exc).__name__
             )
             await asyncio.sleep(delay)
+
+
+async def _unreachable(
+    nc: Client, url: str, exc: Exception, timeout: float | None
+) -> ConnectionError:
+    """What a command that could not connect in `timeout` seconds says; an attempt cut short
+    by it is stopped first."""
+    if not nc.is_closed:
+        with contextlib.suppress(Exception):
+            await nc.close()
+    why = str(exc) or f"no answer in {timeout:g} s"
+    return ConnectionError(f"cannot reach NATS at {url}: {why}")
 
 
 async def finish(nc: Client) -> None:

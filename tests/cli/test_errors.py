@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import typer
@@ -66,3 +69,18 @@ def test_anything_else_still_raises() -> None:
 
     with pytest.raises(ValueError):
         run(fails)
+
+
+def test_a_stack_that_is_not_up_is_said_in_one_line_not_waited_for(tmp_path: Path) -> None:
+    """Nothing listens where the command looks: it says so once its connection's bounded
+    wait is over (nats-py alone would try for as long as it reconnects: for ever)."""
+    from baton.stack.cluster import free_ports
+
+    (port,) = free_ports(1)
+    done = subprocess.run(
+        [sys.executable, "-m", "baton", "runs", "-s", f"nats://127.0.0.1:{port}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done
+    assert "Is the stack up?" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
