@@ -31,7 +31,7 @@ from nats.aio.client import Client
 
 from services.reaper.sites import SiteWatch
 from shared import telemetry
-from shared.bus.history import run_events
+from shared.bus.history import run_history
 from shared.contracts import RunRecord
 from shared.contracts.ledger import Settle
 from shared.contracts.pools import UNITS_PER_CREDIT, credits
@@ -78,9 +78,10 @@ class Billing:
         return done
 
     async def settle(self, r: RunRecord) -> bool:
-        history = await run_events(self.js, r.run_id)
+        history, through = await run_history(self.js, r.run_id)
         events = life_events(history, r.life)
         if not whole(history, r.life):
+            through = 0
             # The events stream no longer holds the life's beginning (its retention, 30
             # days or 2 GiB, dropped the oldest): charged what its trainers metered, never
             # more than it held, rather than from a part of its events or never.
@@ -96,7 +97,7 @@ class Billing:
             return Settle(
                 owner=r.owner, run_id=r.run_id, life=r.life, held=held, charged=spent.charged,
                 productive_s=spent.productive_s, failed_s=spent.failed_s, free_s=spent.free_s,
-                state=r.state.value,
+                state=r.state.value, through=through,
             )  # fmt: skip
 
         written = await self.holds.settle(r.owner, r.run_id, r.life, entry)

@@ -18,6 +18,13 @@ IDLE_S = 1.0
 async def run_events(js: JetStreamContext, run_id: str) -> list[Event]:
     """Every event of `run_id` stored so far, in stream order, each `at` on the hub server's
     clock (ones a newer Baton wrote and this one cannot read are left out)."""
+    return (await run_history(js, run_id))[0]
+
+
+async def run_history(js: JetStreamContext, run_id: str) -> tuple[list[Event], int]:
+    """As `run_events`, and the events stream's sequence of the last of them read (0: none):
+    what a reader computed from them is of the events up to it, which any later reader can
+    select again."""
     sub = await js.subscribe(
         names.events_of_run(run_id),
         stream=names.EVENTS_STREAM,
@@ -36,4 +43,4 @@ async def run_events(js: JetStreamContext, run_id: str) -> list[Event]:
                 break
     finally:
         await sub.unsubscribe()
-    return from_messages(found)
+    return from_messages(found), (found[-1].metadata.sequence.stream if found else 0)

@@ -100,6 +100,10 @@ class Settle(_Entry, tag="settle", frozen=True, omit_defaults=True):
     """Trainer-seconds not charged: redone steps, recovery, restores, preemptions."""
     state: str = ""
     """How the run ended."""
+    through: int = 0
+    """The events stream's sequence of the last of the run's events it was charged from:
+    any reader can charge the same events again and find the same units (0: charged what
+    its trainers metered, its events being gone; or written before this was kept)."""
 
     @property
     def refund(self) -> int:

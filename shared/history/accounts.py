@@ -14,13 +14,16 @@ from collections import Counter, defaultdict
 from shared.bus import names
 from shared.contracts import events as ev
 from shared.contracts.ledger import Hold, Settle, TopUp
+from shared.history.clocks import on_hub_clock
 from shared.history.facts import History, Posted, Violation
 from shared.ledger.book import Account, subject_of
+from shared.ledger.charges import charge, life_events, whole
 
 LEDGER_SUMS = "ledger-sums"
 SETTLED_ONCE = "settled-once"
 NOTHING_AFTER_SETTLE = "nothing-after-settle"
 TOPUPS_KEPT = "topups-kept"
+CHARGED_RIGHT = "charged-right"
 PROCESS_ENDS = "process-ends"
 
 GRACE_S = 30.0
@@ -149,6 +152,37 @@ def topups_kept(history: History) -> list[Violation]:
 def _topup(why: str, owner: str, topup: str) -> Violation:
     subject = names.ledger_subject(owner, "topup", topup)
     return Violation(invariant=TOPUPS_KEPT, detail=why, entries=[subject])
+
+
+def charged_right(history: History) -> list[Violation]:
+    """5e. Each run is charged exactly what its events say: a settlement that names the
+    last event it was charged from (`through`) charges, to the unit, the productive and
+    own-failure trainer-seconds of its life's events up to that one, at the price its
+    record was accepted at (`shared.ledger.charges`) — as any reader recomputes them from
+    the stored events on the hub's clock."""
+    out = []
+    logged: dict[str, list[tuple[ev.Event, float, int]]] = defaultdict(list)
+    for lg in history.events:
+        logged[lg.event.run_id].append((lg.event, lg.stamp, lg.seq))
+    for p in history.ledger:
+        e = p.entry
+        record = history.record(e.run_id) if isinstance(e, Settle) else None
+        if not isinstance(e, Settle) or not e.through or record is None:
+            continue
+        upto = [(x, at) for x, at, seq in logged.get(e.run_id, []) if seq <= e.through]
+        events = on_hub_clock([x for x, _ in upto], [at for _, at in upto])
+        if not whole(events, e.life):
+            continue  # its events are gone: what any reader has is a part of them
+        due = charge(life_events(events, e.life), record.price)
+        if due.charged != e.charged:
+            why = (
+                f"run {e.run_id} (life {e.life}) was charged {e.charged} units; its events "
+                f"through {e.through} say {due.charged} ({due.productive_s:.3f} productive "
+                f"and {due.failed_s:.3f} failed trainer-seconds)"
+            )
+            out.append(Violation(invariant=CHARGED_RIGHT, detail=why, runs=[e.run_id],
+                                 entries=[p.subject]))  # fmt: skip
+    return out
 
 
 def process_ends(history: History, grace_s: float = GRACE_S) -> list[Violation]:

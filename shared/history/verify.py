@@ -28,6 +28,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     (accounts.SETTLED_ONCE, accounts.settled_once),
     (accounts.NOTHING_AFTER_SETTLE, accounts.nothing_after_settle),
     (accounts.TOPUPS_KEPT, accounts.topups_kept),
+    (accounts.CHARGED_RIGHT, accounts.charged_right),
     (accounts.PROCESS_ENDS, accounts.process_ends),
 )
 """Every invariant by its id, in order."""

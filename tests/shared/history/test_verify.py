@@ -15,6 +15,7 @@ from shared.contracts import events as ev
 from shared.contracts.checkpoints import Manifest, Pointer, Rewound
 from shared.contracts.ledger import Entry, Hold, Settle, TopUp
 from shared.history import accounts, invariants
+from shared.history.clocks import on_hub_clock
 from shared.history.facts import (
     Checkpoints,
     History,
@@ -27,6 +28,7 @@ from shared.history.facts import (
 )
 from shared.history.verify import CHECKS, check, describe
 from shared.ledger.book import subject_of
+from shared.ledger.charges import charge, life_events
 
 A, B, C = "rA", "alice.rB", "rC"
 SPEC = JobSpec(name="t", entry_point="examples.regression:train", total_steps=20)
@@ -232,6 +234,10 @@ PLANTED: dict[str, tuple[str, Callable[[History], History]]] = {
         accounts.TOPUPS_KEPT,
         lambda h: replace(h, acknowledged_topups=[*h.acknowledged_topups,
                                                   TopUpId(owner="alice", id="t9")])),
+    "a run charged other than its events say": (
+        accounts.CHARGED_RIGHT,
+        lambda h: _ledger(h, lambda ps: [*ps[:3], replace(ps[3], entry=replace(ps[3].entry,
+                                                          through=15, charged=10**9))])),
     "a training process alive long after the end": (
         accounts.PROCESS_ENDS,
         lambda h: replace(h, sightings=[Sighting(run_id=A, pid=321, alive_at=1005.0 + 90)])),
@@ -348,3 +354,18 @@ def test_late_words_of_a_taken_back_or_losing_attempt_are_no_violation() -> None
     # Without the `superseded` event, the later attempt's words are the run going on.
     going_on = _events(clean(), lambda es: _without(ev.Superseded)(late(es)))
     assert {v.invariant for v in check(going_on)} == {invariants.ENDS_STAY}, check(going_on)
+
+
+def test_a_settlement_charged_from_its_events_is_recomputed_to_the_unit() -> None:
+    """What the reaper charged from the events up to `through` is what the checker finds
+    again; the events after it (a site's late words) do not change it."""
+    h = clean()
+    upto = [lg for lg in h.events if lg.event.run_id == B]
+    events = on_hub_clock([lg.event for lg in upto], [lg.stamp for lg in upto])
+    due = charge(life_events(events, 0), {"cpu": 1.0})
+    settle = replace(h.ledger[3].entry, through=upto[-1].seq, charged=due.charged)
+    words = ev.Progress(run_id=B, step=20, total_steps=20, worker="w2")  # its last words
+    late = Logged(seq=99, stamp=2000.0, event=words)
+    kept = replace(h, ledger=[*h.ledger[:3], replace(h.ledger[3], entry=settle)],
+                   events=[*h.events, late])  # fmt: skip
+    assert check(kept) == [], [describe(v) for v in check(kept)]
