@@ -40,6 +40,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from services.trainer.faults import SILENT
 from services.trainer.forming import POLL_S, Forming, Superseded
 from shared.bus import names, probe
 from shared.bus.emit import emit
@@ -322,8 +323,7 @@ _PEER_FAILED = "its process stopped because a peer failed"
 def _cause(was: MemberKey, now: MemberKey | None, rank: int) -> Breakage | None:
     """What a member's key, read now, says about the group; None while all is well."""
     if now is None:
-        why = "its trainer went silent (its key was not renewed)"
-        return Breakage(rank, was.worker, why, False)
+        return Breakage(rank, was.worker, SILENT, False)
     if now.state != "exited" or now.code == 0:
         return None
     if now.user_error:

@@ -50,6 +50,7 @@ from nats.js import JetStreamContext
 from opentelemetry import trace
 
 from services.trainer.child_proc import tail_of
+from services.trainer.faults import MACHINE, SILENT, fault_of
 from services.trainer.keeper import Order
 from shared.bus.emit import emit
 from shared.checkpoint import commit
@@ -329,7 +330,9 @@ async def rank_lost(a: AttemptView, cause: Breakage) -> Verdict:
             f"the group broke again before any checkpoint past step {kept} (rank {cause.rank},"
             f" {cause.worker}: {cause.reason}): a rank's code hangs"
         )
-        return child_failed(a, EXIT_GROUP_BROKEN, why, tail=cause.tail, rank=cause.rank)
+        fault = MACHINE if cause.reason == SILENT else ""  # counted; a machine's: not charged
+        return child_failed(a, EXIT_GROUP_BROKEN, why, tail=cause.tail, rank=cause.rank,
+                            fault=fault)  # fmt: skip
     log.warning(
         "%s: rank %d (%s) lost at step %d: %s; the group forms again",
         a.run_id, cause.rank, cause.worker, step, cause.reason,
@@ -371,7 +374,7 @@ def changed(a: AttemptView) -> Verdict:
 
 def child_failed(
     a: AttemptView, code: int, why: str = "", *, tail: str | None = None, rank: int | None = None,
-    stall: Stall | None = None,
+    stall: Stall | None = None, fault: str = "",
 ) -> Verdict:  # fmt: skip
     a.child.kill()
     reason = why or (
@@ -380,6 +383,7 @@ def child_failed(
         else f"training process exited with code {code}"
     )
     tail = tail_of(a.log_path) if tail is None else tail
+    fault = fault or fault_of(code, tail)
     trace.get_current_span().set_status(trace.StatusCode.ERROR, reason)
     # The token as the change applies: a lapsed lease re-taken meanwhile moves it.
     count = transitions.count_failure(
@@ -390,7 +394,7 @@ def child_failed(
     def failed(r: RunRecord) -> Event:
         return AttemptFailed(
             run_id=a.run_id, worker=a.worker, attempt=r.attempts, reason=reason,
-            detail=tail, rank=rank,
+            detail=tail, rank=rank, fault=fault,
         )  # fmt: skip
 
     return Verdict(Outcome.RETRY, change=count, event=failed, detail=tail)

@@ -150,6 +150,11 @@ class AttemptFailed(_Event, tag="attempt_failed", frozen=True):
     detail: str = ""
     rank: int | None = None
     """In a group: the rank whose code failed."""
+    fault: str = ""
+    """Whose failure it was when not the run's code's (counted against its retries all the
+    same, never charged: `shared.ledger.charges`): `machine` (a rank's trainer went silent,
+    its group breaking a second time from one checkpoint), `hardware` (the process died of
+    a hardware fault: `services.trainer.faults`); "" the run's own code."""
 
 
 class Fenced(_Event, tag="fenced", frozen=True):

@@ -2,12 +2,14 @@
 
 Invariant: a run is charged for its productive trainer-seconds — steps whose progress was
 kept (`shared.history.goodput`) — and for the whole of every attempt its own code failed
-(an `attempt_failed`, a divergence guard's stop, the run's `failed` after its code
-failed), each second times the ranks of the attempt, at its price for the attempt's
-device kind (`Started.device`). Nothing else: steps redone after a kill, a cut or a lost
-rank, the time to notice and hand over, restores, waiting in the queue, the checkpoint
-a preemption takes, a replicated run's round waits — Baton's failures and its way of
-working are never the owner's to pay for.
+(an `attempt_failed` of its code, not of a machine's or its hardware's; a divergence
+guard's stop or rollback; the run's `failed` after its code failed), each second times
+the ranks of the attempt, at its price for the attempt's device kind (`Started.device`).
+Nothing else: steps redone after a kill, a cut or a lost rank, the time to notice and hand
+over, restores, waiting in the queue, the checkpoint a preemption takes, a replicated run's
+round waits (in every attempt), an attempt a lost machine or a hardware fault ended, a
+guard's pause — Baton's failures, the machines', and its way of working are never the
+owner's to pay for.
 
 The events are those of `shared.bus.history.run_events`, on the hub's clock, so every
 reader of a run — the reaper settling it, a test checking the ledger — computes the same
@@ -42,10 +44,15 @@ class Charge(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def own_failure(a: Attempt) -> bool:
-    """Whether attempt `a` ended because the run's own code failed."""
+    """Whether attempt `a` ended because the run's own code failed: an `attempt_failed`
+    that names no fault of a machine's or its hardware's, the divergence guard's stop or
+    rollback (its model diverged; a pause holds it for a human, and is no failure), or the
+    run's `failed` after its code failed."""
     end = a.end_event
-    if isinstance(end, ev.AttemptFailed | ev.Guarded):
-        return True
+    if isinstance(end, ev.AttemptFailed):
+        return not end.fault
+    if isinstance(end, ev.Guarded):
+        return end.action != "pause"
     return isinstance(end, ev.Failed) and not end.reason.startswith(BATONS_OWN)
 
 
@@ -92,18 +99,30 @@ def _marks(events: list[Event]) -> dict[int, int]:
     return marks
 
 
+def round_waits(events: list[Event]) -> dict[tuple[str, int], float]:
+    """A replicated run's round waits (`round` events' `waited_s`) by attempt — (worker,
+    token) — each that of the worker's newest `started` before it: a worker's every
+    attempt has its own waits taken off, not only its first."""
+    current: dict[str, int] = {}
+    waits: dict[tuple[str, int], float] = {}
+    for e in events:
+        if isinstance(e, ev.Started):
+            current[e.worker] = e.token
+        elif isinstance(e, ev.Round) and e.worker in current:
+            at = (e.worker, current[e.worker])
+            waits[at] = waits.get(at, 0.0) + e.note.waited_s
+    return waits
+
+
 def charge(events: list[Event], price: dict[str, float]) -> Charge:
     """The charge of the run whose events (in stream order, on one clock) are `events`, at
     `price` (credits per trainer-second by device kind; `*` for any other)."""
-    waits: dict[str, float] = {}
-    for e in events:
-        if isinstance(e, ev.Round):
-            waits[e.worker] = waits.get(e.worker, 0.0) + e.note.waited_s
+    waits = round_waits(events)
     productive = failed = free = credits = 0.0
     for share in per_attempt(events):
         a, parts = share.attempt, share.parts
         ranks = max(1, a.started.ranks)
-        waited = min(waits.pop(a.started.worker, 0.0), parts["productive"])
+        waited = min(waits.get((a.started.worker, a.started.token), 0.0), parts["productive"])
         kept = parts["productive"] - waited
         mine = sum(parts.values()) - parts["recovery"]
         extra = mine - kept if own_failure(a) else 0.0

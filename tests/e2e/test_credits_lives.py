@@ -26,6 +26,7 @@ from shared.checkpoint.store import open_store
 from shared.contracts import RunRecord, RunState
 from shared.contracts.control import Pause, Resume, Rollback
 from shared.contracts.events import (
+    AttemptFailed,
     CheckpointCommitted,
     Paused,
     Rejected,
@@ -329,3 +330,25 @@ async def test_a_run_whose_events_are_gone_is_charged_what_its_trainers_metered(
     settle = await settled(op, "dave", run_id)
     assert settle.charged == min(settle.held, units(done.metered_s * PRICE)), (settle, done)
     assert settle.productive_s == done.metered_s and settle.charged > 0, settle
+
+
+async def test_an_attempt_a_hardware_fault_killed_is_not_charged(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The training process dies of a SIGBUS (a memory page its machine could not read
+    back) once: the attempt is counted as failed and retried, marked a hardware fault, and
+    the run is charged only what it kept — none of the failed attempt's seconds."""
+    op, erin = await stack.client(), await stack.client_as("erin")
+    before = await balance(op, "erin") + await topup(op, "erin", 1.0)
+    spec = job(
+        name="bus-error", entry_point="tests.support.tunable:gated", total_steps=60,
+        checkpoint={"every_steps": 10}, estimate_s=10,
+        config={"fail_at": 35, "by": "sigbus", "mend": str(tmp_path / "faulted"), "pace": 0.03},
+    )  # fmt: skip
+    run_id = await submit(erin, spec)
+    done = await finished(op, run_id, 120)
+    assert done.state is RunState.COMPLETED and done.attempts == 2, done
+    [failed] = [e for e in await history(op, run_id) if isinstance(e, AttemptFailed)]
+    assert failed.fault == "hardware", failed
+    settle = await balanced(op, "erin", run_id, before, PRICE)
+    assert settle.failed_s == 0, settle

@@ -4,6 +4,8 @@ Imported by real trainer child processes, like any user's code."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from pathlib import Path
 
@@ -20,7 +22,8 @@ def gated(ctx: RunContext) -> None:
     restore, since an optimizer's saved state carries the rate it was saved with. Prints the
     digest of the weights it restored (`restored step N digest D`), and waits before step
     `gate_at` until the file `gate` exists, so a test acts while the run is at a known step;
-    fails (its own code's failure) at step `fail_at` unless the file `mend` exists; `pace`
+    fails (its own code's failure) at step `fail_at` unless the file `mend` exists — or,
+    with `by = "sigbus"`, dies of a SIGBUS there once (a hardware fault); `pace`
     seconds after each step. A timed `Event.wait`, never `time.sleep` (see
     `tests.support.workloads.paced`)."""
     dim, hidden, batch = (
@@ -43,6 +46,9 @@ def gated(ctx: RunContext) -> None:
         while step == gate_at and not gate.exists():
             never.wait(0.05)
         if step == fail_at and not mend.exists():
+            if ctx.config.get("by") == "sigbus":  # as a machine whose memory failed: once
+                mend.touch()
+                os.kill(os.getpid(), signal.SIGBUS)
             raise RuntimeError(f"failing at step {step}, as asked")
         x, y = make_batch(ctx.seed, step, batch, dim)
         loss = nn.functional.mse_loss(model(x), y)

@@ -13,9 +13,12 @@ from shared.contracts.events import (
     Completed,
     Event,
     Failed,
+    Guarded,
+    Round,
     Started,
 )
 from shared.contracts.pools import units
+from shared.contracts.rounds import RoundNote
 from shared.history.goodput import goodput
 from shared.ledger.charges import charge
 from tests.shared.history.test_goodput import RUN, restored, steps
@@ -114,3 +117,72 @@ def test_ranks_and_device_kinds_price_each_attempt() -> None:
     assert c.productive_s == pytest.approx(20.0)  # 10 s on two trainers
     assert c.charged == units(20.0 * 0.1)
     assert charge(events, {"*": 0.5}).charged == units(20.0 * 0.5)  # `*`: any other kind
+
+
+def _failed_once(end: Event) -> list[Event]:
+    return [
+        Accepted(run_id=RUN, name="n", pool="p", total_steps=100, at=0.0),
+        started("w1", 1, at=0.0, device="cpu"),
+        restored("w1", 0, at=1.0, took=1.0),
+        *steps("w1", 0, 40, 1.0, 0.1),
+        commit(20, 1, at=3.05),
+        end,
+        started("w2", 2, at=7.0, start=20, device="cpu"),
+        restored("w2", 20, at=7.0),
+        *steps("w2", 20, 100, 7.0, 0.1),
+        Completed(run_id=RUN, step=100, digest="d", at=15.0),
+    ]
+
+
+def test_an_attempt_a_lost_machine_or_hardware_ended_is_not_the_owners() -> None:
+    """Counted against the run's retries, never charged: a group that broke a second time
+    from one checkpoint because a rank's trainer went silent, a process a SIGBUS killed."""
+
+    def failed(fault: str) -> Event:
+        return AttemptFailed(run_id=RUN, worker="w1", attempt=1, reason="x", fault=fault, at=5.0)
+
+    own = charge(_failed_once(failed("")), PRICE)
+    for fault in ("machine", "hardware"):
+        theirs = charge(_failed_once(failed(fault)), PRICE)
+        assert own.failed_s > 0 and theirs.failed_s == 0, (fault, theirs)
+        assert theirs.productive_s == pytest.approx(own.productive_s)
+        assert theirs.charged < own.charged
+
+
+def test_a_guards_pause_is_not_a_failure_its_stop_is() -> None:
+    def tripped(action: str) -> Event:
+        return Guarded(run_id=RUN, worker="w1", step=40, metric="loss", value="nan",
+                       rule="non_finite", action=action, good_step=20, at=5.0)  # fmt: skip
+
+    paused = charge(_failed_once(tripped("pause")), PRICE)
+    stopped = charge(_failed_once(tripped("stop")), PRICE)
+    assert paused.failed_s == 0 and stopped.failed_s > 0, (paused, stopped)
+
+
+def test_every_attempt_of_a_replica_has_its_round_waits_taken_off() -> None:
+    """A worker's second attempt (its trainer restarted) waits for rounds too: its waits
+    are its own, not all taken off its first attempt (a short one, here: a second of steps
+    could not take three seconds of waits off)."""
+
+    def waited(at: float) -> Round:
+        note = RoundNote(outcome="joined", replica=0, step=1, base=0, round=1, waited_s=1.0)
+        return Round(run_id=RUN, worker="w1", note=note, at=at)
+
+    events: list[Event] = [
+        Accepted(run_id=RUN, name="n", pool="p", total_steps=100, at=0.0),
+        started("w1", 1, at=0.0, device="cpu"),
+        restored("w1", 0, at=0.0),
+        *steps("w1", 0, 10, 0.0, 0.1),
+        commit(10, 1, at=1.05),
+        started("w1", 2, at=3.0, start=10, device="cpu"),
+        restored("w1", 10, at=3.0),
+        *steps("w1", 10, 100, 3.0, 0.1),
+        waited(5.0),
+        waited(8.0),
+        waited(11.0),
+        Completed(run_id=RUN, step=100, digest="d", at=12.1),
+    ]
+    c = charge(events, PRICE)
+    g = goodput(events)
+    assert g is not None and g.rounds_s == pytest.approx(3.0), g
+    assert c.productive_s == pytest.approx(g.productive_s), (c, g)  # every wait off
