@@ -105,6 +105,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """`BATON_RETAIN_ENDED`: seconds an ended run's record stays in the runs bucket after
     the reaper archived it; afterwards it is read from the archive (`baton status`,
     `baton runs --all`), which no sweep reads."""
+    void_after_s: float = 600.0
+    """`BATON_VOID_AFTER`: seconds credits held for a run that has no record (a submission
+    whose holds were written and whose record never was) stay held before the reaper gives
+    them back (`services/reaper/voids.py`)."""
     alerts_file: str = ""
     """`BATON_ALERTS`: the notifier's TOML file of who is told what (docs/alerts.md);
     `baton up --alerts FILE` sets it."""
@@ -185,6 +189,7 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             log_level=env.get("BATON_LOG_LEVEL", d.log_level),
             replicas=_int(env, "BATON_REPLICAS", d.replicas, minimum=1),
             retain_ended_s=_float(env, "BATON_RETAIN_ENDED", d.retain_ended_s),
+            void_after_s=_float(env, "BATON_VOID_AFTER", d.void_after_s),
             host_addr=env.get("BATON_HOST_ADDR", d.host_addr),
             form_wait_s=_float(env, "BATON_FORM_WAIT", d.form_wait_s),
             upload_bps=upload_bps(env),

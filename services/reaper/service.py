@@ -39,6 +39,8 @@ when a run is given up.
     goodput      a run seen running that has ended: its goodput exported (`accounts.py`)
     credits      an ended run with a price: charged once, the rest of its holds given
                  back (`billing.py`); retired only once settled
+    void         credits held for a run that has had no record for `BATON_VOID_AFTER`:
+                 given back, nothing charged (`voids.py`)
 
     taken back   a run granted to a site silent past its `lost_after`, or never taken by
                  its idle trainers there: fenced in the store, queued again at the hub; one
@@ -71,6 +73,7 @@ from services.reaper.seals import Seals
 from services.reaper.silences import Silences
 from services.reaper.sites import SiteWatch
 from services.reaper.sweeps import Sweeps
+from services.reaper.voids import Voids
 from shared.bus import names
 from shared.bus.answer import handle
 from shared.bus.service import pull_loop
@@ -137,6 +140,7 @@ class Reaper(Sweeps):
         self.runs = await Runs.open(self.js)
         self.reconciler = Reconciler(self.js, self.runs, self.store)
         self.billing = Billing(self.nc, self.runs, self.sites)
+        self.voids = Voids(self.nc, self.runs, self.billing.holds, self.settings.void_after_s)
         self.take_back = TakeBack(self.nc, self.js, self.runs, self.store, self.policy)
         self.seals = Seals(self.store)
         self.lapses = Lapses(self.nc, self.js, self.runs, self.lease_secret)
@@ -217,6 +221,7 @@ class Reaper(Sweeps):
         await self._garbage(records)
         await self.accounts.sweep(records)
         await self.billing.sweep(records)
+        await self.voids.sweep()
         await self._retire(live)
         alive = {r.run_id for r in running}
         for table in (self._unowned_since, self._unqueued_since):

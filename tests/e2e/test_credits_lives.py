@@ -23,7 +23,7 @@ from nats.aio.client import Client
 from baton.client import calls as client
 from shared.bus import names
 from shared.checkpoint.store import open_store
-from shared.contracts import RunRecord, RunState
+from shared.contracts import RunRecord, RunState, run_id_for
 from shared.contracts.control import Pause, Resume, Rollback
 from shared.contracts.events import (
     AttemptFailed,
@@ -62,7 +62,9 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
     """As `test_credits.py`'s: the hub's services, two trainers restarted when they die;
     a person for each test, so that each test's balance is its own."""
     people = ("alice", "bob", "carol", "dave", "erin")
-    async with priced_stack(tmp_path_factory.mktemp("lives"), POOLS, people) as s:
+    # Holds without a run are given back after 3 s here (10 minutes by default).
+    env = {"BATON_VOID_AFTER": "3"}
+    async with priced_stack(tmp_path_factory.mktemp("lives"), POOLS, people, env) as s:
         yield s
 
 
@@ -352,3 +354,29 @@ async def test_an_attempt_a_hardware_fault_killed_is_not_charged(
     assert failed.fault == "hardware", failed
     settle = await balanced(op, "erin", run_id, before, PRICE)
     assert settle.failed_s == 0, settle
+
+
+async def test_holds_whose_run_was_never_recorded_are_given_back_once(stack: Stack) -> None:
+    """A hold written and its run's record never (a dispatcher that died in between, its
+    submission never delivered again): after a while with no record, the reaper gives it
+    back — a `void` settlement, nothing charged — and the run id, used again, is refused
+    rather than trained free."""
+    op, carol = await stack.client(), await stack.client_as("carol")
+    before = await balance(op, "carol") + await topup(op, "carol", 0.5)
+    spec = charlm("never-recorded", 40, 0.0, name="never-recorded", estimate_s=5)
+    run_id = run_id_for("never-recorded", "carol")
+    js = op.jetstream()
+    orphan = Hold(owner="carol", run_id=run_id, n=0, amount=units(0.1), estimate="by hand")
+    assert await book.write(js, orphan) is not None
+    assert await balance(op, "carol") == before - units(0.1)
+
+    async def voided() -> Settle | None:
+        found = await book.find(js, book.settle_subject("carol", run_id, 0))
+        return found if isinstance(found, Settle) else None
+
+    void = await eventually(voided, 60, "the orphan hold given back")
+    assert (void.held, void.charged, void.state) == (units(0.1), 0, "void"), void
+    assert await balance(op, "carol") == before
+    _, answer = await client.submit(carol, spec, 30)
+    assert isinstance(answer, Rejected) and "no longer kept" in answer.reason, answer
+    assert await balance(op, "carol") == before

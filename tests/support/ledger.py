@@ -20,13 +20,16 @@ from tests.support.stack import Stack, eventually
 
 
 @contextlib.asynccontextmanager
-async def priced_stack(root: Path, pools: str, people: tuple[str, ...]) -> AsyncIterator[Stack]:
+async def priced_stack(
+    root: Path, pools: str, people: tuple[str, ...], env: dict[str, str] | None = None
+) -> AsyncIterator[Stack]:
     """The hub's services under the pool table `pools` (a priced pool), `people` with their
-    own credentials, and two trainers restarted when they die (as under `baton up`);
-    stopped however the test ends."""
+    own credentials, and two trainers restarted when they die (as under `baton up`), with
+    `env` besides; stopped however the test ends."""
     table = root / "pools.toml"
     table.write_text(pools)
-    s = Stack(root / "stack", trainers=0, people=people, env={"BATON_POOLS_FILE": str(table)})
+    env = {"BATON_POOLS_FILE": str(table), **(env or {})}
+    s = Stack(root / "stack", trainers=0, people=people, env=env)
     try:
         await s.start(("dispatcher", "checkpointer", "reaper"))
         for name in ("t1", "t2"):
