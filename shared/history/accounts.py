@@ -79,12 +79,18 @@ def settled_once(history: History, exactly: bool = False) -> list[Violation]:
     run and life (a run reopened by a rollback after its settlement begins a new life), and
     a record marked `settled` has one for its life. With `exactly` (`baton verify
     --settled`: once the reaper has had its chance), every ended run with a price and an
-    owner has exactly one for its life."""
+    owner has exactly one for its life, and no hold is left: every life held for is
+    settled but the live one of a run not ended."""
     out = []
     settles: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+    held: dict[tuple[str, int], str] = {}
     for p in history.ledger:
         if isinstance(p.entry, Settle):
             settles[p.entry.run_id][p.entry.life].append(p.subject)
+        elif isinstance(p.entry, Hold):
+            held.setdefault((p.entry.run_id, p.entry.life), p.subject)
+    if exactly:
+        out += _holds_left(history, held, settles)
     for run_id in sorted(set(settles) | set(history.run_ids())):
         lives = settles.get(run_id, {})
         record = history.record(run_id)
@@ -104,6 +110,19 @@ def settled_once(history: History, exactly: bool = False) -> list[Violation]:
         else:
             continue
         out.append(Violation(invariant=SETTLED_ONCE, detail=why, runs=[run_id], entries=found))
+    return out
+
+
+def _holds_left(
+    history: History, held: dict[tuple[str, int], str], settles: dict[str, dict[int, list[str]]]
+) -> list[Violation]:
+    out = []
+    for (run_id, life), subject in sorted(held.items()):
+        record = history.record(run_id)
+        if settles.get(run_id, {}).get(life) or (record is not None and record.life == life):
+            continue  # settled, or its run's own life: said above when it ended unsettled
+        why = f"run {run_id} still holds credits for its life {life}, which is not settled"
+        out.append(Violation(invariant=SETTLED_ONCE, detail=why, runs=[run_id], entries=[subject]))
     return out
 
 

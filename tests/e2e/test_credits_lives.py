@@ -34,7 +34,7 @@ from shared.contracts.events import (
     RunWarning,
     Started,
 )
-from shared.contracts.ledger import Hold, Settle
+from shared.contracts.ledger import Hold, Settle, TopUp
 from shared.contracts.pools import units
 from shared.errors import ContractError
 from shared.history.collect import collect
@@ -66,6 +66,11 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
     env = {"BATON_VOID_AFTER": "3"}
     async with priced_stack(tmp_path_factory.mktemp("lives"), POOLS, people, env) as s:
         yield s
+
+
+_dropped: list[str] = []
+"""Runs a test dropped part of on purpose (a record forgotten, events gone, as retention
+would): the whole day's check holds the rest to every invariant."""
 
 
 def _holds(account: book.Account, run_id: str) -> list[Hold]:
@@ -290,6 +295,7 @@ async def test_a_run_id_used_again_once_its_record_is_forgotten_is_refused(stack
     js = op.jetstream()
     await (await js.key_value(names.RUNS_BUCKET)).purge(run_id)
     await js.purge_stream(names.ARCHIVE_STREAM, subject=names.archive_subject(run_id))
+    _dropped.append(run_id)
     assert await (await Runs.open(js)).find(run_id) is None
     after = await balance(op, "erin")
 
@@ -326,6 +332,7 @@ async def test_a_run_whose_events_are_gone_is_charged_what_its_trainers_metered(
         assert done.state is RunState.COMPLETED and done.metered_s > 0, done
         js = op.jetstream()
         await js.purge_stream(names.EVENTS_STREAM, subject=names.events_of_run(run_id))
+        _dropped.append(run_id)
         assert await history(op, run_id) == []
     finally:
         stack.signal("reaper", signal.SIGCONT)
@@ -380,3 +387,24 @@ async def test_holds_whose_run_was_never_recorded_are_given_back_once(stack: Sta
     _, answer = await client.submit(carol, spec, 30)
     assert isinstance(answer, Rejected) and "no longer kept" in answer.reason, answer
     assert await balance(op, "carol") == before
+
+
+async def test_the_whole_day_balances_to_the_unit(stack: Stack) -> None:
+    """Last, over everything this module's stack did — resumes, a reopened life, a host
+    lost, a run id used again, events gone, a hardware fault, holds voided: every invariant
+    of the history holds with every ended run settled (docs/verify.md), each settlement
+    recomputed from its events to the unit (`charged-right`) — but of the runs a test dropped
+    part of on purpose; and each owner's balance is its top-ups less its charges, no hold
+    left."""
+    op = await stack.client()
+    async with open_store(stack.store_url) as store:
+        found = await collect(op, store)
+    broken = [v for v in check(found, settled_exactly=True) if set(v.runs) - set(_dropped)]
+    assert broken == [], [describe(v) for v in broken]
+    accounts = await book.read(op, keep=True)
+    for owner in ("alice", "bob", "carol", "dave", "erin"):
+        account = accounts[owner]
+        entries = [e for _, e in account.entries]
+        topped = sum(e.amount for e in entries if isinstance(e, TopUp))
+        charged = sum(e.charged for e in entries if isinstance(e, Settle))
+        assert account.balance == topped - charged and not account.holds, (owner, account)

@@ -267,6 +267,17 @@ def test_settled_exactly_once_is_asked_for() -> None:
     assert [(v.invariant, v.runs) for v in found] == [(accounts.SETTLED_ONCE, [B])], found
 
 
+def test_no_hold_is_left_once_the_reaper_had_its_chance() -> None:
+    """A hold for a run that has no record (its submission's record never written) is left
+    held: caught when every run is to be settled, not before."""
+    h = clean()
+    orphan = Posted(seq=9, subject="", entry=Hold(owner="alice", run_id="alice.rZ", amount=3, n=0))
+    left = replace(h, ledger=[*h.ledger, replace(orphan, subject=subject_of(orphan.entry))])
+    assert [v for v in check(left) if v.invariant == accounts.SETTLED_ONCE] == []
+    found = check(left, settled_exactly=True)
+    assert [(v.invariant, v.runs) for v in found] == [(accounts.SETTLED_ONCE, ["alice.rZ"])]
+
+
 def test_a_rollback_after_the_end_lets_a_new_attempt_start() -> None:
     """The reopened run's attempt whose rollback was refused still counts as reopened."""
     refused = ev.RunWarning(run_id=B, kind="rollback_refused", detail="damaged")
@@ -344,9 +355,7 @@ def test_late_words_of_a_taken_back_or_losing_attempt_are_no_violation() -> None
             ev.Progress(run_id=A, step=8, total_steps=20, worker="site-w"),
             ev.CheckpointCommitted(run_id=A, step=8, token=3, manifest=key(A, 8, 3), bytes=1),
             ev.Progress(run_id=A, step=4, total_steps=20, worker="dual-w"),
-            ev.Superseded(
-                run_id=A, owner="", epoch=0, loser="lab1", loser_token=9, wasted_steps=4
-            ),
+            ev.Superseded(run_id=A, owner="", epoch=0, loser="lab1", loser_token=9, wasted_steps=4),
         ]
         return [*es[:1], taken_back, *es[1:6], lost, *said, *es[6:]]
 
