@@ -215,6 +215,7 @@ def summary_json(account: Account) -> dict[str, Any]:
         "balance_units": account.balance,
         "held": as_credits(account.held),
         "held_units": account.held,
+        "overdrawn": account.balance < 0,
         "holds": {run_id: as_credits(u) for run_id, u in sorted(account.holds.items())},
         "unreadable": account.unreadable,
     }
@@ -234,8 +235,8 @@ def one_text(account: Account, history: int) -> list[Any]:
 
     runs = len(account.holds)
     parts: list[Any] = [
-        f"{account.owner}: {credits(account.balance)} credits; {credits(account.held)} held "
-        f"for {runs} run{'' if runs == 1 else 's'}"
+        f"{account.owner}: {credits(account.balance)} credits{overdrawn(account)}; "
+        f"{credits(account.held)} held for {runs} run{'' if runs == 1 else 's'}"
     ]
     if account.holds:
         t = Table("run", "held")
@@ -263,5 +264,11 @@ def all_table(accounts: list[Account]) -> Any:
 
     t = Table("owner", "balance", "held", "runs held")
     for a in accounts:
-        t.add_row(a.owner, credits(a.balance), credits(a.held), str(len(a.holds)))
+        t.add_row(a.owner, credits(a.balance) + overdrawn(a), credits(a.held), str(len(a.holds)))
     return t
+
+
+def overdrawn(account: Account) -> str:
+    """What a balance below zero says of itself: charged past what it held (a run that
+    could not be held for — submitted at a cut-off site — or a pause that came late)."""
+    return " (overdrawn: charged past what was held)" if account.balance < 0 else ""

@@ -31,8 +31,10 @@ from nats.aio.client import Client
 
 from services.reaper.sites import SiteWatch
 from shared import telemetry
+from shared.bus.emit import emit
 from shared.bus.history import run_history
 from shared.contracts import RunRecord
+from shared.contracts.events import RunWarning
 from shared.contracts.ledger import Settle
 from shared.contracts.pools import UNITS_PER_CREDIT, credits
 from shared.history.goodput import END
@@ -101,6 +103,8 @@ class Billing:
             )  # fmt: skip
 
         written = await self.holds.settle(r.owner, r.run_id, r.life, entry)
+        if written is not None and written.refund < 0:
+            await self._overdrawn(r, written)
         await self.runs.update(r.run_id, transitions.settled)
         if written is not None:
             telemetry.CREDITS_CHARGED.add(
@@ -114,3 +118,19 @@ class Billing:
                 spent.failed_s, spent.free_s,
             )  # fmt: skip
         return True
+
+    async def _overdrawn(self, r: RunRecord, written: Settle) -> None:
+        """A settlement that charged past what the run held (a run submitted at a cut-off
+        site holds nothing; a pause at budget can come a checkpoint late) and left its
+        owner's balance below zero: said, once, in a `warning` (`credits_overdrawn`) — and
+        `baton credits` shows the balance overdrawn."""
+        balance = await self.holds.balance(r.owner)
+        if balance >= 0:
+            return
+        detail = (
+            f"charged {credits(written.charged)} credits of {credits(written.held)} held: "
+            f"{r.owner}'s balance is {credits(balance)}"
+        )
+        warning = RunWarning(run_id=r.run_id, kind="credits_overdrawn", detail=detail)
+        await emit(self.js, warning, msg_id=f"warning.{r.run_id}.credits_overdrawn.l{r.life}")
+        log.warning("%s: %s", r.run_id, detail)

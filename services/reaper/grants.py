@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -71,10 +72,11 @@ record has not changed meanwhile."""
 
 
 class Reconciler:
-    def __init__(self, js: JetStreamContext, runs: Runs, store: Store) -> None:
+    def __init__(self, js: JetStreamContext, runs: Runs, store: Store, policy: Policy) -> None:
         self.js = js
         self.runs = runs
         self.store = store
+        self.policy = policy
 
     async def on_report(self, msg: Msg) -> None:
         """One revision of a site's record of a run granted to it."""
@@ -106,12 +108,21 @@ class Reconciler:
                 raise ContractError(
                     f"site {site} reported a run of {submitter!r}, which it cannot own"
                 )
-            if await self.runs.create(reported):
+            if await self.runs.create(await self._priced(reported)):
                 log.info("%s: submitted at site %s; taken in", reported.run_id, site)
                 return
             new = await self.runs.update(reported.run_id, change)  # created meanwhile
         if new is not None and new.state.terminal:
             log.info("%s: %s at site %s; taken in", new.run_id, new.state.value, site)
+
+    async def _priced(self, reported: RunRecord) -> RunRecord:
+        """A run submitted at a site, as the hub takes it in: at its pool's price then, if
+        the pool has one and the run an owner — charged when it ends like any run, though
+        nothing was held for it (the site could not read the ledger while cut off)."""
+        pool = (await self.policy.current()).pool(reported.spec.pool)
+        if reported.price or not reported.owner or not pool.priced():
+            return reported
+        return msgspec.structs.replace(reported, price=dict(pool.price))
 
     async def _superseded(self, held: RunRecord, new: RunRecord) -> None:
         """Say, once, that the hub's copy of the run gave way to a site's (`owner`): the

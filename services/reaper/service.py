@@ -138,7 +138,7 @@ class Reaper(Sweeps):
 
         await declared(declare, log)
         self.runs = await Runs.open(self.js)
-        self.reconciler = Reconciler(self.js, self.runs, self.store)
+        self.reconciler = Reconciler(self.js, self.runs, self.store, self.policy)
         self.billing = Billing(self.nc, self.runs, self.sites)
         self.voids = Voids(self.nc, self.runs, self.billing.holds, self.settings.void_after_s)
         self.take_back = TakeBack(self.nc, self.js, self.runs, self.store, self.policy)

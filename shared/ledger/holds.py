@@ -199,6 +199,11 @@ class Holds:
                 return settle
             raise book.NotStored(f"{owner}'s credits kept changing under {run_id}'s settlement")
 
+    async def balance(self, owner: str) -> int:
+        """`owner`'s balance as this process last read it, with the entries since."""
+        async with self._locks[owner]:
+            return (await self._account(owner)).balance
+
     async def _account(self, owner: str) -> book.Account:
         """`owner`'s account: read whole once, then only the entries since."""
         cached = self._accounts.get(owner)

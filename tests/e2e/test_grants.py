@@ -39,6 +39,7 @@ from shared.contracts.events import (
     Started,
     TakenBack,
 )
+from shared.contracts.pools import units
 from shared.ledger import book
 from shared.state.drains import Drains
 from shared.state.runs import Runs
@@ -334,8 +335,15 @@ async def test_jobs_submitted_at_a_cut_off_site_start_there_and_are_one_run_each
         events = await history(nc, run_id)
         kinds = [type(e).__name__ for e in events]
         assert kinds.count("Completed") == 1 and kinds.count("Started") == 1, kinds
+    # The jobs submitted at the site alone held nothing (the site cannot read the ledger
+    # while cut off): priced as the hub took them in, and charged their events.
+    alone = [await settled(nc, "lab1-submitter", run_id) for run_id in run_ids[1:]]
+    for settle in alone:
+        assert settle.held == 0 and settle.charged > 0, settle
+        assert settle.charged == units((settle.productive_s + settle.failed_s) * PRICE), settle
     # The hub's copy's hold went with the run, and is settled once.
-    await balanced(nc, "lab1-submitter", run_ids[0], topped, PRICE)
+    others = sum(s.charged for s in alone)
+    await balanced(nc, "lab1-submitter", run_ids[0], topped - others, PRICE)
     # The job the hub used before: still its cancelled run, started nowhere.
     [record] = await records(nc, [used.run_id])
     assert record.state is RunState.CANCELLED and record.attempts == 0, record
