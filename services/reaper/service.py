@@ -41,6 +41,8 @@ when a run is given up.
                  back (`billing.py`); retired only once settled
     void         credits held for a run that has had no record for `BATON_VOID_AFTER`:
                  given back, nothing charged (`voids.py`)
+    cancelled    a run asked to cancel that nothing trains (QUEUED at the hub, PAUSED):
+                 CANCELLED (`transitions.cancel_untrained`)
 
     taken back   a run granted to a site silent past its `lost_after`, or never taken by
                  its idle trainers there: fenced in the store, queued again at the hub; one
@@ -88,6 +90,8 @@ from shared.checkpoint import retention
 from shared.checkpoint.store import open_store
 from shared.config import Settings
 from shared.credentials import departures_credentials, lease_secret
+from shared.state import transitions
+from shared.state.endings import settle
 from shared.state.policy import Policy, load_table
 from shared.state.runs import Runs
 from shared.state.workers import live_workers
@@ -208,6 +212,11 @@ class Reaper(Sweeps):
         # check (`transitions.forward_requests`), at once or when its link heals.
         await self.take_back.sweep([r for r in running if r.site], list(workers.values()))
         for r in running:
+            if transitions.cancel_untrained(r) is not None:
+                # Asked to cancel, and nothing trains it (a cancel asked of a grant the hub
+                # then took back, or of a run its site paused): ended here.
+                await settle(self.js, self.runs, r.run_id, transitions.cancel_untrained)
+                continue
             if await self._timeouts(r):
                 continue
             await self._budget(r)

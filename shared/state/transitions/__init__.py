@@ -32,7 +32,8 @@ newer one), so a fenced attempt writes nothing.
                    (a rollback), yield_to and past_store (the store decides:
                    `shared.state.owner`)
     reaper         end, fail (deliveries used up), warn, redispatch, pause_unowned,
-                   take_back and reconcile (a site's grant), complete_from_store and
+                   cancel_untrained (asked to cancel, nothing trains it), take_back and
+                   reconcile (a site's grant), complete_from_store and
                    end_granted (a grant whose chain the hub finished, or sealed), settled
                    (the ledger)
     delegator      delegate (the scheduler granting queued runs to sites)
@@ -72,6 +73,7 @@ from shared.state.transitions.lifecycle import (
     add_hold,
     announced,
     cancel,
+    cancel_untrained,
     drop_rollback,
     end,
     fail,
@@ -119,6 +121,7 @@ __all__ = [
     "cancel",
     "cancel_attempt",
     "cancel_unowned",
+    "cancel_untrained",
     "cap_ranks",
     "complete",
     "complete_from_store",

@@ -50,19 +50,44 @@ def end(state: RunState, reason: str) -> Change:
 
 
 def cancel(reason: str) -> Change:
-    """A QUEUED or PAUSED run the hub holds: CANCELLED for `reason`. A RUNNING one, or one
-    granted to a site, not asked yet: asked to cancel (`cancel_requested`; its trainer
-    checkpoints and stops, or the site cancels it when it takes it). Otherwise None."""
+    """A QUEUED run the hub holds, or a PAUSED one: CANCELLED for `reason` (one paused while
+    granted to a site is the hub's again, under the next epoch: nothing trains a PAUSED run,
+    and only the hub resumes one). A RUNNING one, or a QUEUED one granted to a site, not
+    asked yet: asked to cancel (`cancel_requested`; its trainer checkpoints and stops, or
+    the site cancels it when it takes it). Otherwise None."""
 
     def change(r: RunRecord) -> RunRecord | None:
-        if r.state in (RunState.QUEUED, RunState.PAUSED) and not r.site:
-            return _replace(r, state=RunState.CANCELLED, reason=reason)
+        if _untrained(r):
+            return _cancelled(r, reason)
         if (r.state is RunState.RUNNING or r.site) and r.cancel_requested is None:
             # Granted to a site, the run is the site's to end: asked, like a running one.
             return None if r.state.terminal else _replace(r, cancel_requested=reason)
         return None
 
     return change
+
+
+def cancel_untrained(r: RunRecord) -> RunRecord | None:
+    """While the run is asked to cancel and nothing trains it — QUEUED or PAUSED at the hub,
+    or PAUSED at a site —: CANCELLED for the reason asked; one granted to a site is the
+    hub's again under the next epoch (the site's grant is spent). Otherwise None."""
+    if r.cancel_requested is None or not _untrained(r):
+        return None
+    return _cancelled(r, r.cancel_requested)
+
+
+def _cancelled(r: RunRecord, reason: str) -> RunRecord:
+    if r.site:
+        r = _replace(r, site="", epoch=r.epoch + 1, delivery=None, worker=None, group=[])
+    return _replace(r, state=RunState.CANCELLED, reason=reason)
+
+
+def _untrained(r: RunRecord) -> bool:
+    """Nothing trains the run, nor will until the hub says: QUEUED or PAUSED at the hub, or
+    PAUSED at a site."""
+    if r.state is RunState.PAUSED:
+        return True
+    return r.state is RunState.QUEUED and not r.site
 
 
 def pause(reason: str) -> Change:
@@ -87,11 +112,12 @@ def resume(hold: Taken | None = None, *, allow_changes: bool = False) -> Change:
     allowed to resume under other software (`changes_allowed`). A run paused while granted
     to a site is the hub's again, under the next epoch: the site's grant was spent (its
     record there stays PAUSED, and a grant is sent once per epoch), so the scheduler
-    decides afresh, and may grant it again. Otherwise None."""
+    decides afresh, and may grant it again. A run asked to cancel is not resumed. Otherwise
+    None."""
 
     def change(r: RunRecord) -> RunRecord | None:
-        if r.state is not RunState.PAUSED or r.settled:
-            return None
+        if r.state is not RunState.PAUSED or r.settled or r.cancel_requested is not None:
+            return None  # (one asked to cancel is the reaper's to end: `cancel_untrained`)
         if hold is not None:
             added = add_hold(hold)(r)
             if added is None:

@@ -247,6 +247,34 @@ def test_cancel() -> None:
     refused(t.cancel("again"), record(cancel_requested="asked"), *terminal())
 
 
+def test_a_paused_run_is_cancelled_wherever_it_was_granted() -> None:
+    """Nothing trains a PAUSED run, and only the hub resumes one: cancelled at once, one a
+    site paused the hub's again under the next epoch — also when a cancel was asked of it
+    while it ran there (the site paused it first)."""
+    at_site = record(state=RunState.PAUSED, site="lab1", epoch=3, worker=None, group=[])
+    new = applied(t.cancel("asked"), at_site)
+    assert changed(at_site, new) == {
+        "state": RunState.CANCELLED, "reason": "asked", "site": "", "epoch": 4,
+        "delivery": None,
+    }, changed(at_site, new)  # fmt: skip
+    asked = msgspec.structs.replace(at_site, cancel_requested="earlier")
+    assert applied(t.cancel("again"), asked).reason == "again"
+    assert applied(t.cancel_untrained, asked).reason == "earlier"
+    refused(t.resume(), asked)  # asked to cancel: not resumed
+
+
+def test_cancel_untrained_ends_only_what_nothing_trains() -> None:
+    queued = record(state=RunState.QUEUED, worker=None, cancel_requested="asked")
+    assert applied(t.cancel_untrained, queued).state is RunState.CANCELLED
+    refused(
+        t.cancel_untrained,
+        record(cancel_requested="asked"),  # RUNNING: its trainer ends it
+        record(state=RunState.QUEUED, site="lab1", cancel_requested="asked"),  # the site's
+        record(state=RunState.QUEUED, worker=None),  # not asked
+        *terminal(cancel_requested="asked"),
+    )
+
+
 def test_warn() -> None:
     r = record(warned=["stalled"])
     new = applied(t.warn("soft_timeout"), r)
