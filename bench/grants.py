@@ -74,8 +74,10 @@ async def utilisation(
         hub, site = await stack(Path(tmp), ahead, horizon_s)
         try:
             nc = await hub.client()
-            spec = paced(steps, pace=PACE, estimate_s=steps * PACE)
-            run_ids = [await submit(nc, spec) for _ in range(2 * (per_trainer + 1))]
+            run_ids = [  # each its own idempotency key: one run each
+                await submit(nc, paced(steps, pace=PACE, estimate_s=steps * PACE))
+                for _ in range(2 * (per_trainer + 1))
+            ]
             await eventually(lambda: _training(nc, run_ids, 2), 120, "both trainers to train")
             if horizon_s:  # granted as far as the horizon reaches before the cut
                 await eventually(lambda: _granted_s(nc, run_ids, 2 * horizon_s, steps), 120,
