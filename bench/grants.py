@@ -3,6 +3,7 @@ cut off, and how soon the hub is consistent after heal.
 
     .venv/bin/python -m bench.grants [--cuts 30,120] [--run-s 20] [--heal 10,100]
                                      [--skip-baseline]
+    .venv/bin/python -m bench.grants --by-time 60,300 [--run-s 20]
 
 **Utilisation.** A hub with no trainer (dispatcher, checkpointer, reaper) and site `lab1`
 (leaf node behind a loopback proxy, its checkpointer, dispatcher and two trainers), real
@@ -13,6 +14,12 @@ off the site's own events (each attempt from `started` to its end, on the site h
 clock — the same host here) over 2·C. With grants (`BATON_DELEGATE_AHEAD` = the runs a
 trainer needs to cover the cut) against the baseline in the same run, grants off
 (`BATON_DELEGATE_AHEAD=0`: the trainers take the hub's queue across the link, as before).
+
+**By count against by time** (`--by-time CUTS`): the same stack and runs (each with its
+`estimate_s`), for each cut, grants by count at their default (`BATON_DELEGATE_AHEAD=1`)
+against grants by time with a horizon of the cut's length (`BATON_GRANT_AHEAD_S=C`; the cut
+begins once the site was granted that much, or every run): the share of the cut the site's
+trainers trained, each.
 
 **Heal → consistent.** N short runs granted to the site (two trainers, `ahead` N/2), the
 link cut before they start; once every run completed at the cut-off site (its outbox says
@@ -32,67 +39,49 @@ from pathlib import Path
 from nats.aio.client import Client
 
 from shared.bus import names
-from shared.contracts import RunState, decode
-from shared.contracts.events import Event, Started
+from shared.contracts import RunState
 from shared.state.runs import Runs
 from tests.e2e.jobs import paced, submit
+from tests.support.busy import busy_within, site_events
 from tests.support.sites import Site
 from tests.support.stack import Stack, eventually
 
 HUB_ONLY = ("dispatcher", "checkpointer", "reaper")
 PACE = 0.05
-ENDS = ("completed", "fenced", "failed", "attempt_failed", "preempted", "cancelled", "paused")
 
 
-async def stack(tmp: Path, ahead: int) -> tuple[Stack, Site]:
-    hub = Stack(tmp / "hub", trainers=0, lease_ttl=6, env={"BATON_DELEGATE_AHEAD": str(ahead)})
+async def stack(tmp: Path, ahead: int, horizon_s: float = 0.0) -> tuple[Stack, Site]:
+    env = {"BATON_DELEGATE_AHEAD": str(ahead)}
+    if horizon_s:
+        env["BATON_GRANT_AHEAD_S"] = f"{horizon_s:g}"
+    hub = Stack(tmp / "hub", trainers=0, lease_ttl=6, env=env)
     await hub.start(HUB_ONLY)
     site = Site(hub, "lab1")
     await site.start(trainers=2)
     return hub, site
 
 
-async def site_events(site: Site) -> list[tuple[str, Event]]:
-    """(kind, event) of every event the site's outbox holds, in order."""
-    out = []
-    for subject, data in await site.outbox(names.site_root(site.name, "events")):
-        out.append((subject.rsplit(".", 1)[1], decode(data, Event)))
-    return out
-
-
-def busy_within(events: list[tuple[str, Event]], start: float, end: float) -> float:
-    """Trainer-seconds inside [start, end] spent training: each attempt from its `started`
-    to its last `progress` or `checkpoint_committed` before its end event — not to the end
-    event itself, which a run held by the hub publishes only once its record is written,
-    after the link is back."""
-    total = 0.0
-    for i, (kind, e) in enumerate(events):
-        if kind != "started" or not isinstance(e, Started):
-            continue
-        stop = e.at
-        for later_kind, later in events[i + 1 :]:
-            if later.run_id != e.run_id:
-                continue
-            if later_kind in ENDS:
-                break
-            if later_kind in ("progress", "checkpoint_committed"):
-                stop = later.at
-        total += max(0.0, min(stop, end) - max(e.at, start))
-    return total
-
-
-async def utilisation(cut_s: float, run_s: float, grants: bool) -> float:
+async def utilisation(
+    cut_s: float, run_s: float, grants: bool, ahead: int | None = None, horizon_s: float = 0.0
+) -> float:
+    """Busy share of the site's trainer-seconds through a cut of `cut_s`: grants sized for
+    the cut by count (`grants`), or `ahead` runs per trainer, or by time (`horizon_s`)."""
     steps = max(10, round(run_s / PACE))
     per_trainer = math.ceil(cut_s / run_s) + 1
-    ahead = per_trainer if grants else 0
+    if ahead is None:
+        ahead = per_trainer if grants else 0
     with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
-        hub, site = await stack(Path(tmp), ahead)
+        hub, site = await stack(Path(tmp), ahead, horizon_s)
         try:
             nc = await hub.client()
-            run_ids = [
-                await submit(nc, paced(steps, pace=PACE)) for _ in range(2 * (per_trainer + 1))
+            run_ids = [  # each its own idempotency key: one run each
+                await submit(nc, paced(steps, pace=PACE, estimate_s=steps * PACE))
+                for _ in range(2 * (per_trainer + 1))
             ]
             await eventually(lambda: _training(nc, run_ids, 2), 120, "both trainers to train")
+            if horizon_s:  # granted as far as the horizon reaches before the cut
+                await eventually(lambda: _granted_s(nc, run_ids, 2 * horizon_s, steps), 120,
+                                 "the site to be granted its horizon")  # fmt: skip
             site.proxy.sever()
             start = time.time()
             await asyncio.sleep(cut_s)  # the cut's length is the measurement's
@@ -142,6 +131,14 @@ async def _granted(nc: Client, run_ids: list[str]) -> bool:
     return all(f and f[0].site for f in found)
 
 
+async def _granted_s(nc: Client, run_ids: list[str], want_s: float, steps: int) -> bool:
+    """Whether the runs granted to the site come to `want_s` expected seconds (or all are)."""
+    runs = await Runs.open(nc.jetstream())
+    found = [f[0] for r in run_ids if (f := await runs.get(r))]
+    held = sum(PACE * (steps - r.step) for r in found if r.site)
+    return held >= want_s or all(r.site for r in found)
+
+
 async def _completed(nc: Client, run_ids: list[str]) -> bool:
     runs = await Runs.open(nc.jetstream())
     found = [await runs.get(r) for r in run_ids]
@@ -159,7 +156,11 @@ async def main() -> None:
     p.add_argument("--run-s", type=float, default=20.0)
     p.add_argument("--heal", default="10,100")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--by-time", default="", help="cuts (s) to compare count and time at")
     a = p.parse_args()
+    if a.by_time:
+        await by_time([float(c) for c in a.by_time.split(",") if c], a.run_s)
+        return
     print("| cut | grants | baseline (grants off) |\n|---|---|---|")
     for cut in (float(c) for c in a.cuts.split(",") if c):
         with_grants = await utilisation(cut, a.run_s, grants=True)
@@ -169,6 +170,16 @@ async def main() -> None:
     for n in (int(x) for x in a.heal.split(",") if x):
         records, events = await heal(n)
         print(f"| {n} | {records:.2f} s | {events:.2f} s |", flush=True)
+
+
+async def by_time(cuts: list[float], run_s: float) -> None:
+    """Grants by count (the default: one run ahead per trainer) against grants by time (a
+    horizon of the cut's length), for each cut, in the same run."""
+    print("| cut | by count (1 ahead) | by time (horizon = cut) |\n|---|---|---|")
+    for cut in cuts:
+        count = await utilisation(cut, run_s, grants=True, ahead=1)
+        timed = await utilisation(cut, run_s, grants=True, ahead=1, horizon_s=cut)
+        print(f"| {cut:.0f} s | {count:.1%} | {timed:.1%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     beyond the one it trains (`services/dispatcher/delegation.py`): `1`, or per site
     `lab1=2,lab2=0,*=1` (`*`: every other site). 0 grants a site nothing: its trainers take
     the hub's work over the link, as before grants."""
+    grant_ahead_s: tuple[tuple[str, float], ...] = ()
+    """`BATON_GRANT_AHEAD_S`: grants by time instead (`shared/scheduling/horizon.py`): the
+    hub grants a site, per live trainer of a pool, queued work until the expected seconds
+    it holds reach this horizon: `1800`, or per site `lab1=3600,lab2=0,*=900`; a pool's
+    `grant_ahead_s` (the pools' table) stands for the sites not named. Unset or 0 for a
+    site: `BATON_DELEGATE_AHEAD` counts its grants."""
 
     @property
     def hub_api(self) -> str | None:
@@ -148,6 +154,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     def ahead(self, site: str) -> int:
         table = dict(self.delegate_ahead)
         return table.get(site, table.get("*", 0))
+
+    def horizon(self, site: str, pool: float | None = None) -> float | None:
+        """Seconds of expected work per trainer `site` is granted ahead: the site's own
+        `BATON_GRANT_AHEAD_S`, else the pool's `grant_ahead_s`, else `*`'s; None (grants
+        counted in runs) when none is set or it is 0."""
+        table = dict(self.grant_ahead_s)
+        found = table.get(site, pool if pool is not None else table.get("*"))
+        return found or None
 
     @property
     def sweep_s(self) -> float:
@@ -195,6 +209,7 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             upload_bps=upload_bps(env),
             alerts_file=env.get("BATON_ALERTS", ""),
             delegate_ahead=_ahead(env.get("BATON_DELEGATE_AHEAD", "1")),
+            grant_ahead_s=_horizons(env.get("BATON_GRANT_AHEAD_S", "")),
             cloud=_cloud(env.get("BATON_CLOUD", "")),
             metadata_url=env.get("BATON_METADATA_URL", ""),
             notice_poll_s=_float(env, "BATON_NOTICE_POLL", d.notice_poll_s),
@@ -236,6 +251,26 @@ def _ahead(raw: str) -> tuple[tuple[str, int], ...]:
                 f"BATON_DELEGATE_AHEAD={raw!r}: {part!r} is not `N` or `site=N` (0 to 1000)"
             )
         out.append((site, int(count)))
+    return tuple(out)
+
+
+def _horizons(raw: str) -> tuple[tuple[str, float], ...]:
+    out = []
+    for part in (p.strip() for p in raw.split(",") if p.strip()):
+        site, _, secs = part.rpartition("=")
+        site = site.strip() or "*"
+        if site != "*":
+            _site(site)
+        try:
+            value = float(secs)
+        except ValueError:
+            value = -1.0
+        if not 0 <= value <= 30 * 86400:
+            raise ValueError(
+                f"BATON_GRANT_AHEAD_S={raw!r}: {part!r} is not `SECONDS` or `site=SECONDS` "
+                "(0 to 30 days)"
+            )
+        out.append((site, value))
     return tuple(out)
 
 

@@ -87,24 +87,18 @@ def streams(
 def sites(server: Server = DEFAULT, as_json: Json = False) -> None:
     """Sites the hub has heard from: link state, when the hub last heard each (its server's
     clock: the reaper's and this host's may be off), backlog (messages the hub has yet to
-    take from the site's outbox, as last measured), and the live runs granted to each."""
+    take from the site's outbox, as last measured), the live runs granted to each, and
+    their expected seconds still to train per live trainer there (its granted horizon)."""
     from rich.table import Table
 
     from baton.client.errors import needs
     from shared.bus import sourcing as site_links
 
     async def go(nc: Any) -> list[site_links.SiteView]:
-        from collections import Counter
-
-        import msgspec
-
-        from baton.client import calls as client
+        from baton.client.holdings import site_views
 
         with needs("sites bucket"):
-            found = await site_links.views(nc)
-        live = await client.all_records(nc)
-        held = Counter(r.site for r in live if r.site and not r.state.terminal)
-        return [msgspec.structs.replace(v, held=held[v.site]) for v in found]
+            return await site_views(nc)
 
     found = run(lambda: with_nats(server, go))
     if as_json:
@@ -113,12 +107,18 @@ def sites(server: Server = DEFAULT, as_json: Json = False) -> None:
     if not found:
         err.print("no site has greeted this hub yet (`baton up --site NAME --hub URL`)")
         return
-    t = Table("site", "link", "last seen", "backlog", "links", "outbox last seq", "runs held")
+    t = Table(
+        "site", "link", "last seen", "backlog", "links", "outbox last seq", "runs held",
+        "horizon / trainer",
+    )  # fmt: skip
     for v in found:
         link = "[green]up[/green]" if v.link == "up" else "[red]down[/red]"
+        horizon = f"{v.horizon_s:.0f}s" if v.horizon_s is not None else "-"
+        if v.unestimated:
+            horizon += f" (+{v.unestimated} unestimated)"
         t.add_row(
             v.site, link, f"{v.last_seen_s:.1f}s ago", str(v.backlog), str(v.links),
-            str(v.outbox_last_seq), str(v.held),
+            str(v.outbox_last_seq), str(v.held), horizon,
         )  # fmt: skip
     out.print(t)
 

@@ -17,6 +17,8 @@ from shared.contracts import RunRecord, RunState
 from shared.contracts.control import WorkerInfo
 from shared.contracts.pools import Pool, PoolTable
 from shared.contracts.queue import OwnerShare, QueueView, Training, Waiting
+from shared.scheduling import horizon
+from shared.scheduling.horizon import MOST_AHEAD, Work
 from shared.scheduling.model import Phase, PoolState, Run, SavedUsage, SiteRoom, queue_order
 from shared.scheduling.plan import Pass, explain
 from shared.scheduling.shares import Usage
@@ -34,6 +36,8 @@ class Queued:
         self.by_owner: dict[str, list[Run]] = {}
         self._keys: dict[str, list[tuple[int, float, str]]] = {}
         self.priorities: Counter[int] = Counter()
+        self.jobs: Counter[str] = Counter()
+        """How many queued runs each job name has (whose speeds grants by time read)."""
 
     def add(self, run: Run) -> None:
         keys = self._keys.setdefault(run.owner, [])
@@ -42,6 +46,8 @@ class Queued:
         keys.insert(at, queue_order(run))
         runs.insert(at, run)
         self.priorities[run.priority] += 1
+        if run.work is not None:
+            self.jobs[run.work.job] += 1
 
     def remove(self, run: Run) -> None:
         keys, runs = self._keys[run.owner], self.by_owner[run.owner]
@@ -49,6 +55,10 @@ class Queued:
         assert runs[at].run_id == run.run_id, (run.run_id, runs[at].run_id)
         del keys[at], runs[at]
         self.priorities[run.priority] -= 1
+        if run.work is not None:
+            self.jobs[run.work.job] -= 1
+            if self.jobs[run.work.job] <= 0:
+                del self.jobs[run.work.job]
         if not runs:
             del self._keys[run.owner], self.by_owner[run.owner]
 
@@ -73,6 +83,9 @@ class Reckoner:
         """Per pool, the queued runs its last pass left waiting, with why."""
         self.worker_ttl_s = max(2.0, 3 * settings.heartbeat_s) + 1.0
         """A trainer not heard for this long is gone (its heartbeat's own TTL, and a second)."""
+        self.speeds: dict[str, dict[str, float]] = defaultdict(dict)
+        """Per pool, the measured seconds per step of its job names (`speeds.py` reads
+        them, for the pools granted by time)."""
 
     # -- following ---------------------------------------------------------------------------
 
@@ -209,29 +222,56 @@ class Reckoner:
         for key in [k for k in self._since if k[0] not in self._records]:
             del self._since[key]
         queued = self._queued[pool]
+        at_hub = sum(1 for w in workers if not w.site)
+        hub_free = at_hub - sum(r.holds for r in runs if not r.site)
         return PoolState(
             name=pool, policy=policy, trainers=len(workers), runs=runs,
             queued=queued.by_owner, priorities=queued.priorities,
             usage=self.usage(pool, policy).values(now),
-            sites=self._rooms(pool, workers, linked), now=now,
+            sites=self._rooms(pool, policy, workers, linked, steps),
+            hub_free=max(0, hub_free), speeds=self.speeds[pool], now=now,
         )  # fmt: skip
 
-    def _rooms(self, pool: str, workers: list[WorkerInfo], linked: set[str]) -> dict[str, SiteRoom]:
+    def queued_jobs(self, pool: str) -> list[str]:
+        """The job names of `pool`'s queued runs."""
+        return list(self._queued[pool].jobs)
+
+    def by_time(self, pool: str, policy: Pool, linked: set[str]) -> bool:
+        """Whether some linked site with a live trainer of `pool` is granted it by time."""
+        sites = {w.site for w in self.workers() if w.pool == pool and w.site in linked}
+        return any(self.settings.horizon(s, policy.grant_ahead_s) for s in sites)
+
+    def _rooms(
+        self, pool: str, policy: Pool, workers: list[WorkerInfo], linked: set[str],
+        steps: dict[str, int],
+    ) -> dict[str, SiteRoom]:  # fmt: skip
         """Per linked site with grants on: ranks it may still be granted (per live trainer
-        of the pool there, the one it trains and `BATON_DELEGATE_AHEAD` more, less the ranks
-        of the runs it holds)."""
+        of the pool there, the one it trains and `BATON_DELEGATE_AHEAD` more — or, granted
+        by time, `horizon.MOST_AHEAD` more — less the ranks of the runs it holds), and by
+        time the expected seconds it may still be granted (`horizon.room`)."""
         trainers: dict[str, int] = defaultdict(int)
         for w in workers:
-            if w.site in linked and self.settings.ahead(w.site) > 0:
+            by_time = self.settings.horizon(w.site, policy.grant_ahead_s)
+            if w.site in linked and (by_time or self.settings.ahead(w.site) > 0):
                 trainers[w.site] += 1
         if not trainers:
             return {}
         held: dict[str, int] = defaultdict(int)
+        work: dict[str, list[float | None]] = defaultdict(list)
         for r, _ in self._records.values():
             if r.site and r.spec.pool == pool:
                 held[r.site] += r.spec.max_ranks
+                done = max(r.step, steps.get(r.run_id, 0))
+                work[r.site].append(horizon.expected_s(_work(r, done), self.speeds[pool]))
         out = {}
         for site, n in trainers.items():
+            secs = self.settings.horizon(site, policy.grant_ahead_s)
+            if secs:
+                out[site] = SiteRoom(
+                    free=n * (1 + MOST_AHEAD) - held[site], spare=n * MOST_AHEAD,
+                    time=horizon.room(n, secs, work[site]),
+                )  # fmt: skip
+                continue
             ahead = self.settings.ahead(site)
             out[site] = SiteRoom(free=n * (1 + ahead) - held[site], spare=n * ahead)
         return out
@@ -243,12 +283,21 @@ def _held(r: RunRecord) -> int:
     return min(size, r.ranks_cap) if r.ranks_cap else size
 
 
+def _work(r: RunRecord, done: int) -> Work:
+    """What `r`'s expected seconds are reckoned from, `done` of its steps trained."""
+    return Work(
+        job=r.spec.name, steps=r.spec.total_steps - done, total_steps=r.spec.total_steps,
+        estimate_s=r.spec.estimate_s, ranks=r.spec.max_ranks,
+    )  # fmt: skip
+
+
 def _queued(r: RunRecord) -> Run:
     """A run waiting for the scheduler: everything a pass reads of it is in its record."""
     return Run(
         run_id=r.run_id, owner=r.owner, priority=r.priority, order=r.created_at,
         phase=Phase.QUEUED, min_ranks=r.spec.min_ranks, max_ranks=r.spec.max_ranks,
         cap=r.ranks_cap, grantable=transitions.grantable(r), replica=r.spec.replica is not None,
+        work=_work(r, r.step),
     )  # fmt: skip
 
 

@@ -33,6 +33,7 @@ from nats.js.kv import KeyValue
 
 from services.dispatcher.delegation import Delegation
 from services.dispatcher.queues import Reckoner, view_of
+from services.dispatcher.speeds import Speeds
 from shared import telemetry
 from shared.backoff import Backoff, retrying
 from shared.bus import names
@@ -88,6 +89,8 @@ class Scheduler:
         self.lease_secret = lease_secret
         self.reckoner = Reckoner(settings)
         """What it knows of the pools: live records, trainers, usage (`queues.py`)."""
+        self.speeds = Speeds(self.js, self.reckoner)
+        """Job speeds, for the pools granted to a site by time (`speeds.py`)."""
         self.now = asyncio.Event()
         """Set to run a pass at once."""
         self._following: list[Following] = []
@@ -176,6 +179,8 @@ class Scheduler:
         linked = await self.delegation.linked_sites(self.reckoner.site_pools())
         done: list[Action] = []
         for pool in self.reckoner.pools():
+            if linked and self.reckoner.by_time(pool, table.pool(pool), linked):
+                await self.speeds.refresh(pool)
             state = self.reckoner.state(pool, table.pool(pool), linked)
             decided = plan(state)
             _gauges(state)

@@ -118,6 +118,14 @@ class SiteView(msgspec.Struct, frozen=True, kw_only=True):
     outbox_last_seq: int
     held: int = 0
     """Live runs granted to the site (`baton sites` counts them; 0 where not counted)."""
+    held_s: float = 0.0
+    """Expected trainer-seconds of those runs still to train (`shared.scheduling.horizon`)."""
+    trainers: int = 0
+    """Live trainers at the site, as the hub last heard them."""
+    horizon_s: float | None = None
+    """`held_s` per live trainer: the site's granted horizon; None with none live."""
+    unestimated: int = 0
+    """Runs held that no measured speed or `estimate_s` says the length of."""
 
 
 def view_of(r: SiteRecord, heard_at: float, now: float, backlog: int) -> SiteView:

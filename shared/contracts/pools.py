@@ -103,6 +103,10 @@ class Pool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     the end (`shared.ledger`); without one, its runs cost no credits."""
     estimate_margin: Annotated[float, Meta(ge=1, le=100)] = 1.25
     """A run's hold is its estimated trainer time times this."""
+    grant_ahead_s: Annotated[float, Meta(ge=0, le=30 * 86400)] | None = None
+    """Grants by time for this pool (docs/sites.md): seconds of expected work per trainer
+    a site is granted ahead, where `BATON_GRANT_AHEAD_S` names no value for that site.
+    None: the variable's default, else grants counted in runs."""
 
     def owner(self, name: str) -> Owner:
         """`name`'s terms (defaults for an owner not listed)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shared.contracts.pools import Pool
+from shared.scheduling.horizon import Horizon, Work
 
 
 class Phase(enum.Enum):
@@ -55,6 +56,8 @@ class Run:
     """A run a site may be granted (of a fixed size, asked nothing)."""
     replica: bool = False
     """A replica of a replicated run: granted only where a trainer is free for it now."""
+    work: Work | None = None
+    """What its expected seconds are reckoned from (grants by time: `horizon`)."""
 
     @property
     def elastic(self) -> bool:
@@ -76,6 +79,16 @@ class SiteRoom:
     `BATON_DELEGATE_AHEAD` more, less the ranks of the runs it holds)."""
     spare: int = 0
     """The part of `free` that is ahead of need: never granted to a replica."""
+    time: Horizon | None = None
+    """Granted by time (`horizon`): the expected seconds it may still be granted, which
+    bound what is granted ahead of need; None: granted by count (`free` alone)."""
+
+    def open(self) -> bool:
+        """Whether a run may still be granted here: ranks left, and time left or a trainer
+        free now."""
+        if self.free <= 0:
+            return False
+        return self.time is None or self.time.fits() or self.free > self.spare
 
 
 @dataclass(slots=True)
@@ -95,6 +108,11 @@ class PoolState:
     usage: dict[str, float] = field(default_factory=dict)
     """Each owner's decayed trainer-seconds in the pool (`shares.Usage`)."""
     sites: dict[str, SiteRoom] = field(default_factory=dict)
+    hub_free: int = 0
+    """The hub's own trainers of the pool free now (its trainers less the ranks of the runs
+    it holds): what a site granted by time never takes a run ahead of need from."""
+    speeds: Mapping[str, float] = field(default_factory=dict)
+    """Measured seconds per step of the pool's job names (`horizon.expected_s`)."""
     now: float = 0.0
     """The scheduler's monotonic clock."""
 

@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 
+from shared.scheduling.horizon import Horizon, expected_s
 from shared.scheduling.model import (
     Admit,
     Cap,
@@ -59,7 +60,8 @@ class Pass:
         self.running = [r for r in state.runs if r.phase is Phase.RUNNING and not r.site]
         self.placed: list[Run] = []
         """Runs admitted or granted in this pass (copies)."""
-        self.sites = {s: SiteRoom(room.free, room.spare) for s, room in state.sites.items()}
+        self.sites = {s: _copy(room) for s, room in state.sites.items()}
+        self.hub_free = state.hub_free
         above = sorted(state.priorities.items(), reverse=True)
         self._above = [(prio, n) for prio, n in above if n > 0]
 
@@ -85,6 +87,7 @@ class Pass:
 
     def admit(self, r: Run, ranks: int, cap: int | None) -> Admit:
         self.free -= ranks
+        self.hub_free -= ranks
         self.holding[r.owner] += ranks
         self.placed.append(replace(r, phase=Phase.ADMITTED, ranks=ranks, cap=cap))
         return Admit(r.run_id, ranks, cap)
@@ -93,20 +96,36 @@ class Pass:
         """A site with room for `r`, its room taken (and the trainers free there now, for
         the part not ahead of need: they were counted free for the hub's work too). A
         replica, or a group of several ranks, which must train at once, goes only where
-        enough trainers are free now."""
+        enough trainers are free now. Granted by time, a site is granted ahead of need
+        only while its expected seconds are below its horizon (`horizon`), and only a run
+        no trainer free now could start (a long horizon never leaves the hub's idle)."""
         if not r.grantable:
             return None
         need = r.min_ranks
         at_once = r.replica or need > 1
+        expected: float | None = None
         for site in sorted(self.sites):
             room = self.sites[site]
             now = room.free - room.spare
             if now < need if at_once else room.free < need:
                 continue
+            if room.time is not None:
+                ahead = not at_once and now < need
+                if ahead and (not room.time.fits() or self.hub_free >= need):
+                    continue  # past its horizon, or a hub trainer free now takes it
+                if expected is None and r.work is not None:
+                    expected = expected_s(r.work, self.state.speeds)
+                room.time.take(expected)
             self.free -= min(need, max(now, 0))
             room.free -= need
             return site
         return None
+
+
+def _copy(room: SiteRoom) -> SiteRoom:
+    time = room.time
+    held = Horizon(time.horizon_s, time.seconds) if time is not None else None
+    return SiteRoom(room.free, room.spare, held)
 
 
 PREEMPTION_TRIES = 8
@@ -159,7 +178,7 @@ def plan(state: PoolState, reasons: int = REASONS) -> Plan:
             waiting = True
             if len(out.blocked) < reasons:
                 _block(p, r, out)
-        if p.free <= 0 and tries <= 0 and not any(s.free > 0 for s in p.sites.values()):
+        if p.free <= 0 and tries <= 0 and not any(s.open() for s in p.sites.values()):
             # Nothing more can start: only say why, for the front of the queue.
             while len(out.blocked) < reasons and (rest := queues.pop()) is not None:
                 _block(p, rest, out)

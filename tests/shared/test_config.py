@@ -66,3 +66,18 @@ def test_grants_ahead_is_per_site_with_a_default() -> None:
     for bad in ("x", "lab1=-1", "Bad Site=1", "lab1=9999"):
         with pytest.raises(ConfigError, match=r"BATON_DELEGATE_AHEAD|BATON_SITE"):
             config.load({"BATON_DELEGATE_AHEAD": bad})
+
+
+def test_grants_by_time_are_per_site_then_per_pool_then_a_default() -> None:
+    load = config.load
+    assert load({}).horizon("lab1") is None and load({}).horizon("lab1", 600.0) == 600.0
+    s = load({"BATON_GRANT_AHEAD_S": "lab1=3600, lab2=0, *=900"})
+    assert (s.horizon("lab1"), s.horizon("lab2"), s.horizon("lab9")) == (3600.0, None, 900.0)
+    # A pool's own horizon stands for the sites the variable does not name.
+    assert (s.horizon("lab1", 60.0), s.horizon("lab2", 60.0), s.horizon("lab9", 60.0)) == (
+        3600.0, None, 60.0,
+    )  # fmt: skip
+    assert load({"BATON_GRANT_AHEAD_S": "1800"}).horizon("x") == 1800.0
+    for bad in ("x", "lab1=-1", "Bad Site=1", "lab1=nan", f"{31 * 86400}"):
+        with pytest.raises(ConfigError, match=r"BATON_GRANT_AHEAD_S|BATON_SITE"):
+            config.load({"BATON_GRANT_AHEAD_S": bad})

@@ -81,3 +81,30 @@ def test_a_leaving_run_is_shown_making_room_and_its_taker_as_preempting() -> Non
     [going] = view.training
     assert going.run_id == "a.r1" and going.leaving.startswith("for b.r1"), going
     assert {o.owner for o in view.owners} == {"b", "c"} and view.more == 0
+
+
+def test_a_site_granted_by_time_has_room_in_expected_seconds() -> None:
+    """A site's room by time: its trainers times the horizon, less what is left of the runs
+    it trains (its heartbeat's step) and of those granted to it — by the job's measured
+    speed where the pools bucket has one, else its `estimate_s`; by count otherwise."""
+    timed = msgspec.structs.replace(SPEC, total_steps=100, estimate_s=50.0)
+    r = Reckoner(config.load({"BATON_GRANT_AHEAD_S": "lab1=300"}))
+    r.heard(trainer("t1", site="lab1", run_id="a.r1", step=60))
+    r.heard(trainer("t2", site="lab2"))
+    r.observe(record("a.r1", 1.0, spec=timed, site="lab1", state=RunState.RUNNING,
+                     worker="t1", step=40), 1)  # fmt: skip
+    r.observe(record("a.r2", 2.0, spec=timed, site="lab1"), 2)
+    rooms = r.state("default", Pool(), {"lab1", "lab2"}).sites
+    # 300 s, less 40 steps left of a.r1 (20 s) and all of a.r2 (50 s).
+    lab1 = rooms["lab1"]
+    assert lab1.time is not None and lab1.time.seconds == 230.0, lab1
+    assert rooms["lab2"].time is None and rooms["lab2"].free == 2  # by count, one ahead
+    # A measured speed of the job's name overrides its estimate: 0.1 s per step.
+    r.speeds["default"]["n"] = 0.1
+    lab1 = r.state("default", Pool(), {"lab1", "lab2"}).sites["lab1"]
+    assert lab1.time is not None and lab1.time.seconds == 300.0 - 4.0 - 10.0, lab1
+    # The pool's own horizon stands for a site the variable does not name.
+    rooms = r.state("default", Pool(grant_ahead_s=60.0), {"lab1", "lab2"}).sites
+    assert rooms["lab2"].time is not None and rooms["lab2"].time.seconds == 60.0
+    assert r.by_time("default", Pool(), {"lab1"}) and not r.by_time("default", Pool(), {"lab2"})
+    assert r.queued_jobs("default") == []
