@@ -15,7 +15,7 @@ What each part does, and why:
 
 * `training_arguments` sets what Baton owns — `max_steps` (the job's `total_steps`), the
   seeds (the job's), a local `output_dir` per rank — and defaults that keep a run quiet and
-  bounded: no reporting integration, no progress bar — the Trainer's, nor transformers'
+  bounded: no progress bar — the Trainer's, nor transformers'
   "Loading weights" and "Writing model shards" (the output is the run's log) — a log
   line every 10 steps (`logging_steps`), two local checkpoints at most. The save cadence
   is the job's `[checkpoint]` policy; a `save_steps`/`save_strategy` given here adds the
@@ -81,7 +81,6 @@ def training_arguments(
         "output_dir": str(local_dir(ctx, "hf")),
         "save_strategy": "no",  # the job's policy asks through the callback
         "save_total_limit": 2,
-        "report_to": "none",
         "disable_tqdm": True,
         "logging_steps": 10,
     }
@@ -112,7 +111,24 @@ def fit(ctx: RunContext, trainer: Trainer) -> None:
     if trainer.pop_callback(PrinterCallback) is not None:
         trainer.add_callback(_Printer())
     resume = loop.resume()
+    _rewinding_tensorboard(ctx, trainer)
     trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+
+
+def _rewinding_tensorboard(ctx: RunContext, trainer: Trainer) -> None:
+    """With `report_to` naming TensorBoard in a run whose `[tracking]` is TensorBoard, the
+    Trainer's TensorBoard callback writes to the run's log dir through a writer opened with
+    `purge_step` (`ctx.tracking.summary_writer`): the steps an attempt redoes replace what
+    a killed one logged. MLflow's and W&B's callbacks resume the run by themselves, from
+    the environment (`baton.tracking.identity`)."""
+    from transformers.integrations.integration_utils import TensorBoardCallback
+
+    tracking = ctx.tracking
+    if tracking is None or tracking.config.kind != "tensorboard":
+        return
+    if trainer.pop_callback(TensorBoardCallback) is not None:
+        writer = tracking.summary_writer(first_step=1)  # the Trainer's steps count from 1
+        trainer.add_callback(TensorBoardCallback(tb_writer=writer))  # type: ignore[no-untyped-call]
 
 
 class BatonCallback(TrainerCallback):

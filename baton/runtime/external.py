@@ -117,6 +117,8 @@ class ExternalLoop:
             ctx.step = manifest.step
             ctx._checkpoints.taken(ctx.step)
         ctx._witness.resumed(ctx.step, rows)
+        if ctx.tracking is not None:  # the framework's checkpoint holds no rows of Baton's
+            ctx.tracking.resumed(ctx.step, ctx.step)
         setup = max(0.0, began - ctx._launched_at)
         ctx._send(
             Loaded(step=ctx.step, damaged=damaged, took_s=time.monotonic() - began, setup_s=setup)
@@ -196,6 +198,9 @@ class ExternalLoop:
             self._row = None
             self.ctx._guarded(self.ctx._guard.stepped(step, row))
             self.ctx._witnessed(step, row)
+            if self.ctx.tracking is not None:  # numbered as ctx.steps() would: from 0
+                self.ctx.tracking.stepped(step - 1, row)
+                self.ctx.tracking.flush()
             self.ctx._progress(due)
 
     # -- saving --------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from shared.config import Settings
 from shared.contracts import Pointer, RunRecord, Skip, Task
 from shared.contracts.child import (
     CheckpointReady,
+    Control,
     Divergence,
     Finished,
     Launch,
@@ -122,6 +123,7 @@ class Attempt:
             task.spec.checkpoint.keep_last, task.spec.pool, self.site,
             ranks=task.spec.max_ranks, elastic=task.spec.elastic,
         )  # fmt: skip
+        self.commits.on_committed = lambda step: child.send(Control(action="committed", step=step))
         self.step = 0
         self.start_step = 0
         self.log_path = Path(settings.work_dir) / "logs" / f"{self.run_id}.log"
