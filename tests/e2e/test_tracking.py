@@ -10,6 +10,8 @@ MLflow's run is read from a real tracking server (`mlflow server`, SQLite behind
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,13 +21,14 @@ import pytest
 import pytest_asyncio
 
 from shared.contracts import JobSpec, RunState
-from shared.contracts.events import Started
-from tests.e2e.jobs import finished, history, job, submit
-from tests.support.stack import Stack
+from shared.contracts.events import CheckpointCommitted, Progress, Restored, Started
+from tests.e2e.jobs import EventLog, finished, history, job, submit
+from tests.support.stack import Stack, all_dead, children_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.frameworks, pytest.mark.asyncio(loop_scope="module")]
 
 TOTAL = 40
+HF_TOTAL = 30
 KILLS = [13, 29]
 """Yielded steps whose body ends in a SIGKILL: 13 between checkpoints (10 and 20 steps
 done), 29 in the step before the checkpoint of 30 steps done."""
@@ -112,3 +115,45 @@ async def test_mlflow_holds_one_run_with_the_uninterrupted_history(
         assert {by_run[r].info.status for r in (victim, reference)} == {"FINISHED"}
     finally:
         server.close()
+
+
+async def test_the_hf_trainers_tensorboard_resumes_its_run(stack: Stack, tmp_path: Path) -> None:
+    """The Trainer with `report_to = ["tensorboard"]` under `[tracking] tensorboard`, its
+    trainer SIGKILLed between two checkpoints: the Trainer's own TensorBoard callback (a
+    writer on the run's log dir with `purge_step`) and Baton's rows each end with the
+    history of the same job run without a kill."""
+    root = tmp_path / "tb"
+    tracking = {"kind": "tensorboard", "dir": str(root), "project": "hf"}
+
+    def lm(pace: float) -> JobSpec:
+        return job(
+            name="hf-tracked", entry_point="examples.hf_lm:train", total_steps=HF_TOTAL,
+            seed=42, checkpoint={"every_steps": 10}, tracking=tracking,
+            config={"pace": pace, "batch": 8, "window": 32, "stride": 8,
+                    "report_to": ["tensorboard"]},
+            idempotency_key=uuid.uuid4().hex,
+        )  # fmt: skip
+
+    nc = await stack.client()
+    reference = await submit(nc, lm(0.0))
+    assert (await finished(nc, reference, timeout=240)).state is RunState.COMPLETED
+    victim = await submit(nc, lm(0.05))
+    log = EventLog(nc, victim)
+    first = await log.wait_for(lambda e: isinstance(e, Started), 60, "start")
+    assert isinstance(first, Started)
+    await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step >= 10, 60, "10")
+    reached = await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 14, 60, "14")
+    assert isinstance(reached, Progress)
+    family = children_of(stack.pid(first.worker))
+    os.kill(stack.pid(first.worker), signal.SIGKILL)
+    await all_dead(family, "the killed trainer's training process")
+    await stack.add_trainer("hf-heir")
+    assert (await finished(nc, victim, timeout=240)).state is RunState.COMPLETED
+    restored = [e for e in log.of(Restored) if e.worker != first.worker]
+    assert restored and restored[0].step < reached.step, "no step was redone"
+    log.close()
+    for tag, sub in (("train/loss", ""), ("loss", "baton")):
+        want = scalars(root / "hf" / reference / sub, tag)
+        got = scalars(root / "hf" / victim / sub, tag)
+        assert len(want) == HF_TOTAL, want
+        assert got == want, f"{tag}: {got} != {want}"
