@@ -111,24 +111,53 @@ def fit(ctx: RunContext, trainer: Trainer) -> None:
     if trainer.pop_callback(PrinterCallback) is not None:
         trainer.add_callback(_Printer())
     resume = loop.resume()
-    _rewinding_tensorboard(ctx, trainer)
+    _tracked(ctx, trainer)
     trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
 
 
-def _rewinding_tensorboard(ctx: RunContext, trainer: Trainer) -> None:
-    """With `report_to` naming TensorBoard in a run whose `[tracking]` is TensorBoard, the
-    Trainer's TensorBoard callback writes to the run's log dir through a writer opened with
-    `purge_step` (`ctx.tracking.summary_writer`): the steps an attempt redoes replace what
-    a killed one logged. MLflow's and W&B's callbacks resume the run by themselves, from
-    the environment (`baton.tracking.identity`)."""
-    from transformers.integrations.integration_utils import TensorBoardCallback
+def _tracked(ctx: RunContext, trainer: Trainer) -> None:
+    """The Trainer's own tracker callbacks (`report_to`) in a run with `[tracking]`; each
+    resumes the run's one tracker run (docs/tracking.md):
+
+    * TensorBoard (`[tracking]` TensorBoard): its callback writes to the run's log dir
+      through a writer opened with `purge_step` (`ctx.tracking.summary_writer`), so the
+      steps an attempt redoes replace what a killed one logged.
+    * MLflow (`[tracking]` MLflow): its callback starts the run `MLFLOW_RUN_ID` names and
+      logs the arguments and the model's config as always; its logs reach the run through
+      Baton, under the same names and steps, once per kept step, and not a second time
+      through the callback (which would log each redone step again).
+    * W&B: its callback's `wandb.init()` resumes the run from `WANDB_RUN_ID`."""
+    from transformers.integrations.integration_utils import MLflowCallback, TensorBoardCallback
 
     tracking = ctx.tracking
-    if tracking is None or tracking.config.kind != "tensorboard":
+    if tracking is None:
         return
-    if trainer.pop_callback(TensorBoardCallback) is not None:
+    if tracking.config.kind == "tensorboard" and trainer.pop_callback(TensorBoardCallback):
         writer = tracking.summary_writer(first_step=1)  # the Trainer's steps count from 1
         trainer.add_callback(TensorBoardCallback(tb_writer=writer))  # type: ignore[no-untyped-call]
+    if tracking.config.kind == "mlflow" and trainer.pop_callback(MLflowCallback):
+        trainer.add_callback(_mlflow_once()())
+
+
+def _mlflow_once() -> type[TrainerCallback]:
+    from transformers.integrations.integration_utils import MLflowCallback
+
+    class MlflowOnce(MLflowCallback):
+        """The Trainer's MLflow callback, its metrics left to Baton's rows."""
+
+        def on_log(
+            self,
+            args: TrainingArguments,
+            state: TrainerState,
+            control: TrainerControl,
+            logs: Any = None,
+            model: Any = None,
+            **kwargs: Any,
+        ) -> None:
+            if not self._initialized:
+                self.setup(args, state, model)  # type: ignore[no-untyped-call]
+
+    return MlflowOnce
 
 
 class BatonCallback(TrainerCallback):

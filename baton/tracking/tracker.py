@@ -57,6 +57,11 @@ class Tracker:
         what a `SummaryWriter` of the user's opens with, so that TensorBoard drops what
         earlier attempts logged at this step or later (`summary_writer()` does it)."""
         self.rows = Rows()
+        self.step_base = 0
+        """The number the first step is written under: 0, as `ctx.steps()` yields it, or
+        1 in a framework's loop, whose global step counts the steps done
+        (`baton.runtime.external`). A checkpoint at step `c` keeps the rows before
+        `c + step_base`."""
         self._writes = rank == 0
         self._sink: Sink | None = None
         self._done = threading.Condition()
@@ -85,11 +90,11 @@ class Tracker:
         self.purge_step = step
         if not self._writes:
             return
-        restored = self.rows.kept(kept)
+        restored = self.rows.kept(kept + self.step_base)
         try:
             self._sink = open_sink(self.config, self.log_dir, os.environ.get("MLFLOW_RUN_ID"))
             if self._sink is not None:
-                self._sink.resumed(kept, restored)
+                self._sink.resumed(kept + self.step_base, restored)
                 self._written(restored)
                 self._flushed = kept
         except Exception as exc:
@@ -97,7 +102,7 @@ class Tracker:
             self._warn(exc)
 
     def stepped(self, step: int, metrics: dict[str, float]) -> None:
-        """Step `step` (as `ctx.steps()` yielded it) reported `metrics`."""
+        """Step `step` (numbered from `step_base`) reported `metrics`."""
         if self._writes and metrics:
             self.rows.stepped(step, int(time.time() * 1000), metrics)
 
@@ -114,7 +119,7 @@ class Tracker:
         if self._sink is None or committed <= self._flushed:
             return
         try:
-            rows = self.rows.kept(committed)
+            rows = self.rows.kept(committed + self.step_base)
             self._sink.write(rows)
             self._written(rows)
             self._flushed = committed

@@ -157,3 +157,49 @@ async def test_the_hf_trainers_tensorboard_resumes_its_run(stack: Stack, tmp_pat
         got = scalars(root / "hf" / victim / sub, tag)
         assert len(want) == HF_TOTAL, want
         assert got == want, f"{tag}: {got} != {want}"
+
+
+async def test_the_hf_trainers_mlflow_callback_resumes_the_one_run(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The Trainer with `report_to = ["mlflow"]` under `[tracking] mlflow`, its trainer
+    SIGKILLed between two checkpoints, completes; its MLflow callback (which reads
+    `MLFLOW_RUN_ID`: the arguments, as params) and Baton's rows (the Trainer's logs, under
+    its global steps) land in one MLflow run, `loss` once per step."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.support.mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path / "mlflow")
+    try:
+        tracking = {"kind": "mlflow", "uri": server.uri, "project": "hf"}
+        spec = job(
+            name="hf-mlflow", entry_point="examples.hf_lm:train", total_steps=HF_TOTAL,
+            seed=42, checkpoint={"every_steps": 10}, tracking=tracking,
+            config={"pace": 0.05, "batch": 8, "window": 32, "stride": 8,
+                    "report_to": ["mlflow"]},
+            idempotency_key=uuid.uuid4().hex,
+        )  # fmt: skip
+        nc = await stack.client()
+        victim = await submit(nc, spec)
+        log = EventLog(nc, victim)
+        first = await log.wait_for(lambda e: isinstance(e, Started), 60, "start")
+        assert isinstance(first, Started)
+        await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step >= 10, 60, "10")
+        family = children_of(stack.pid(first.worker))
+        os.kill(stack.pid(first.worker), signal.SIGKILL)
+        await all_dead(family, "the killed trainer's training process")
+        await stack.add_trainer("hf-mlflow-heir")
+        record = await finished(nc, victim, timeout=240)
+        assert record.state is RunState.COMPLETED, record.reason
+        log.close()
+        client = MlflowClient(tracking_uri=server.uri)
+        experiment = client.get_experiment_by_name("hf")
+        assert experiment is not None
+        runs = client.search_runs([experiment.experiment_id])
+        assert len(runs) == 1, [r.info.run_id for r in runs]
+        steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss"))
+        assert steps == list(range(1, HF_TOTAL + 1)), steps  # the Trainer's global steps
+        assert runs[0].data.params, "the callback logged no arguments"
+    finally:
+        server.close()
