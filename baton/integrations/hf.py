@@ -17,7 +17,10 @@ What each part does, and why:
   seeds (the job's), a local `output_dir` per rank — and defaults that keep a run quiet and
   bounded: no progress bar — the Trainer's, nor transformers'
   "Loading weights" and "Writing model shards" (the output is the run's log) — a log
-  line every 10 steps (`logging_steps`), two local checkpoints at most. The save cadence
+  line every 10 steps (`logging_steps`), two local checkpoints at most. `report_to` is
+  the user's (the Trainer's default: none); with the job's `[tracking]`, the Trainer's own
+  tracker callbacks resume the run's one tracker run (`_tracked`; docs/tracking.md), and
+  its logs reach the tracker through Baton, each kept step once. The save cadence
   is the job's `[checkpoint]` policy; a `save_steps`/`save_strategy` given here adds the
   Trainer's own, and every save is a commit.
 * `fit` adds `BatonCallback` and resumes: the newest committed checkpoint's files are
