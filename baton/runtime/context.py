@@ -320,7 +320,8 @@ class RunContext(StepBoundary):
         self._checkpoints.close(completed=completed)
         self._guarded(None)  # the final checkpoint refused by the guard: no finish
         if self.tracking is not None:
-            self.tracking.close(self._checkpoints.last_saved, completed)
+            ckpts, token = self._checkpoints, self.token
+            self.tracking.close(ckpts.last_saved, completed, lambda: ckpts.newest_commit(token))
 
     # -- internals -----------------------------------------------------------------------
 

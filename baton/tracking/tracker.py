@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from baton.tracking import identity
@@ -29,6 +30,8 @@ from shared.contracts.tracking import Tracking
 CLOSE_WAIT_S = 30.0
 """How long a closing attempt waits to hear its last checkpoint committed; past it, its
 rows are left to the checkpoint (and so to the attempt that resumes from it)."""
+ASK_S = 2.0
+"""How long a closing attempt waits for the trainer's word before it looks in the store."""
 
 
 def prepare(tracking: Tracking, run_id: str, rank: int) -> None:
@@ -126,12 +129,20 @@ class Tracker:
         except Exception as exc:
             self._warn(exc)
 
-    def close(self, saved: int, completed: bool) -> None:
-        """The attempt ends after its checkpoint at `saved`: wait for its commit, flush."""
+    def close(self, saved: int, completed: bool, in_store: Callable[[], int]) -> None:
+        """The attempt ends after its checkpoint at `saved`: wait for its commit — told by
+        the trainer, or seen in the store (`in_store`: the step of the newest commit of this
+        attempt there) when the trainer's word does not come — then flush."""
         if self._sink is None:
             return
-        with self._done:
-            self._done.wait_for(lambda: self._committed >= saved, timeout=CLOSE_WAIT_S)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while (left := deadline - time.monotonic()) > 0:
+            with self._done:
+                if self._done.wait_for(lambda: self._committed >= saved, min(left, ASK_S)):
+                    break
+            if (seen := in_store()) >= saved:
+                self.committed(seen)
+                break
         self.flush()
         try:
             self._sink.close(completed and self._flushed >= saved)

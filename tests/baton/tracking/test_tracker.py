@@ -130,3 +130,13 @@ def test_mlflow_holds_one_run_with_each_step_once(
     want = [(s, loss(s)) for s in range(TOTAL)]
     assert points == want, points
     assert status == "FINISHED", status
+
+
+def test_an_attempt_that_hears_of_no_commit_finds_them_in_the_store(tmp_path: Path) -> None:
+    """The trainer's word on each commit never reaches the last attempt (a lost event):
+    closing, it sees its final commit in the store and writes every kept row."""
+    driver = tensorboard(tmp_path)
+    driver.attempt(kill_after=5)
+    driver.attempt(hear=False)
+    got = scalars(run_dir(tmp_path) / "baton", "loss")
+    assert got == expected(), got
