@@ -1,5 +1,6 @@
 """A tracker's history is the uninterrupted run's, whatever kills its attempts: read back
-with TensorBoard's own reader (`EventAccumulator`) and from a real MLflow tracking server."""
+with TensorBoard's own reader (`EventAccumulator`) and from a real MLflow tracking server
+(those in the `frameworks` tier: the server takes seconds to start)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ def mlflow_history(uri: str, experiment: str) -> tuple[int, list[tuple[int, floa
     return len(runs), points, runs[0].info.status
 
 
+@pytest.mark.frameworks  # a tracking server of its own: ~9 s to start on 2 cores
 @pytest.mark.parametrize(
     "kills",
     [
