@@ -65,7 +65,8 @@ class Tracker:
         1 in a framework's loop, whose global step counts the steps done
         (`baton.runtime.external`). A checkpoint at step `c` keeps the rows before
         `c + step_base`."""
-        self._writes = rank == 0
+        self._writes = rank == 0 and tracking.kind in ("tensorboard", "mlflow")
+        """Only rank 0's metrics are the run's; Baton writes none of its own to W&B."""
         self._sink: Sink | None = None
         self._done = threading.Condition()
         self._committed = -1

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from baton.tracking.tracker import Tracker
+from shared.contracts.tracking import Tracking
 from tests.baton.tracking.driver import RUN, Driver, job, loss
 
 TOTAL = 10
@@ -142,3 +144,14 @@ def test_an_attempt_that_hears_of_no_commit_finds_them_in_the_store(tmp_path: Pa
     driver.attempt(hear=False)
     got = scalars(run_dir(tmp_path) / "baton", "loss")
     assert got == expected(), got
+
+
+def test_a_tracker_baton_writes_nothing_to_buffers_nothing() -> None:
+    """W&B gets the environment alone: no rows pile up in the checkpoints."""
+    tracker = Tracker(Tracking(kind="wandb", mode="offline"), "r1", 0)
+    tracker.resumed(0, 0)
+    tracker.stepped(0, {"loss": 1.0})
+    assert tracker.rows.state == {"rows": []}, tracker.rows.state
+    tb = Tracker(Tracking(kind="tensorboard", dir="/nowhere"), "r1", 1)  # rank 1: not the run's
+    tb.stepped(0, {"loss": 1.0})
+    assert tb.rows.state == {"rows": []}, tb.rows.state
