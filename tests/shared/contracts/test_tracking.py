@@ -32,3 +32,13 @@ def test_a_tracking_table_is_kept() -> None:
     spec = convert({**BASE, "tracking": {"kind": "mlflow", "uri": "http://h:5000"}}, JobSpec)
     assert spec.tracking is not None and spec.tracking.project == "baton"
     assert convert({**BASE}, JobSpec).tracking is None
+
+
+def test_a_spec_without_tracking_keeps_its_hash() -> None:
+    """Checkpoints written before `[tracking]` existed carry their spec's hash: a run
+    without one hashes as it did then (the value from before the field was added)."""
+    from shared.contracts import spec_hash
+
+    assert spec_hash(convert(BASE, JobSpec)) == "26b5b94d0e7b6992"
+    tracked = convert({**BASE, "tracking": {"kind": "wandb"}}, JobSpec)
+    assert spec_hash(tracked) != "26b5b94d0e7b6992"
