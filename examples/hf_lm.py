@@ -9,7 +9,7 @@ text is `data/corpus.txt`, tokenised by character (no tokenizer downloaded).
 
 Config (all optional): `window`, `stride`, `batch`, `layers`, `embed`, `heads`, `dropout`,
 `lr`, `warmup`, `workers` (data loader processes), `pace` (seconds to wait per step, so a
-person or a test can act mid-run).
+person or a test can act mid-run), `report_to` (the Trainer's: `"none"` unless given).
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def train(ctx: RunContext) -> None:
         weight_decay=0.01,
         max_grad_norm=1.0,
         dataloader_num_workers=int(c.get("workers", 0)),
+        report_to=c.get("report_to", "none"),
     )
     trainer = Trainer(model=model, args=args, train_dataset=data)
     if float(c.get("pace", 0)) > 0:

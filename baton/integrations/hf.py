@@ -15,9 +15,12 @@ What each part does, and why:
 
 * `training_arguments` sets what Baton owns — `max_steps` (the job's `total_steps`), the
   seeds (the job's), a local `output_dir` per rank — and defaults that keep a run quiet and
-  bounded: no reporting integration, no progress bar — the Trainer's, nor transformers'
+  bounded: no progress bar — the Trainer's, nor transformers'
   "Loading weights" and "Writing model shards" (the output is the run's log) — a log
-  line every 10 steps (`logging_steps`), two local checkpoints at most. The save cadence
+  line every 10 steps (`logging_steps`), two local checkpoints at most. `report_to` is
+  the user's (the Trainer's default: none); with the job's `[tracking]`, the Trainer's own
+  tracker callbacks resume the run's one tracker run (`_tracked`; docs/tracking.md), and
+  its logs reach the tracker through Baton, each kept step once. The save cadence
   is the job's `[checkpoint]` policy; a `save_steps`/`save_strategy` given here adds the
   Trainer's own, and every save is a commit.
 * `fit` adds `BatonCallback` and resumes: the newest committed checkpoint's files are
@@ -81,7 +84,6 @@ def training_arguments(
         "output_dir": str(local_dir(ctx, "hf")),
         "save_strategy": "no",  # the job's policy asks through the callback
         "save_total_limit": 2,
-        "report_to": "none",
         "disable_tqdm": True,
         "logging_steps": 10,
     }
@@ -112,7 +114,53 @@ def fit(ctx: RunContext, trainer: Trainer) -> None:
     if trainer.pop_callback(PrinterCallback) is not None:
         trainer.add_callback(_Printer())
     resume = loop.resume()
+    _tracked(ctx, trainer)
     trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+
+
+def _tracked(ctx: RunContext, trainer: Trainer) -> None:
+    """The Trainer's own tracker callbacks (`report_to`) in a run with `[tracking]`; each
+    resumes the run's one tracker run (docs/tracking.md):
+
+    * TensorBoard (`[tracking]` TensorBoard): its callback writes to the run's log dir
+      through a writer opened with `purge_step` (`ctx.tracking.summary_writer`), so the
+      steps an attempt redoes replace what a killed one logged.
+    * MLflow (`[tracking]` MLflow): its callback starts the run `MLFLOW_RUN_ID` names and
+      logs the arguments and the model's config as always; its logs reach the run through
+      Baton, under the same names and steps, once per kept step, and not a second time
+      through the callback (which would log each redone step again).
+    * W&B: its callback's `wandb.init()` resumes the run from `WANDB_RUN_ID`."""
+    from transformers.integrations.integration_utils import MLflowCallback, TensorBoardCallback
+
+    tracking = ctx.tracking
+    if tracking is None:
+        return
+    if tracking.config.kind == "tensorboard" and trainer.pop_callback(TensorBoardCallback):
+        writer = tracking.summary_writer(first_step=1)  # the Trainer's steps count from 1
+        trainer.add_callback(TensorBoardCallback(tb_writer=writer))  # type: ignore[no-untyped-call]
+    if tracking.config.kind == "mlflow" and trainer.pop_callback(MLflowCallback):
+        trainer.add_callback(_mlflow_once()())
+
+
+def _mlflow_once() -> type[TrainerCallback]:
+    from transformers.integrations.integration_utils import MLflowCallback
+
+    class MlflowOnce(MLflowCallback):
+        """The Trainer's MLflow callback, its metrics left to Baton's rows."""
+
+        def on_log(
+            self,
+            args: TrainingArguments,
+            state: TrainerState,
+            control: TrainerControl,
+            logs: Any = None,
+            model: Any = None,
+            **kwargs: Any,
+        ) -> None:
+            if not self._initialized:
+                self.setup(args, state, model)  # type: ignore[no-untyped-call]
+
+    return MlflowOnce
 
 
 class BatonCallback(TrainerCallback):

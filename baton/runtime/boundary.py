@@ -22,6 +22,7 @@ from shared.contracts.records import Skip
 
 if TYPE_CHECKING:  # a single-rank run never imports torch.distributed's machinery
     from baton.runtime.group import Group
+    from baton.tracking.tracker import Tracker
 
 REPORT_INTERVAL_S = 0.2
 
@@ -50,6 +51,7 @@ class StepBoundary:
     _refused: Tripped | None
     _skips: list[Skip]
     _loaders: dict[str, Batches]
+    tracking: Tracker | None
 
     def _after_step(self) -> None:
         self._check_step()
@@ -101,6 +103,9 @@ class StepBoundary:
         metrics, self._step_metrics = self._step_metrics, {}
         self._guarded(self._guard.stepped(self.step, metrics))
         self._witnessed(self.step, metrics)
+        if self.tracking is not None:  # as the step was yielded; kept rows written
+            self.tracking.stepped(self.step - 1, metrics)
+            self.tracking.flush()
 
     def _guarded(self, tripped: Tripped | None) -> None:
         """End the attempt here if the guard tripped (`baton.runtime.guard`): at this step,

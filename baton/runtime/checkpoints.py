@@ -291,6 +291,21 @@ class Checkpoints:
             self.local.close()
         self.raise_failed()
 
+    def newest_commit(self, token: int) -> int:
+        """The step of the store's `latest` if a commit under `token` put it there, else -1
+        (and -1 when the store cannot be read): what a training process that missed the
+        trainer's word on a commit can see for itself."""
+
+        async def read() -> int:
+            async with open_store(self.store_url) as store:
+                latest = await commit.read_latest(store, self.run_id)
+            return latest[0].step if latest is not None and latest[0].token == token else -1
+
+        try:
+            return asyncio.run(read())
+        except Exception:
+            return -1
+
     # -- resuming ------------------------------------------------------------------------
 
     async def find(self, witnessed: bool) -> Found:

@@ -49,6 +49,8 @@ from baton.runtime.checkpoints import Checkpoints
 from baton.runtime.data import Batches
 from baton.runtime.replica import Replica
 from baton.runtime.slots import slots_for
+from baton.tracking.rows import SLOT as TRACKING_SLOT
+from baton.tracking.tracker import Tracker
 from shared.contracts import Task
 from shared.contracts.child import FromChild, Loaded, Tripped
 from shared.contracts.records import Skip
@@ -56,7 +58,6 @@ from shared.contracts.records import Skip
 if TYPE_CHECKING:  # a single-rank run never imports torch.distributed's machinery
     from baton.runtime.exact import DataParallel, MapDataset
     from baton.runtime.group import Group
-
 
 
 class RunContext(StepBoundary):
@@ -120,6 +121,11 @@ class RunContext(StepBoundary):
         """In a group: whether any rank was told to stop, as agreed at the last step boundary."""
         self._last_report = 0.0
         self.finished_early = False
+        self.tracking = (
+            Tracker(task.spec.tracking, self.run_id, self.rank) if task.spec.tracking else None
+        )
+        """The run's experiment tracker (`[tracking]`; docs/tracking.md), None without one:
+        `ctx.tracking.purge_step`, `ctx.tracking.summary_writer()`."""
 
     # -- the public API ------------------------------------------------------------------
 
@@ -159,6 +165,9 @@ class RunContext(StepBoundary):
                       f" {self.world_size}; rank {self.rank} read {read} bytes of shards; not"
                       " bitwise the run at the old size from here", file=sys.stderr)  # fmt: skip
         self._skip_rolled_back()
+        if self.tracking is not None:  # what the store's newest commit kept, at most
+            kept = found.latest.step if found.latest is not None else 0
+            self.tracking.resumed(self.step, min(self.step, kept))
         if self._replica is not None:
             self._replica.attach(next(iter(state.values()), None))
         took = time.monotonic() - began
@@ -294,7 +303,7 @@ class RunContext(StepBoundary):
 
     # -- called by the child's control thread --------------------------------------------
 
-    def request(self, action: str, token: int = 0) -> None:
+    def request(self, action: str, token: int = 0, step: int = 0) -> None:
         with self._lock:
             if action == "checkpoint":
                 self._want_checkpoint = True
@@ -303,10 +312,16 @@ class RunContext(StepBoundary):
             elif action == "token" and token > self.token and self._group is None:
                 # A group's files are all written under its epoch, whoever holds which lease.
                 self.token = token
+        if action == "committed" and self.tracking is not None:
+            self.tracking.committed(step)
 
     def close(self) -> None:
-        self._checkpoints.close(completed=self.step >= self.total_steps)
+        completed = self.step >= self.total_steps
+        self._checkpoints.close(completed=completed)
         self._guarded(None)  # the final checkpoint refused by the guard: no finish
+        if self.tracking is not None:
+            ckpts, token = self._checkpoints, self.token
+            self.tracking.close(ckpts.last_saved, completed, lambda: ckpts.newest_commit(token))
 
     # -- internals -----------------------------------------------------------------------
 
@@ -318,6 +333,8 @@ class RunContext(StepBoundary):
             raise ValueError("restore() needs at least one object, e.g. restore(model=model)")
         if self._replica is not None:  # its outer state, checkpointed with the rest
             registered["baton_outer"] = self._replica
+        if self.tracking is not None:  # the rows no commit has kept yet (baton.tracking.rows)
+            registered[TRACKING_SLOT] = self.tracking.rows.state
         if self._checkpoints.slots:
             raise RuntimeError("restore() registers state once per run; call it once")
         seen: dict[int, str] = {}

@@ -58,6 +58,7 @@ import torch
 
 from baton.runtime.context import RunContext
 from baton.runtime.load import download, set_rng_state
+from baton.tracking.rows import SLOT as TRACKING_SLOT
 from shared.checkpoint import files as checkpoint_files
 from shared.checkpoint.files import MAX_NAME, META, SUFFIX, rank_prefix
 from shared.contracts import Manifest, spec_hash
@@ -117,6 +118,9 @@ class ExternalLoop:
             ctx.step = manifest.step
             ctx._checkpoints.taken(ctx.step)
         ctx._witness.resumed(ctx.step, rows)
+        if ctx.tracking is not None:  # rows under the framework's global step
+            ctx.tracking.step_base = 1
+            ctx.tracking.resumed(ctx.step, ctx.step)
         setup = max(0.0, began - ctx._launched_at)
         ctx._send(
             Loaded(step=ctx.step, damaged=damaged, took_s=time.monotonic() - began, setup_s=setup)
@@ -143,6 +147,8 @@ class ExternalLoop:
         meta = checkpoint_files.read_meta(local[own + META])
         if meta.get("run_id") != ctx.run_id or meta.get("spec_hash") != spec_hash(ctx.spec):
             raise IntegrityError(f"checkpoint {step} belongs to another run or job spec")
+        if ctx.tracking is not None and isinstance(rows := meta.get(TRACKING_SLOT), dict):
+            ctx.tracking.rows.state.update(rows)  # not yet written when it was taken
         if "external" not in meta:
             raise IntegrityError(
                 f"checkpoint {step} was written by ctx.restore()'s own loop, not a framework's:"
@@ -196,6 +202,9 @@ class ExternalLoop:
             self._row = None
             self.ctx._guarded(self.ctx._guard.stepped(step, row))
             self.ctx._witnessed(step, row)
+            if self.ctx.tracking is not None:  # under the framework's global step
+                self.ctx.tracking.stepped(step, row)
+                self.ctx.tracking.flush()
             self.ctx._progress(due)
 
     # -- saving --------------------------------------------------------------------------
@@ -214,6 +223,9 @@ class ExternalLoop:
         began = time.perf_counter()
         taken = ctx._checkpoints.state(step, ctx.cursor, weights=dict(weights))
         taken[1]["external"] = sorted(p.name for p in staged.iterdir())
+        if ctx.tracking is not None:  # the rows no commit has kept yet (baton.tracking.rows)
+            taken[1][TRACKING_SLOT] = {"rows": [[s, ms, dict(m)] for s, ms, m in
+                                                ctx.tracking.rows.state["rows"]]}  # fmt: skip
         final = step >= ctx.total_steps
         if not final:
             ctx._witness.checkpointed(step)

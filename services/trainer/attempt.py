@@ -44,6 +44,7 @@ from shared.config import Settings
 from shared.contracts import Pointer, RunRecord, Skip, Task
 from shared.contracts.child import (
     CheckpointReady,
+    Control,
     Divergence,
     Finished,
     Launch,
@@ -113,8 +114,7 @@ class Attempt:
             grant=grant, on_record=group.allow if group is not None else None,
         )  # fmt: skip
         self.device = device.partition(":")[0]
-        """The kind of device its training processes use (`cpu`, `cuda`): what it is
-        priced at."""
+        """Its training processes' kind of device (`cpu`, `cuda`): what it is priced at."""
         self.orders = self.keeper.orders
         self.site = settings.site
         self.commits = Commits(
@@ -123,6 +123,7 @@ class Attempt:
             ranks=task.spec.max_ranks, elastic=task.spec.elastic,
             trained_s=lambda: self.meter.trained_s() if self.meter is not None else 0.0,
         )  # fmt: skip
+        self.commits.on_committed = lambda step: child.send(Control(action="committed", step=step))
         self.step = 0
         self.start_step = 0
         self.log_path = Path(settings.work_dir) / "logs" / f"{self.run_id}.log"

@@ -111,6 +111,10 @@ def run(ctl_in_fd: int, ctl_out_fd: int) -> int:
     launch = decode(ctl_in.readline(), Launch)
     spec = launch.task.spec
     _configure_torch(spec.deterministic, spec.seed)
+    if spec.tracking is not None:  # before the user's code: its tracker client reads these
+        from baton.tracking.tracker import prepare
+
+        prepare(spec.tracking, launch.task.run_id, launch.group.rank if launch.group else 0)
     launched_at = time.monotonic()  # from here on, the time is the entry point's
     try:
         entry = load_entry_point(spec.entry_point)
@@ -214,7 +218,7 @@ def load_entry_point(spec: str) -> Callable[[RunContext], Any]:
 def _listen(ctl_in: Any, ctx: RunContext) -> None:
     for line in ctl_in:
         msg = decode(line, Control)
-        ctx.request(msg.action, msg.token)
+        ctx.request(msg.action, msg.token, msg.step)
     # The trainer closed our pipe: it is gone, and nobody would commit what we produce.
     os._exit(EXIT_ORPHANED)
 

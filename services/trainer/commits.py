@@ -78,6 +78,9 @@ class Commits:
         """The newest step the training process reported, and when."""
         self._reached: dict[tuple[int, int], float] = {}
         """When each checkpoint awaiting its commit was reached."""
+        self.on_committed: Callable[[int], None] = lambda step: None
+        """Told the step of each of this attempt's checkpoints that commits, as it is heard
+        of (the training process flushes the steps it keeps to the run's tracker)."""
 
     def resumed(self, step: int) -> None:
         """The attempt resumed from the committed checkpoint at `step`, reached now."""
@@ -144,6 +147,7 @@ class Commits:
         else:
             self._end_span(event.token, event.step, "refused", error=event.reason)
         if isinstance(event, CheckpointCommitted) and event.token == self._token():
+            self.on_committed(event.step)
             at = self._reached.pop((event.token, event.step), None)
             if at is not None and event.step > self.newest[0]:
                 self.newest = (event.step, at)
@@ -167,6 +171,7 @@ class Commits:
                         # Heard from the store, not the event: no latency sample, since
                         # the polling interval would be most of it.
                         self._end_span(token, step, "committed")
+                        self.on_committed(step)
                         return True
                     if p.token > token:
                         self._end_span(token, step, "superseded")

@@ -70,10 +70,12 @@ class Launch(_Msg, tag="launch", frozen=True):
 
 class Control(_Msg, tag="control", frozen=True):
     """`checkpoint`: write one now. `stop`: checkpoint and return. `token`: the lease was
-    re-acquired under a new fencing token; use it for the next files."""
+    re-acquired under a new fencing token; use it for the next files. `committed`: the
+    attempt's checkpoint at `step` is committed (the steps before it are kept)."""
 
     action: str
     token: int = 0
+    step: int = 0
 
 
 # child -> parent

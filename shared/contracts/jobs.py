@@ -7,6 +7,8 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
+from shared.contracts.tracking import Tracking
+
 ENTRY_POINT = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 TOKEN = r"^[A-Za-z0-9_-]{1,64}$"
 RUN_ID = r"^(?:[A-Za-z0-9_-]{1,64}\.)?[A-Za-z0-9_-]{1,64}$"
@@ -215,6 +217,11 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     """How long the run will train, in seconds, for a pool with a price: what its hold is
     reckoned from until earlier runs of the same name measured their step time
     (docs/scheduling.md, "Credits")."""
+
+    tracking: Tracking | None = None
+    """The run's experiment tracker (`[tracking]`, docs/tracking.md): one tracker run for
+    the Baton run, which every attempt resumes; what `ctx.report()` records goes there once
+    per step, for the steps a committed checkpoint kept."""
 
     def __post_init__(self) -> None:
         if self.max_replicas > 1 and self.elastic:

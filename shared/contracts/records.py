@@ -284,6 +284,7 @@ _ADDED_LATER: dict[str, object] = {
     "replica": None,
     "priority": None,
     "estimate_s": None,
+    "tracking": None,
 }
 """Spec fields added after checkpoints were first written, with their defaults: left out of
 the hash while at their default, so a run's checkpoints keep matching its spec across

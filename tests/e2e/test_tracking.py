@@ -1,0 +1,205 @@
+"""One tracker run per Baton run, each step logged once: a job with its own loop that
+reports its loss, configured with a tracker, kills its training process twice — mid-way
+between two checkpoints, and in the step just before one — and completes; the tracker,
+read back from its own storage, holds one run whose loss history (steps and values) is
+the uninterrupted run's, reported by an identical job that nothing killed.
+
+TensorBoard's event files are read by TensorBoard's own reader (`EventAccumulator`), both
+Baton's (`<run>/baton`) and the user's own `SummaryWriter` (`ctx.tracking.summary_writer()`);
+MLflow's run is read from a real tracking server (`mlflow server`, SQLite behind it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from shared.contracts import JobSpec, RunState
+from shared.contracts.events import CheckpointCommitted, Progress, Restored, Started
+from tests.e2e.jobs import EventLog, finished, history, job, submit
+from tests.support.stack import Stack, all_dead, children_of
+
+pytestmark = [pytest.mark.slow, pytest.mark.frameworks, pytest.mark.asyncio(loop_scope="module")]
+
+TOTAL = 40
+HF_TOTAL = 30
+KILLS = [13, 29]
+"""Yielded steps whose body ends in a SIGKILL: 13 between checkpoints (10 and 20 steps
+done), 29 in the step before the checkpoint of 30 steps done."""
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    async with Stack(tmp_path_factory.mktemp("tracking") / "stack", trainers=2, lease_ttl=3) as s:
+        yield s
+
+
+def tracked(tracking: dict[str, Any], marks: Path | None) -> JobSpec:
+    config: dict[str, Any] = {"pace": 0.02}
+    if marks is not None:
+        marks.mkdir(parents=True, exist_ok=True)
+        config |= {"kill_at": KILLS, "marks": str(marks)}
+    return job(
+        name="tracked", entry_point="tests.support.tracked:train", total_steps=TOTAL,
+        checkpoint={"every_steps": 10}, config=config, tracking=tracking,
+        idempotency_key=uuid.uuid4().hex,
+    )  # fmt: skip
+
+
+async def run_pair(stack: Stack, tracking: dict[str, Any], marks: Path) -> tuple[str, str]:
+    """The killed run and the reference, submitted together; both completed."""
+    nc = await stack.client()
+    victim = await submit(nc, tracked(tracking, marks))
+    reference = await submit(nc, tracked(tracking, None))
+    for run_id in (victim, reference):
+        record = await finished(nc, run_id, timeout=240)
+        assert record.state is RunState.COMPLETED, (run_id, record.state)
+    attempts = [e for e in await history(nc, victim) if isinstance(e, Started)]
+    assert len(attempts) == 3, f"the victim ran {len(attempts)} attempts, not 3 (two kills)"
+    return victim, reference
+
+
+def scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+async def test_tensorboard_holds_the_uninterrupted_history(stack: Stack, tmp_path: Path) -> None:
+    root = tmp_path / "tb"
+    victim, reference = await run_pair(
+        stack, {"kind": "tensorboard", "dir": str(root), "project": "p"}, tmp_path / "marks"
+    )
+    runs = sorted(p.name for p in (root / "p").iterdir())
+    assert runs == sorted([victim, reference]), runs  # one log dir per Baton run
+    for tag, sub in (("loss", "baton"), ("user_loss", "")):
+        want = scalars(root / "p" / reference / sub, tag)
+        got = scalars(root / "p" / victim / sub, tag)
+        assert [s for s, _ in want] == list(range(TOTAL)), want
+        assert got == want, f"{tag}: {got} != {want}"
+
+
+async def test_mlflow_holds_one_run_with_the_uninterrupted_history(
+    stack: Stack, tmp_path: Path
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from tests.support.mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path / "mlflow")
+    try:
+        tracking = {"kind": "mlflow", "uri": server.uri, "project": "tracked"}
+        victim, reference = await run_pair(stack, tracking, tmp_path / "marks")
+        client = MlflowClient(tracking_uri=server.uri)
+        experiment = client.get_experiment_by_name("tracked")
+        assert experiment is not None
+        runs = client.search_runs([experiment.experiment_id])
+        names = sorted(r.data.tags.get("baton.run_id", "") for r in runs)
+        assert names == sorted([victim, reference]), names  # one tracker run per Baton run
+        by_run = {r.data.tags["baton.run_id"]: r for r in runs}
+        points = {
+            run_id: sorted((m.step, m.value) for m in client.get_metric_history(
+                by_run[run_id].info.run_id, "loss"))
+            for run_id in (victim, reference)
+        }  # fmt: skip
+        assert [s for s, _ in points[reference]] == list(range(TOTAL)), points[reference]
+        assert points[victim] == points[reference], points
+        assert {by_run[r].info.status for r in (victim, reference)} == {"FINISHED"}
+    finally:
+        server.close()
+
+
+async def test_the_hf_trainers_tensorboard_resumes_its_run(stack: Stack, tmp_path: Path) -> None:
+    """The Trainer with `report_to = ["tensorboard"]` under `[tracking] tensorboard`, its
+    trainer SIGKILLed between two checkpoints: the Trainer's own TensorBoard callback (a
+    writer on the run's log dir with `purge_step`) and Baton's rows each end with the
+    history of the same job run without a kill."""
+    root = tmp_path / "tb"
+    tracking = {"kind": "tensorboard", "dir": str(root), "project": "hf"}
+
+    def lm(pace: float) -> JobSpec:
+        return job(
+            name="hf-tracked", entry_point="examples.hf_lm:train", total_steps=HF_TOTAL,
+            seed=42, checkpoint={"every_steps": 10}, tracking=tracking,
+            config={"pace": pace, "batch": 8, "window": 32, "stride": 8,
+                    "report_to": ["tensorboard"]},
+            idempotency_key=uuid.uuid4().hex,
+        )  # fmt: skip
+
+    nc = await stack.client()
+    reference = await submit(nc, lm(0.0))
+    assert (await finished(nc, reference, timeout=240)).state is RunState.COMPLETED
+    victim = await submit(nc, lm(0.05))
+    log = EventLog(nc, victim)
+    first = await log.wait_for(lambda e: isinstance(e, Started), 60, "start")
+    assert isinstance(first, Started)
+    await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step >= 10, 60, "10")
+    reached = await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 14, 60, "14")
+    assert isinstance(reached, Progress)
+    family = children_of(stack.pid(first.worker))
+    os.kill(stack.pid(first.worker), signal.SIGKILL)
+    await all_dead(family, "the killed trainer's training process")
+    await stack.add_trainer("hf-heir")
+    assert (await finished(nc, victim, timeout=240)).state is RunState.COMPLETED
+    restored = [e for e in log.of(Restored) if e.worker != first.worker]
+    assert restored and restored[0].step < reached.step, "no step was redone"
+    log.close()
+    for tag, sub in (("train/loss", ""), ("loss", "baton")):
+        want = scalars(root / "hf" / reference / sub, tag)
+        got = scalars(root / "hf" / victim / sub, tag)
+        assert len(want) == HF_TOTAL, want
+        assert got == want, f"{tag}: {got} != {want}"
+
+
+async def test_the_hf_trainers_mlflow_callback_resumes_the_one_run(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The Trainer with `report_to = ["mlflow"]` under `[tracking] mlflow`, its trainer
+    SIGKILLed between two checkpoints, completes; its MLflow callback (which reads
+    `MLFLOW_RUN_ID`: the arguments, as params) and Baton's rows (the Trainer's logs, under
+    its global steps) land in one MLflow run, `loss` once per step."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.support.mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path / "mlflow")
+    try:
+        tracking = {"kind": "mlflow", "uri": server.uri, "project": "hf"}
+        spec = job(
+            name="hf-mlflow", entry_point="examples.hf_lm:train", total_steps=HF_TOTAL,
+            seed=42, checkpoint={"every_steps": 10}, tracking=tracking,
+            config={"pace": 0.05, "batch": 8, "window": 32, "stride": 8,
+                    "report_to": ["mlflow"]},
+            idempotency_key=uuid.uuid4().hex,
+        )  # fmt: skip
+        nc = await stack.client()
+        victim = await submit(nc, spec)
+        log = EventLog(nc, victim)
+        first = await log.wait_for(lambda e: isinstance(e, Started), 60, "start")
+        assert isinstance(first, Started)
+        await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step >= 10, 60, "10")
+        family = children_of(stack.pid(first.worker))
+        os.kill(stack.pid(first.worker), signal.SIGKILL)
+        await all_dead(family, "the killed trainer's training process")
+        await stack.add_trainer("hf-mlflow-heir")
+        record = await finished(nc, victim, timeout=240)
+        assert record.state is RunState.COMPLETED, record.reason
+        log.close()
+        client = MlflowClient(tracking_uri=server.uri)
+        experiment = client.get_experiment_by_name("hf")
+        assert experiment is not None
+        runs = client.search_runs([experiment.experiment_id])
+        assert len(runs) == 1, [r.info.run_id for r in runs]
+        steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss"))
+        assert steps == list(range(1, HF_TOTAL + 1)), steps  # the Trainer's global steps
+        assert runs[0].data.params, "the callback logged no arguments"
+    finally:
+        server.close()
