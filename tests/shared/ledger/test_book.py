@@ -9,6 +9,7 @@ import asyncio
 import pytest
 from nats.aio.client import Client
 
+from shared.bus import names
 from shared.contracts.ledger import Hold, Settle, TopUp
 from shared.contracts.pools import units
 from shared.ledger import book
@@ -71,3 +72,25 @@ async def test_holds_are_all_or_none_and_a_repeat_takes_nothing(declared: Client
     await holds.take("eve", wanted[:2])
     await holds.take("eve", wanted[:2])  # the same submission delivered again
     assert (await book.read(declared, "eve"))["eve"].balance == units(1)
+
+
+async def test_an_entry_a_newer_baton_wrote_stops_nothing(declared: Client) -> None:
+    """An entry this version cannot read — the owner's newest — is counted and left out of
+    the sums: holds and settlements for the owner go on, each written after it."""
+    js = declared.jetstream()
+    await book.write(js, TopUp(owner="alice", id="t1", amount=units(3)))
+    newer = b'{"kind":"grant","owner":"alice","id":"g1","amount":5}'
+    subject = names.ledger_subject("alice", "grant", "g1")
+    await js.publish(subject, newer, headers={"Nats-Msg-Id": subject})
+    holds = Holds(declared)
+    hold = Hold(owner="alice", run_id="alice.r1", n=0, amount=units(1))
+    assert await holds.take("alice", [hold]) == [units(1)]
+    await js.publish(names.ledger_subject("alice", "grant", "g2"), newer)  # the newest again
+
+    def entry(held: int) -> Settle:
+        return Settle(owner="alice", run_id="alice.r1", held=held, charged=units(0.5))
+
+    settled = await holds.settle("alice", "alice.r1", 0, entry)
+    assert settled is not None and settled.held == units(1), settled
+    account = (await book.read(declared, "alice"))["alice"]
+    assert account.unreadable == 2 and account.balance == units(3 - 0.5), account
