@@ -42,6 +42,8 @@ from shared.bus.streams import (
     ensure,
     ensure_consumer,
 )
+from shared.checkpoint import commit
+from shared.checkpoint.store import open_store
 from shared.config import Settings
 from shared.contracts import (
     JobSpec,
@@ -309,6 +311,8 @@ class Dispatcher:
             # a body naming another run would cancel what it may not touch.
             raise ContractError(f"run {req.run_id!r} differs from the subject's", "$.run_id")
 
+        if not await self._sealed_first(req):
+            return
         record = await settle(self.js, self.runs, req.run_id, transitions.cancel(req.reason))
         if record is None:
             log.info("cancel of %s: nothing to do (no such run, or already over)", req.run_id)
@@ -322,6 +326,24 @@ class Dispatcher:
         elif record.worker:
             wake = Command(run_id=req.run_id, action="wake", reason=req.reason)
             await self.nc.publish(names.control_subject(record.worker), encode(wake))
+
+
+    async def _sealed_first(self, req: CancelRequest) -> bool:
+        """Before a cancel ends a run here (one nothing trains), its chain is sealed in the
+        store (`commit.seal`): a site training the same job under a grant the hub forgot
+        commits nothing after it. False when the chain was final already — the run was
+        trained to its end elsewhere, and the store decides (the site's report completes
+        it here): nothing is cancelled."""
+        found = await self.runs.get(req.run_id)
+        ended = transitions.cancel(req.reason)(found[0]) if found is not None else None
+        if ended is None or not ended.state.terminal:
+            return True
+        async with open_store(self.settings.store_url) as store:
+            if await commit.seal(store, req.run_id, "cancelled"):
+                return True
+        log.warning("cancel of %s: its checkpoint chain is final already (trained to its end "
+                    "elsewhere): not cancelled", req.run_id)  # fmt: skip
+        return False
 
 
 def _fallback_key(msg: Msg) -> str:
