@@ -4,8 +4,10 @@ A cancel ends the run's record; the store has no word of it, and its chain stays
 site cut off from the hub that accepted the same job (the same key at both sides) goes on
 training it, commits on the open chain under its own higher epoch, and completes it: one
 run with two ends, CANCELLED at the hub, `completed` from the site's outbox (seen in the
-fault campaign on the three-node hub). So each run the hub cancelled has its chain sealed,
-once, on the sweep after its record ended: every commit after it is refused, whichever
+fault campaign on the three-node hub). So each run the hub cancelled has its chain sealed —
+by whoever ends it, before its record says so (the dispatcher for a run nothing trains, its
+hub attempt for a running one), and here, once, on the sweep after its record ended,
+for one whose canceller died in between: every commit after it is refused, whichever
 side or token, and the site's attempt learns at its next look at the store that the run
 is over, lets it go, and says so (`superseded`, `services.trainer.owner`).
 

@@ -210,15 +210,12 @@ async def stopped_early(a: AttemptView, ended: Finished | None) -> Verdict:
     # from the store (or whose event is still being handled) is written here.
     kept: int | None = None
     grace = a.settings.grace_s
-    if (
-        ended is not None
-        and last is not None
-        and await a.commits.wait(last.token, last.step, grace)
-    ):
-        kept = last.step
+    if ended is not None and last is not None:
+        kept = last.step if await a.commits.wait(last.token, last.step, grace) else None
     if a.orders.given is Order.CANCEL:
-        reason = a.orders.reason
-        cancelled = transitions.cancel_attempt(a.spent(), reason, kept)
+        if not a.site:  # sealed before the record ends: a site training it commits no more
+            await commit.seal(a.store, a.run_id, "cancelled")
+        cancelled = transitions.cancel_attempt(a.spent(), a.orders.reason, kept)
         return Verdict(Outcome.CANCELLED, change=cancelled)
     if a.orders.given is Order.PAUSE:
         paused = transitions.pause_attempt(a.spent(), a.orders.reason, kept)
