@@ -39,6 +39,7 @@ LEFT=(
   matplotlib                              # baton report
   starlette uvicorn                       # baton ui
   aiohttp                                 # the notifier, s3:// stores (nats-py: optional)
+  anyio                                   # baton.Client's thread (baton/client/blocking.py)
 )
 
 PLATFORMS=()

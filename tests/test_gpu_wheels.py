@@ -23,6 +23,7 @@ LEFT_MODULES = {
     "starlette": ("starlette",),
     "uvicorn": ("uvicorn",),
     "aiohttp": ("aiohttp",),
+    "anyio": ("anyio",),
 }
 """What each left-behind distribution is imported as."""
 
