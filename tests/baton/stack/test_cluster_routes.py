@@ -117,8 +117,14 @@ async def test_routes_need_the_password_and_a_certificate_of_the_clusters_ca(
             await eventually(refused_twice, 30, f"{name}: two refusals ({why!r})")
             if password != secret:
                 assert server.log_tail(100).count("Authorization Violation") >= 2, name
-            assert await peers(server) == set(), f"{name} holds a route"
-            assert (await monitor(server, "/routez"))["num_routes"] == 0, name
+
+            async def unrouted(server: NatsServer = server) -> bool:
+                # A refused dial may show in the intruder's routes for the moment between
+                # its TLS handshake and the node's refusal (seen once in CI): none is held.
+                routez = await monitor(server, "/routez")
+                return not routez.get("routes") and routez["num_routes"] == 0
+
+            await eventually(unrouted, 30, f"{name} to hold no route")
             for node in nodes.nodes:
                 assert await peers(node) == NODES - {node.server_name}, (name, node.server_name)
         finally:
