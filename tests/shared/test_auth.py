@@ -21,9 +21,11 @@ from baton.stack.options import StackOptions, operator_options, user_of, vault
 from baton.stack.servers import nats_server
 from shared import auth, credentials
 from shared.bus import names
-from shared.bus.streams import ensure, ensure_site
+from shared.bus.streams import declared, ensure, ensure_site
 from shared.contracts import decode, encode
 from tests.support.stack import eventually
+
+log = logging.getLogger(__name__)
 
 
 class Servers:
@@ -80,8 +82,13 @@ async def servers(tmp_path: Path) -> AsyncIterator[Servers]:
         )  # fmt: skip
         s.site = nats_server(s.site_opts)
         await s.site.start()
-        await ensure((await s.as_user("dispatcher")).jetstream())
-        await ensure_site((await s.as_user("lab1-checkpointer", at_site=True)).jetstream(), "lab1")
+        # As the services declare them: a declaration that a loaded server answers late is
+        # asked again (seen in CI: the site's outbox declared as the leaf came up, unanswered
+        # in 5 s).
+        hub_js = (await s.as_user("dispatcher")).jetstream()
+        site_js = (await s.as_user("lab1-checkpointer", at_site=True)).jetstream()
+        await declared(lambda: ensure(hub_js), log)
+        await declared(lambda: ensure_site(site_js, "lab1"), log)
         yield s
     finally:
         for nc in s.clients:
