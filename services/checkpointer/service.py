@@ -47,7 +47,7 @@ from shared.checkpoint.store import Store, open_store
 from shared.config import Settings
 from shared.contracts import CommitRequest, decode
 from shared.contracts.events import CheckpointCommitted, CommitRefused, kind_of
-from shared.errors import IntegrityError, StaleToken
+from shared.errors import ContractError, IntegrityError, StaleToken
 from shared.state import hub
 
 log = logging.getLogger("baton.checkpointer")
@@ -119,11 +119,12 @@ class Checkpointer:
             {telemetry.RUN_ID: req.run_id, telemetry.TOKEN: req.token, telemetry.STEP: req.step}
         )
         try:
+            side = side_of(req, self.site)
             async with _in_progress(msg):
                 if req.base is not None:
-                    rebased = await rebase.rebase(self.store, req, self.site)
+                    rebased = await rebase.rebase(self.store, req, side)
                 else:
-                    pointer, size = await commit.commit(self.store, req, self.site)
+                    pointer, size = await commit.commit(self.store, req, side)
         except (StaleToken, IntegrityError) as exc:
             log.warning("refused %s step %d token %d: %s", req.run_id, req.step, req.token, exc)
             refused = CommitRefused(
@@ -164,6 +165,18 @@ class Checkpointer:
         log.info("committed %s step %d token %d (%d bytes)", req.run_id, req.step, req.token, size)
         span.set_attributes({telemetry.OUTCOME: "committed", "baton.bytes": size})
         return req
+
+
+def side_of(req: CommitRequest, site: str) -> str:
+    """Whose chain `req` extends, written into `latest`, at the checkpointer of `site` (""
+    the hub): the attempt's side, which is the checkpointer's own or, at a site, the hub's
+    (a hub task a site's trainer took); never another site's."""
+    if req.side is None or req.side == site:
+        return site
+    if site and not req.side:
+        return ""
+    where = f"site {site}" if site else "the hub"
+    raise ContractError(f"a commit for side {req.side!r} sent to the checkpointer of {where}")
 
 
 @contextlib.asynccontextmanager

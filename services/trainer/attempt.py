@@ -117,9 +117,11 @@ class Attempt:
         """Its training processes' kind of device (`cpu`, `cuda`): what it is priced at."""
         self.orders = self.keeper.orders
         self.site = settings.site
+        self.side = task.grant.site if task.grant is not None else ""
+        """Whose attempt (and chain): the granted site's, "" a hub task wherever it trains."""
         self.commits = Commits(
             self.js, store, runs, task.run_id, self.worker, lambda: lease.token,
-            task.spec.checkpoint.keep_last, task.spec.pool, self.site,
+            task.spec.checkpoint.keep_last, task.spec.pool, self.site, self.side,
             ranks=task.spec.max_ranks, elastic=task.spec.elastic,
             trained_s=lambda: self.meter.trained_s() if self.meter is not None else 0.0,
         )  # fmt: skip
@@ -148,8 +150,7 @@ class Attempt:
         self.stalled: Stall | None = None
         """The hang the stall watch stopped the training process for, if it did."""
         self.launched = False
-        """The training process was sent its `Launch`: only then may it be sent a `Control`
-        (it reads the `Launch` first)."""
+        """The training process was sent its `Launch`, which it reads before any `Control`."""
         self.tripped: Tripped | None = None
         """What the divergence guard stopped the training process for, if it did."""
         self.skips: list[Skip] = []
@@ -192,8 +193,7 @@ class Attempt:
         token = self.lease.token
         self._delivery = msg.reply
         group = [self.worker, *(m.worker for m in self.group.members)] if self.group else []
-        granted_to = self.task.grant.site if self.task.grant is not None else ""
-        running = transitions.mark_running(self.worker, token, self._delivery, group, granted_to)
+        running = transitions.mark_running(self.worker, token, self._delivery, group, self.side)
         record = await self.runs.update(self.run_id, running)
         latest = await commit.read_latest(self.store, self.run_id)
         if (verdict := await self._not_to_train(record, latest)) is not None:

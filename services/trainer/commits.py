@@ -48,6 +48,7 @@ class Commits:
         keep_last: int,
         pool: str = "",
         site: str = "",
+        side: str = "",
         ranks: int = 1,
         elastic: bool = False,
         trained_s: Callable[[], float] = lambda: 0.0,
@@ -64,10 +65,12 @@ class Commits:
         self._ranks = ranks
         self._elastic = elastic
         self._site = site
-        self._trained_s = trained_s
-        """Trainer-seconds the attempt trained so far (its meter's), booked with each commit."""
         """At a site, requests go to the site's checkpointer, whose events come back on
         the site's subjects."""
+        self._side = side
+        """Whose attempt commits ("" the hub's, wherever it trains; `CommitRequest.side`)."""
+        self._trained_s = trained_s
+        """Trainer-seconds the attempt trained so far (its meter's), booked with each commit."""
         self.trace_context: Context | None = None
         """The attempt's span, parent of every `commit` span."""
         self._spans: dict[tuple[int, int], tuple[trace.Span, float]] = {}
@@ -108,6 +111,7 @@ class Commits:
             # is of the ranks that wrote it (rank 0's alone unless objects are sharded).
             ranks=ready.ranks if self._elastic else self._ranks,
             sharded=ready.sharded,
+            side=self._side,
         )
         span = telemetry.tracer.start_span(
             "commit",

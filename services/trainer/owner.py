@@ -17,6 +17,9 @@ again when the store refuses its commit; here is what it does with each answer.
                 store's, the task goes back now (at
                 the hub; a site trains as before)
 
+"At a site" is an attempt of a run granted to a site (`Attempt.side`); a hub task that a
+site's trainer took is the hub's, and its commits extend the hub's chain.
+
 Without this, an attempt whose tokens the store refuses (another side's chain is ahead, or
 the run is over) was fenced, its task delivered again after AckWait, and the next attempt
 restored the other side's checkpoint and was refused again — up to the task's deliveries.
@@ -42,7 +45,7 @@ log = logging.getLogger("baton.trainer")
 
 async def before_training(a: AttemptView, latest: Pointer | None) -> Verdict | None:
     """The verdict when the store says this attempt must not train; None when it may."""
-    said = owner.decide(a.site, a.token, latest)
+    said = owner.decide(a.side, a.token, latest)
     if said.decision is Decision.TRAIN or latest is None:
         return None
     if said.decision is Decision.COMPLETE:
@@ -54,17 +57,17 @@ async def before_training(a: AttemptView, latest: Pointer | None) -> Verdict | N
     if said.decision is Decision.ENDED:
         log.warning("%s: the run was %s (the store is sealed): nothing trained", a.run_id,
                     latest.ended)  # fmt: skip
-        if not a.site:
+        if not a.side:
             # The hub ended it and then forgot (the unsynced tail of its streams lost):
             # the record follows the store, and the end is told again.
             why = f"{latest.ended}: its checkpoint chain is sealed"
             return Verdict(Outcome.CANCELLED, change=transitions.cancel_attempt(a.spent(), why))
         return yielded(a, said.site, said.epoch, wasted=0)
     if said.decision is Decision.YIELD:
-        if a.site and not latest.final:
+        if a.side and not latest.final:
             return None  # taken back: its keeper and its commits fence it, as before
         return yielded(a, said.site, said.epoch, wasted=0)
-    if a.site:  # a site cannot move an epoch the hub counts: its commits tell
+    if a.side:  # a site cannot move an epoch the hub counts: its commits tell
         log.warning("%s: the store holds token %d of this site, at or above ours (%d)",
                     a.run_id, latest.token, a.token)  # fmt: skip
         return None
@@ -80,10 +83,10 @@ async def after_refusal(a: AttemptView) -> Verdict | None:
     before), None to be fenced as before."""
     found = await commit.read_latest(a.store, a.run_id)
     latest = found[0] if found else None
-    if a.site and not (latest is not None and (latest.final or latest.ended)):
+    if a.side and not (latest is not None and (latest.final or latest.ended)):
         return None
-    said = owner.decide(a.site, a.token, latest)
-    if said.decision is Decision.ENDED and not a.site:
+    said = owner.decide(a.side, a.token, latest)
+    if said.decision is Decision.ENDED and not a.side:
         return None  # the record ended at the hub already: fenced as before
     if said.decision not in (Decision.YIELD, Decision.ENDED):
         return None
@@ -98,9 +101,9 @@ def yielded(a: AttemptView, site: str, epoch: int, wasted: int) -> Verdict:
 
     def superseded(r: RunRecord) -> Event:
         return Superseded(
-            run_id=a.run_id, owner=site, epoch=epoch, loser=a.site, loser_token=a.token,
+            run_id=a.run_id, owner=site, epoch=epoch, loser=a.side, loser_token=a.token,
             wasted_steps=wasted,
         )  # fmt: skip
 
-    change = transitions.yield_to(a.token, site, epoch, side=a.site)
+    change = transitions.yield_to(a.token, site, epoch, side=a.side)
     return Verdict(Outcome.YIELDED, change=change, event=superseded)

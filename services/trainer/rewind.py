@@ -145,7 +145,7 @@ async def _ask(a: AttemptView, msg: Msg, base: Base) -> Answer | None:
     try:
         req = CommitRequest(
             run_id=a.run_id, token=token, step=base.step, worker=a.worker, files=[],
-            keep_last=a.task.spec.checkpoint.keep_last, base=base,
+            keep_last=a.task.spec.checkpoint.keep_last, base=base, side=a.side,
         )  # fmt: skip
         what = "rollback" if base.run_id == a.run_id else "graft"
         log.info("%s: asking for a %s to step %d under token %d", a.run_id, what, base.step, token)

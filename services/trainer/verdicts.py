@@ -213,7 +213,7 @@ async def stopped_early(a: AttemptView, ended: Finished | None) -> Verdict:
     if ended is not None and last is not None:
         kept = last.step if await a.commits.wait(last.token, last.step, grace) else None
     if a.orders.given is Order.CANCEL:
-        if not a.site:  # sealed before the record ends: a site training it commits no more
+        if not a.side:  # sealed before the record ends: a site training it commits no more
             await commit.seal(a.store, a.run_id, "cancelled")
         cancelled = transitions.cancel_attempt(a.spent(), a.orders.reason, kept)
         return Verdict(Outcome.CANCELLED, change=cancelled)

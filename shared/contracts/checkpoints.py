@@ -61,6 +61,10 @@ class CommitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     base: Base | None = None
     """Set for a rollback or a fork's graft: `step` is `base.step`, `files` is empty, and
     the checkpoint committed is `base`'s (`shared.checkpoint.rebase`)."""
+    side: str | None = None
+    """Whose attempt asks: "" the hub's, else the site's the run is granted to. A site's
+    trainer may train a hub task (its site's checkpointer commits it): the chain stays the
+    hub's (`Pointer.site`, `shared.state.owner`). None: the committing checkpointer's side."""
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -207,6 +207,42 @@ async def test_a_run_that_ends_at_the_edge_during_a_long_cut_completes_once(
     await site.assert_events_once_in_order(nc, run_id)
 
 
+async def test_a_hub_run_the_edge_finished_during_a_cut_is_completed_from_the_store(
+    hub: Stack, site: Site
+) -> None:
+    """The edge trains a hub task (not granted: its checkpoints are the hub's chain) and
+    finishes it while cut off past the TTL; a hub trainer then takes the task. The store's
+    final checkpoint is the hub's, so that attempt completes the run from it and trains
+    nothing. (A chain written as the site's made the hub's attempt yield the run to a site
+    that never reports a run it was not granted: RUNNING for ever.)"""
+    nc = await hub.client()
+    want = await reference(nc, 160)
+    run_id = await submit(nc, paced(160))
+    log = EventLog(nc, run_id)
+    first = await log.wait_for(lambda e: isinstance(e, Started), 30, "start at the edge")
+    assert isinstance(first, Started) and first.worker == EDGE
+    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 20, 30, "step 20")
+    site.proxy.sever()
+
+    async def ended_at_the_edge() -> bool:
+        return f"{run_id}: completed at step 160" in hub.log(EDGE)
+
+    await eventually(ended_at_the_edge, 60, "the run to finish at the edge, cut off")
+    await hub.add_trainer("hub-trainer-1")
+    record = await finished(nc, run_id, timeout=90)
+    assert record.state is RunState.COMPLETED and record.digest == want, record
+    assert "completed from the store, nothing trained" in hub.log("hub-trainer-1")
+    site.proxy.restore()
+    await eventually(lambda: _idle(nc, EDGE), 6 * TTL, "the edge trainer to let the run go")
+    await eventually(lambda: site.delivered(nc, run_id), 30, "the edge's events at the hub")
+    assert [s.worker for s in log.of(Started)] == [EDGE], "nothing trained at the hub"
+    assert len(log.of(Completed)) == 1, log.of(Completed)
+    after = await finished(nc, run_id, timeout=5)
+    assert (after.state, after.token, after.digest) == (record.state, record.token, want), after
+    log.close()
+    await site.assert_events_once_in_order(nc, run_id)
+
+
 async def test_a_blackholed_link_is_noticed_then_healed_like_a_cut(hub: Stack, site: Site) -> None:
     nc = await hub.client()
     run_id = await submit(nc, paced(200))

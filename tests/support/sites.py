@@ -34,6 +34,8 @@ from tests.support.stack import Stack, eventually
 CLI_TIMEOUT_S = 60
 """A bound on a hang of a `baton` command, not on its speed."""
 SOURCED = "Nats-Stream-Source"
+Sent = tuple[str, bytes]
+"""A stored message's subject and payload."""
 """The header JetStream puts on a message one stream sourced from another."""
 
 
@@ -122,9 +124,9 @@ class Site:
         """(subject, payload) of the site's outbox messages matching `subject_filter`."""
         return await stored(await self.client(), names.OUTBOX_STREAM, subject_filter)
 
-    async def assert_events_once_in_order(self, nc: Client, run_id: str) -> None:
-        """The hub's events of `run_id` that came from this site are, message for message,
-        the site's outbox in the order the site stored it: each arrived once, in order."""
+    async def _events(self, nc: Client, run_id: str) -> tuple[list[Sent], list[Sent]]:
+        """The run's events the site sent (its outbox), as the hub's stream names them, and
+        those of the hub's stream that came from the site, each in stored order."""
         sent = await self.outbox(names.at_site(names.events_of_run(run_id), self.name))
         sub = await reader.read(nc, names.EVENTS_STREAM, names.events_of_run(run_id))
         try:
@@ -135,6 +137,18 @@ class Site:
         # lapsed): what came from the site is what the hub's stream sourced.
         from_site = [(m.subject, m.data) for m in got if SOURCED in (m.headers or {})]
         want = [(names.event_subject(run_id, s.rsplit(".", 1)[1]), d) for s, d in sent]
+        return want, from_site
+
+    async def delivered(self, nc: Client, run_id: str) -> bool:
+        """The hub holds as many of the run's site events as the site sent (after a heal,
+        its outbox drains into the hub's stream in the background)."""
+        want, from_site = await self._events(nc, run_id)
+        return len(from_site) >= len(want)
+
+    async def assert_events_once_in_order(self, nc: Client, run_id: str) -> None:
+        """The hub's events of `run_id` that came from this site are, message for message,
+        the site's outbox in the order the site stored it: each arrived once, in order."""
+        want, from_site = await self._events(nc, run_id)
         assert len(want) > 3, f"too few events to tell anything: {len(want)}"
         assert from_site == want, (
             f"hub holds {len(from_site)} site events, the site sent {len(want)}: "
