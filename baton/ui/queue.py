@@ -83,10 +83,15 @@ class Credits:
             if msg.metadata.num_pending == 0:
                 self.caught_up.set()
 
-    def balances(self) -> dict[str, dict[str, float]]:
-        """Per owner with entries: its balance and what it holds, in credits."""
+    def balances(self) -> dict[str, dict[str, float | bool]]:
+        """Per owner with entries: its balance and what it holds, in credits, and whether
+        it is overdrawn (below zero: `baton credits` says so too)."""
         return {
-            owner: {"balance": a.balance / UNITS_PER_CREDIT, "held": a.held / UNITS_PER_CREDIT}
+            owner: {
+                "balance": a.balance / UNITS_PER_CREDIT,
+                "held": a.held / UNITS_PER_CREDIT,
+                "overdrawn": a.balance < 0,
+            }
             for owner, a in sorted(self.accounts.items())
         }
 

@@ -41,6 +41,8 @@ when a run is given up.
                  back (`billing.py`); retired only once settled
     void         credits held for a run that has had no record for `BATON_VOID_AFTER`:
                  given back, nothing charged (`voids.py`)
+    overdrawn    an owner's balance below the pool's `-overdraft`: their runs that hold
+                 nothing (a site's submissions) asked to pause (`overdrafts.py`)
     cancelled    a run asked to cancel that nothing trains (QUEUED at the hub, PAUSED):
                  CANCELLED (`transitions.cancel_untrained`)
 
@@ -70,6 +72,7 @@ from services.reaper.deliveries import on_advisory
 from services.reaper.departures import Departures
 from services.reaper.grants import Reconciler, TakeBack
 from services.reaper.lapses import Lapses
+from services.reaper.overdrafts import Overdrafts
 from services.reaper.revocations import Revocations
 from services.reaper.seals import Seals
 from services.reaper.silences import Silences
@@ -145,6 +148,7 @@ class Reaper(Sweeps):
         self.reconciler = Reconciler(self.js, self.runs, self.store, self.policy)
         self.billing = Billing(self.nc, self.runs, self.sites)
         self.voids = Voids(self.nc, self.runs, self.billing.holds, self.settings.void_after_s)
+        self.overdrafts = Overdrafts(self.nc, self.runs, self.billing.holds, self.policy)
         self.take_back = TakeBack(self.nc, self.js, self.runs, self.store, self.policy)
         self.seals = Seals(self.store)
         self.lapses = Lapses(self.nc, self.js, self.runs, self.lease_secret)
@@ -231,6 +235,7 @@ class Reaper(Sweeps):
         await self.accounts.sweep(records)
         await self.billing.sweep(records)
         await self.voids.sweep()
+        await self.overdrafts.sweep(running)
         await self._retire(live)
         alive = {r.run_id for r in running}
         for table in (self._unowned_since, self._unqueued_since):

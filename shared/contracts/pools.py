@@ -40,6 +40,7 @@ OWNER = r"^[A-Za-z0-9_-]{1,64}$"
 Priority = Annotated[int, Meta(ge=-1000, le=1000)]
 Weight = Annotated[float, Meta(gt=0, le=1e6)]
 Price = Annotated[float, Meta(ge=0, le=1e6)]
+Credits = Annotated[float, Meta(ge=0, le=1e12)]
 
 
 class FairShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -64,6 +65,8 @@ class Owner(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     """The highest priority the owner may submit at; None: the pool's `max_priority`."""
     team: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,64}$")] = ""
     """Owners of one team share the team's weight (`Pool.teams`); "" is a team of one."""
+    overdraft: Credits | None = None
+    """The owner's overdraft; None: the pool's (`Pool.overdraft`)."""
 
 
 class Team(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -103,6 +106,11 @@ class Pool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     the end (`shared.ledger`); without one, its runs cost no credits."""
     estimate_margin: Annotated[float, Meta(ge=1, le=100)] = 1.25
     """A run's hold is its estimated trainer time times this."""
+    overdraft: Credits = 0.0
+    """Credits an owner's balance may go below zero — by runs nothing was held for (a
+    site's submissions, priced as the hub takes them in) and pauses at budget that came a
+    checkpoint late — before that owner's runs nothing was held for are paused (`budget:
+    …`, resumed after a top-up, holding then). 0: paused as soon as it is below zero."""
     grant_ahead_s: Annotated[float, Meta(ge=0, le=30 * 86400)] | None = None
     """Grants by time for this pool (docs/sites.md): seconds of expected work per trainer
     a site is granted ahead, where `BATON_GRANT_AHEAD_S` names no value for that site.
@@ -118,6 +126,11 @@ class Pool(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
             return None
         found = self.owner(owner).max_priority
         return self.max_priority if found is None else found
+
+    def overdraft_of(self, owner: str) -> float:
+        """Credits `owner`'s balance may go below zero (`overdraft`)."""
+        found = self.owner(owner).overdraft
+        return self.overdraft if found is None else found
 
     def priced(self) -> bool:
         return any(p > 0 for p in self.price.values())

@@ -23,9 +23,9 @@ from nats.aio.client import Client
 from baton.client import calls as client
 from shared.bus import names
 from shared.bus import sourcing as sites
-from shared.bus.connect import publish
+from shared.bus.connect import connect, publish
 from shared.contracts import JobSpec, RunRecord, RunState, decode, encode
-from shared.contracts.control import Drain
+from shared.contracts.control import Drain, Resume
 from shared.contracts.events import (
     Accepted,
     Completed,
@@ -40,6 +40,7 @@ from shared.contracts.events import (
     TakenBack,
 )
 from shared.contracts.pools import units
+from shared.credentials import options_for, read_env_file
 from shared.ledger import book
 from shared.state.drains import Drains
 from shared.state.runs import Runs
@@ -47,6 +48,7 @@ from shared.state.workers import live_workers
 from tests.e2e import jobs
 from tests.e2e.jobs import finished, history, job, paced, submit
 from tests.support.cli import as_json
+from tests.support.dashboard import request, served
 from tests.support.ledger import balanced, settled, topup
 from tests.support.sites import Site
 from tests.support.stack import Stack, attempt_processes, eventually
@@ -510,6 +512,68 @@ async def test_a_run_the_hub_ends_during_a_cut_is_settled_with_what_its_site_tra
         site.proxy.restore()
     settle = await balanced(nc, "carol", run_id, topped, PRICE)
     assert settle.productive_s > 0, settle
+
+
+async def test_an_owner_past_the_overdraft_has_the_runs_nothing_held_for_paused(
+    hub: Stack, site: Site
+) -> None:
+    """lab1's submitter, its balance 0 and the pool's overdraft 0, submits two jobs at lab1
+    while it is cut off: nothing can be held for them. The short one completes during the
+    cut; at heal the hub takes both in, priced, and charges the short one, which leaves the
+    balance below zero — so the long one, still training at lab1 on credit, is paused at
+    its next checkpoint (`budget: …`; a `credits_overdrawn` warning says why), losing no
+    step. After a top-up, `baton resume` holds what it still needs, and it completes with
+    the uninterrupted run's weights, charged what it trained, to the unit."""
+    nc, at_site = await hub.client(), await site.client("submitter")
+    reference = await submit(nc, paced(400, pace=0.0))
+    want = (await finished(nc, reference, timeout=90)).digest
+    site.proxy.sever()
+    await eventually(lambda: _down(nc, "lab1"), 30, "the hub to see lab1 cut off")
+    short, _ = await client.submit(at_site, paced(40, pace=0.02), 20, "lab1")
+    long, _ = await client.submit(at_site, paced(400, pace=0.1), 20, "lab1")
+
+    async def short_done() -> bool:
+        return bool(await site_events(site, short, "completed"))
+
+    await eventually(short_done, 90, "the short job to complete at the cut-off site")
+    site.proxy.restore()
+    charged = (await settled(nc, "lab1-submitter", short)).charged
+    assert charged > 0
+
+    async def paused() -> RunRecord | None:
+        found = await _record(nc, long)
+        return found if found is not None and found.state is RunState.PAUSED else None
+
+    stopped = await eventually(paused, 90, "the long job to pause past the overdraft")
+    why = stopped.pause_requested or ""
+    assert why.startswith("budget: lab1-submitter's balance is -"), stopped
+    assert "overdraft of 0 pool default allows" in why and stopped.step < 400, stopped
+    warned = [e for e in of(await history(nc, long), RunWarning) if isinstance(e, RunWarning)]
+    assert [w.kind for w in warned] == ["credits_overdrawn"], warned
+    # Said where people look: `baton credits` and the dashboard (as its own role).
+    account = await as_json(hub, "credits", "--owner", "lab1-submitter")
+    assert account["overdrawn"] and account["balance_units"] == -charged, account
+    creds = options_for(read_env_file(hub.root / "auth" / "dashboard.env"))
+    dashboard = await connect(hub.hub.url, "dashboard", first_attempt_timeout=10, options=creds)
+    hub.clients.append(dashboard)  # closed when the stack stops
+    async with served(dashboard, hub.store_url) as url:
+        shown = (await request(url, "/api/queue?pool=default")).json()["credits"]
+    assert shown["lab1-submitter"]["overdrawn"] is True, shown
+    # Short of credits, a resume is refused, nothing held; after a top-up it holds and
+    # goes on from the pause's checkpoint.
+    await client.steer(nc, Resume(run_id=long))
+
+    async def refused() -> str | None:
+        said = [e for e in await history(nc, long) if isinstance(e, RunWarning)]
+        return next((w.detail for w in said if w.kind == "resume_refused"), None)
+
+    assert "short" in await eventually(refused, 60, "the resume to be refused")
+    assert (await _record(nc, long) or stopped).state is RunState.PAUSED
+    topped = await topup(nc, "lab1-submitter", 10.0)
+    await client.steer(nc, Resume(run_id=long))
+    done = await finished(nc, long, timeout=120)
+    assert done.state is RunState.COMPLETED and done.digest == want, done
+    await balanced(nc, "lab1-submitter", long, topped - charged, PRICE)
 
 
 async def test_a_group_granted_to_a_site_trains_through_a_cut(hub: Stack, site: Site) -> None:

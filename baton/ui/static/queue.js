@@ -59,7 +59,7 @@ function viewQueue(pool) {
     const priced = Object.keys(credits).length > 0;
     const money = (o) => {
       const c = credits[o.owner];
-      return c ? `${c.balance}${c.held ? ` (${c.held} held)` : ""}` : "—";
+      return c ? `${c.balance}${c.held ? ` (${c.held} held)` : ""}${c.overdrawn ? " overdrawn" : ""}` : "—";
     };
     owners.replaceChildren(view.owners.length
       ? table(["owner", "weight", "team", "share", "entitled", "holding", "usage (trainer-h)", "quota", "max priority", "preempted",
@@ -71,7 +71,7 @@ function viewQueue(pool) {
         h("td", { class: "num" }, o.usage_s ? (o.usage_s / 3600).toPrecision(3) : "0"),
         h("td", { class: "num" }, o.quota ?? "—"), h("td", { class: "num" }, o.max_priority ?? "any"),
         h("td", { class: "num" }, o.preempted),
-        priced ? h("td", { class: "num credits" }, money(o)) : null)))
+        priced ? h("td", { class: credits[o.owner]?.overdrawn ? "num credits overdrawn" : "num credits" }, money(o)) : null)))
       : h("p", { class: "empty" }, "no owner is active in this pool"));
   }
 

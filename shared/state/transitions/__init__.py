@@ -35,7 +35,7 @@ newer one), so a fenced attempt writes nothing.
                    cancel_untrained (asked to cancel, nothing trains it), take_back and
                    reconcile (a site's grant), complete_from_store and
                    end_granted (a grant whose chain the hub finished, or sealed), settled
-                   (the ledger)
+                   (the ledger), pause_unheld (an owner past the pool's overdraft)
     delegator      delegate (the scheduler granting queued runs to sites)
     site trainer   accept_grant, forward_requests, and the trainer's own, on the site's
                    records of the runs granted to it
@@ -90,8 +90,10 @@ from shared.state.transitions.sharing import (
     admit,
     ask_preempt,
     cap_ranks,
+    pause_unheld,
     queued_because,
     settled,
+    unheld,
 )
 from shared.state.transitions.sites import (
     accept_grant,
@@ -143,6 +145,7 @@ __all__ = [
     "past_store",
     "pause",
     "pause_attempt",
+    "pause_unheld",
     "pause_unowned",
     "queued_because",
     "reconcile",
@@ -157,6 +160,7 @@ __all__ = [
     "settled",
     "take_back",
     "unchanged",
+    "unheld",
     "wait",
     "warn",
     "yield_to",

@@ -8,6 +8,7 @@ import msgspec
 from shared.contracts import RunRecord, RunState
 from shared.contracts.records import Preemption
 from shared.state.runs import Change
+from shared.state.transitions.lifecycle import pause
 
 _replace = msgspec.structs.replace
 
@@ -65,6 +66,24 @@ def cap_ranks(cap: int) -> Change:
         if r.state.terminal or r.preempt is not None or r.ranks_cap == cap:
             return None
         return _replace(r, ranks_cap=cap)
+
+    return change
+
+
+def unheld(r: RunRecord) -> bool:
+    """A priced, owned run that holds nothing (a site's submission, priced as the hub took
+    it in), trains or waits to, and is asked nothing yet: what an overdraft pauses."""
+    asked = r.cancel_requested or r.pause_requested
+    live = r.state in (RunState.QUEUED, RunState.RUNNING)
+    return live and bool(r.price) and bool(r.owner) and not r.holds and not asked
+
+
+def pause_unheld(reason: str) -> Change:
+    """While the run holds nothing (`unheld`): paused for `reason`, or asked to pause where
+    it trains (`pause`; a site's run through its grant, `forward_requests`)."""
+
+    def change(r: RunRecord) -> RunRecord | None:
+        return pause(reason)(r) if unheld(r) else None
 
     return change
 

@@ -23,6 +23,22 @@ def test_a_bad_table_is_refused_naming_its_field(tmp_path: Path) -> None:
     assert load_table("") == PoolTable()
 
 
+def test_an_overdraft_is_the_owners_else_the_pools(tmp_path: Path) -> None:
+    table = tmp_path / "pools.toml"
+    table.write_text(
+        "[pools.gpu]\noverdraft = 5\n[pools.gpu.owners.alice]\noverdraft = 20\n"
+        "[pools.gpu.owners.bob]\nweight = 2\n"
+    )
+    gpu = load_table(str(table)).pool("gpu")
+    assert (gpu.overdraft_of("alice"), gpu.overdraft_of("bob"), gpu.overdraft_of("eve")) == (
+        20.0, 5.0, 5.0,
+    )  # fmt: skip
+    assert Pool().overdraft_of("eve") == 0.0  # paused as soon as a balance is below zero
+    table.write_text("[pools.gpu]\noverdraft = -1\n")
+    with pytest.raises(ConfigError, match="overdraft"):
+        load_table(str(table))
+
+
 async def test_a_table_is_in_force_for_every_reader(declared: Client, tmp_path: Path) -> None:
     js = declared.jetstream()
     fallback = PoolTable(pools={"gpu": Pool(max_priority=1)})

@@ -88,3 +88,26 @@ def test_a_reopened_life_begins_after_what_a_dead_attempt_committed() -> None:
     new = applied(t.order_rollback(20, "back", t.Taken(1, 0, 70)), failed)
     assert new.metered_s == 46.0 and new.metered_before == 46.0 and new.committed_s == 0.0
     assert new.life_metered_s == 0.0, new
+
+
+def test_an_overdraft_pauses_only_runs_that_hold_nothing() -> None:
+    """`pause_unheld`: a priced, owned run with no hold (a site's submission) that trains
+    or waits is paused — at once when the hub holds it queued, asked where it trains —
+    and no other run is."""
+    why = "budget: past the overdraft"
+    running = record(run_id="bob.r1", price=PRICE, site="lab1", epoch=7)
+    asked = applied(t.pause_unheld(why), running)
+    assert changed(running, asked) == {"pause_requested": why}, changed(running, asked)
+    queued = record(run_id="bob.r2", price=PRICE, state=RunState.QUEUED,
+                    worker=None)  # fmt: skip
+    assert applied(t.pause_unheld(why), queued).state is RunState.PAUSED
+    refused(
+        t.pause_unheld(why),
+        record(run_id="bob.r3", price=PRICE, holds=[100]),  # it holds
+        record(run_id="r4", price=PRICE),  # an operator's
+        record(run_id="bob.r5"),  # unpriced
+        asked,  # asked already
+        record(run_id="bob.r6", price=PRICE, cancel_requested="no"),
+        record(run_id="bob.r7", price=PRICE, state=RunState.PAUSED),
+        *terminal(price=PRICE),
+    )
