@@ -21,12 +21,16 @@ checkpoint store decides which side's run counts (`shared.state.owner`; docs/sit
 "Submitting at a site").
 
 A job of a pool none of the site's trainers serve is rejected here, saying so: nothing at
-the site could ever start it.
+the site could ever start it; so is a run of several ranks when the site has fewer live
+trainers of its pool than ranks. One it has the trainers for forms its group at the site,
+as a group granted there does (`services/trainer/group.py`). Elastic and replicated runs
+are submitted at the hub.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -43,6 +47,7 @@ from shared.bus.service import pull_loop
 from shared.bus.streams import dispatcher_consumer, ensure_consumer
 from shared.config import Settings
 from shared.contracts import JobSpec, RunRecord, RunState, Task, decode, encode, spec_hash
+from shared.contracts.control import WorkerInfo
 from shared.contracts.events import Accepted, Event, Rejected, kind_of
 from shared.contracts.jobs import MAX_SPEC_BYTES
 from shared.contracts.records import run_id_for
@@ -98,14 +103,20 @@ class SiteDispatcher:
             spec = decode(msg.data, JobSpec, max_bytes=MAX_SPEC_BYTES)
             if spec.pool != pool:
                 raise ContractError(f"pool {spec.pool!r} differs from the subject's {pool!r}")
-            if spec.max_ranks > 1:
-                raise ContractError("a run of several ranks is submitted at the hub", "$.ranks")
+            if spec.elastic:
+                raise ContractError("an elastic run is submitted at the hub", "$.ranks")
             if spec.replicated or spec.replica is not None:
                 raise ContractError("a replicated run is submitted at the hub", "$.replicas")
             if not await self._serves(pool):
                 raise ContractError(
                     f"no trainer of pool {pool!r} at site {self.site}: submit it at the hub",
                     "$.pool",
+                )
+            if spec.max_ranks > 1 and (have := await self._trainers(pool)) < spec.max_ranks:
+                raise ContractError(
+                    f"a run of {spec.max_ranks} ranks needs as many trainers of pool {pool!r}; "
+                    f"site {self.site} has {have}: submit it at the hub",
+                    "$.ranks",
                 )
         except ContractError as exc:
             run_id = run_id_for(key, owner)
@@ -189,6 +200,20 @@ class SiteDispatcher:
         except NotFoundError:
             return False
         return True
+
+    async def _trainers(self, pool: str) -> int:
+        """Trainers of `pool` at this site, not drained, whose heartbeat is still in the
+        outbox: each lives there for its TTL (`names.heartbeat_subject`), so a trainer gone
+        for longer is not counted, link or no link."""
+        beats = names.site_root(self.site, "workers")
+        info = await self.js.stream_info(names.OUTBOX_STREAM, subjects_filter=beats)
+        count = 0
+        for subject in info.state.subjects or {}:
+            with contextlib.suppress(NotFoundError, ContractError):
+                msg = await self.js.get_last_msg(names.OUTBOX_STREAM, subject)
+                beat = decode(msg.data or b"", WorkerInfo)
+                count += beat.pool == pool and not beat.drained
+        return count
 
     async def _accepted(
         self, spec: JobSpec, run_id: str, *, duplicate: bool, unconfirmed: bool = False

@@ -56,6 +56,10 @@ def site_permissions(role: str, site: str) -> Permissions | None:
             publish=(
                 f"{API}.INFO", *FLOW, *consume(API, names.SUBMIT_STREAM),
                 f"{API}.CONSUMER.INFO.{names.TASKS_STREAM}.>",
+                # The site's live trainers, by their heartbeats in the outbox (a run of
+                # several ranks is accepted when the site has the ranks).
+                f"{API}.STREAM.INFO.{names.OUTBOX_STREAM}",
+                f"{API}.STREAM.MSG.GET.{names.OUTBOX_STREAM}",
                 *read_kv(API, runs), *write_kv("", runs),
                 names.site_root(site, "tasks"), names.site_root(site, "events"),
                 names.site_root(site, "dlq"),

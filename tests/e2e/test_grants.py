@@ -576,12 +576,16 @@ async def test_an_owner_past_the_overdraft_has_the_runs_nothing_held_for_paused(
     await balanced(nc, "lab1-submitter", long, topped - charged, PRICE)
 
 
-async def test_a_group_granted_to_a_site_trains_through_a_cut(hub: Stack, site: Site) -> None:
+async def test_a_group_granted_to_a_site_or_submitted_there_trains_through_a_cut(
+    hub: Stack, site: Site
+) -> None:
     """A 2-rank DDP job (`examples/ddp.py`, gloo) is granted to lab1, whose two trainers
     are free: its group forms at the site (the site's groups bucket, its calls in the
     site's work queue), the link is cut mid-run, and the group trains on and completes
     there. At heal the run is COMPLETED once at the hub, with the uninterrupted run's
-    weights, its group's events and its one `completed` sourced from the site."""
+    weights, its group's events and its one `completed` sourced from the site. Then the
+    same job is submitted at lab1 while it is cut off: the site has the two ranks, so it
+    trains there and ends exact; one of three ranks is refused, saying why."""
     nc = await hub.client()
     reference = await submit(nc, ddp2(60, pace=0.0))
     record = await finished(nc, reference, timeout=120)
@@ -608,6 +612,28 @@ async def test_a_group_granted_to_a_site_trains_through_a_cut(hub: Stack, site: 
     [formed] = of(events, GroupFormed)
     assert isinstance(formed, GroupFormed) and set(formed.members) == set(site.trainers), formed
     await site.assert_events_once_in_order(nc, run_id)
+
+    site.proxy.sever()
+    await eventually(lambda: _down(nc, "lab1"), 30, "the hub to see lab1 cut off")
+    at_site = await site.client("submitter")
+    own, answer = await client.submit(at_site, ddp2(60, pace=0.02), 20, "lab1")
+    assert isinstance(answer, Accepted) and answer.unconfirmed, answer
+    _, answer = await client.submit(at_site, job(name="ddp", entry_point="examples.ddp:train",
+                                                 total_steps=20, ranks=3), 20, "lab1")  # fmt: skip
+    assert isinstance(answer, Rejected) and "site lab1 has 2" in answer.reason, answer
+
+    async def own_done() -> bool:
+        return bool(await site_events(site, own, "completed"))
+
+    await eventually(own_done, 120, "the group submitted at the site to complete there")
+    site.proxy.restore()
+    done = await finished(nc, own, timeout=60)
+    assert done.state is RunState.COMPLETED and done.digest == record.digest, done
+    assert done.site == "lab1" and done.attempts == 1, done
+    await eventually(lambda: _completed_once(nc, own), 30, "the run's events at the hub")
+    [formed] = of(await history(nc, own), GroupFormed)
+    assert isinstance(formed, GroupFormed) and set(formed.members) == set(site.trainers), formed
+    await site.assert_events_once_in_order(nc, own)
 
 
 def ddp2(total: int, pace: float) -> JobSpec:
