@@ -20,7 +20,8 @@ Config (all optional): `window` (characters per sample), `stride` (a window star
 `stride` characters), `batch` (per rank), `dim`, `heads`, `layers`, `dropout`, `lr`,
 `weight_decay`, `warmup` (steps), `clip`, `val_every` (steps between validations; 0: none),
 `val_batches`, `num_workers`, `steps_sleep` (seconds to sleep after each step, so a test can
-act mid-run), `corpus` (a text file to learn instead of the bundled one).
+act mid-run), `corpus` (a text file to learn instead of the bundled one), `logger` (true:
+Lightning's default logger) and `log_every` (its `log_every_n_steps`).
 """
 
 from __future__ import annotations
@@ -203,7 +204,10 @@ def train(ctx: RunContext) -> None:
         **baton.trainer_kwargs(  # 2: max_steps, the callback, the device, DDP on several ranks
             callbacks=[Pace(pace)] if pace else [],
             gradient_clip_val=float(cfg.get("clip", 1.0)),
-            logger=False,  # Baton records the metrics
+            # Baton records the metrics; `logger: true` also gives Lightning's own logger,
+            # on the run's tracker run under [tracking] tensorboard (docs/tracking.md).
+            logger=bool(cfg.get("logger", False)),
+            log_every_n_steps=int(cfg.get("log_every", 50)),
             enable_model_summary=False,
             **validation,
         )

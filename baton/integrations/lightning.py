@@ -160,32 +160,68 @@ class BatonCallback(Callback):
         if ctx.spec.deterministic:
             # Not `False` otherwise: Lightning would turn off what the trainer turned on.
             out["deterministic"] = True
-        cuda = ctx.device.type == "cuda"
-        out["accelerator"] = "cuda" if cuda else "cpu"
-        out["devices"] = [ctx.device.index] if cuda else 1
-        if ctx.world_size > 1:
-            for name in ("devices", "num_nodes", "accelerator"):
-                if name in kwargs:
-                    raise ValueError(f"{name}: a Baton run of several ranks places its ranks")
-            strategy = kwargs.pop("strategy", None)
-            if strategy is None:
-                strategy = BatonDDPStrategy()
-            if not isinstance(strategy, BatonDDPStrategy):
-                raise TypeError(
-                    f"strategy={strategy!r}: a Baton run of several ranks trains with"
-                    " BatonDDPStrategy (it takes DDPStrategy's arguments)"
-                )
-            # Its backend is the group's (Lightning's default for the device: gloo on CPU,
-            # NCCL on CUDA, as `baton.runtime.group` chose).
-            strategy.cluster_environment = BatonEnvironment(ctx)
-            out["strategy"] = strategy
-            out["num_nodes"] = ctx.world_size
+        out |= self._placement(kwargs)
         callbacks = kwargs.pop("callbacks", None) or []
         if isinstance(callbacks, Callback):
             callbacks = [callbacks]
         out.update(kwargs)
         out["callbacks"] = [*callbacks, self]
+        if out.get("logger", True) is True and (logger := self.logger()) is not None:
+            out["logger"] = logger  # Lightning's default logger, on the run's tracker run
         return out
+
+    def _placement(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The device and, on several ranks, DDP on Baton's group (`strategy` taken out of
+        `kwargs`: a `BatonDDPStrategy` of the user's is given the group)."""
+        ctx = self.ctx
+        cuda = ctx.device.type == "cuda"
+        out: dict[str, Any] = {
+            "accelerator": "cuda" if cuda else "cpu",
+            "devices": [ctx.device.index] if cuda else 1,
+        }
+        if ctx.world_size == 1:
+            return out
+        for name in ("devices", "num_nodes", "accelerator"):
+            if name in kwargs:
+                raise ValueError(f"{name}: a Baton run of several ranks places its ranks")
+        strategy = kwargs.pop("strategy", None)
+        if strategy is None:
+            strategy = BatonDDPStrategy()
+        if not isinstance(strategy, BatonDDPStrategy):
+            raise TypeError(
+                f"strategy={strategy!r}: a Baton run of several ranks trains with"
+                " BatonDDPStrategy (it takes DDPStrategy's arguments)"
+            )
+        # Its backend is the group's (Lightning's default for the device: gloo on CPU, NCCL
+        # on CUDA, as `baton.runtime.group` chose).
+        strategy.cluster_environment = BatonEnvironment(ctx)
+        return out | {"strategy": strategy, "num_nodes": ctx.world_size}
+
+    def logger(self) -> Any:
+        """Under `[tracking]` kind `tensorboard` (docs/tracking.md): a `TensorBoardLogger`
+        on the run's log dir (`<run>/lightning`), the same for every attempt, whose writer
+        opens with `purge_step` at the step the attempt resumed at, so the steps it redoes
+        replace what a killed attempt logged of them. `trainer_kwargs` puts it in place of
+        Lightning's default logger (`logger=True`, or none given); a logger you pass is
+        yours. None for other trackers: MLflow's and W&B's loggers resume the run from the
+        environment (`MLFlowLogger(run_id=os.environ["MLFLOW_RUN_ID"])`, `WandbLogger()`),
+        and what the module logs reaches `[tracking]` through Baton, each kept step once."""
+        tracking = self.ctx.tracking
+        if tracking is None or tracking.config.kind != "tensorboard":
+            return None
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        run = tracking  # narrowed, for the class below
+
+        class RunLogger(TensorBoardLogger):
+            @property
+            def experiment(self) -> Any:
+                # Opened on first use, after `ckpt_path()` found the step to purge from.
+                if self._experiment is None and run.purge_step is not None:
+                    self._kwargs["purge_step"] = run.purge_step
+                return super().experiment
+
+        return RunLogger(tracking.log_dir, name="", version="lightning", default_hp_metric=False)
 
     # -- checks, before anything runs ----------------------------------------------------
 

@@ -203,3 +203,45 @@ async def test_the_hf_trainers_mlflow_callback_resumes_the_one_run(
         assert runs[0].data.params, "the callback logged no arguments"
     finally:
         server.close()
+
+
+async def test_lightnings_logger_resumes_its_run(stack: Stack, tmp_path: Path) -> None:
+    """A `LightningModule` that logs through Lightning's default logger (`logger=True`)
+    under `[tracking] tensorboard`, its trainer SIGKILLed between two checkpoints: the
+    logger Baton puts in place writes the run's log dir with `purge_step`, and ends — as
+    Baton's rows do — with the history of the same job run without a kill."""
+    root = tmp_path / "tb"
+    tracking = {"kind": "tensorboard", "dir": str(root), "project": "pl"}
+
+    def lm(pace: float) -> JobSpec:
+        return job(
+            name="pl-tracked", entry_point="examples.lightning_lm:train", total_steps=HF_TOTAL,
+            seed=42, checkpoint={"every_steps": 10}, tracking=tracking,
+            config={"steps_sleep": pace, "batch": 8, "window": 32, "stride": 8, "logger": True,
+                    "log_every": 1},
+            idempotency_key=uuid.uuid4().hex,
+        )  # fmt: skip
+
+    nc = await stack.client()
+    reference = await submit(nc, lm(0.0))
+    assert (await finished(nc, reference, timeout=240)).state is RunState.COMPLETED
+    victim = await submit(nc, lm(0.05))
+    log = EventLog(nc, victim)
+    first = await log.wait_for(lambda e: isinstance(e, Started), 60, "start")
+    assert isinstance(first, Started)
+    await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step >= 10, 60, "10")
+    reached = await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 14, 60, "14")
+    assert isinstance(reached, Progress)
+    family = children_of(stack.pid(first.worker))
+    os.kill(stack.pid(first.worker), signal.SIGKILL)
+    await all_dead(family, "the killed trainer's training process")
+    await stack.add_trainer("pl-heir")
+    assert (await finished(nc, victim, timeout=240)).state is RunState.COMPLETED
+    restored = [e for e in log.of(Restored) if e.worker != first.worker]
+    assert restored and restored[0].step < reached.step, "no step was redone"
+    log.close()
+    for tag, sub in (("loss", "lightning"), ("loss", "baton")):
+        want = scalars(root / "pl" / reference / sub, tag)
+        got = scalars(root / "pl" / victim / sub, tag)
+        assert len(want) == HF_TOTAL, want
+        assert got == want, f"{sub}/{tag}: {got} != {want}"
