@@ -17,11 +17,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import pytest_asyncio
 
 from shared.contracts import JobSpec, RunState
-from shared.contracts.events import CheckpointCommitted, Progress, Restored, Started
+from shared.contracts.events import CheckpointCommitted, Preempted, Progress, Restored, Started
 from tests.e2e.jobs import EventLog, finished, history, job, submit
 from tests.support.stack import Stack, all_dead, children_of
 
@@ -36,7 +37,11 @@ done), 29 in the step before the checkpoint of 30 steps done."""
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    async with Stack(tmp_path_factory.mktemp("tracking") / "stack", trainers=2, lease_ttl=3) as s:
+    root = tmp_path_factory.mktemp("tracking")
+    pools = root / "pools.toml"
+    pools.write_text("[pools.default]\nmin_run_s = 0\n")  # a run may be preempted at once
+    env = {"BATON_POOLS_FILE": str(pools)}
+    async with Stack(root / "stack", trainers=2, lease_ttl=3, env=env) as s:
         yield s
 
 
@@ -245,3 +250,37 @@ async def test_lightnings_logger_resumes_its_run(stack: Stack, tmp_path: Path) -
         got = scalars(root / "pl" / victim / sub, tag)
         assert len(want) == HF_TOTAL, want
         assert got == want, f"{sub}/{tag}: {got} != {want}"
+
+
+async def test_tensorboard_holds_the_uninterrupted_history_through_a_preemption(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The tracked job is preempted by a run of higher priority that needs both trainers
+    (it checkpoints and gives its trainer up, losing no step), then resumes and completes:
+    TensorBoard holds one run whose histories, Baton's and the user's writer's, are the
+    uninterrupted run's."""
+    root = tmp_path / "tb"
+    tracking = {"kind": "tensorboard", "dir": str(root), "project": "pre"}
+    nc = await stack.client()
+    reference = await submit(nc, tracked(tracking, None))
+    assert (await finished(nc, reference, timeout=240)).state is RunState.COMPLETED
+    victim = await submit(
+        nc, msgspec.structs.replace(tracked(tracking, None), config={"pace": 0.3})
+    )
+    log = EventLog(nc, victim)
+    await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step >= 10, 60, "10")
+    urgent = await submit(nc, job(
+        name="urgent", entry_point="examples.ddp:train", total_steps=20, ranks=2, seed=11,
+        priority=10, checkpoint={"every_steps": 10}, idempotency_key=uuid.uuid4().hex,
+    ))  # fmt: skip
+    preempted = await log.wait_for(lambda e: isinstance(e, Preempted), 60, "the preemption")
+    assert isinstance(preempted, Preempted) and preempted.by == urgent, preempted
+    assert (await finished(nc, urgent, timeout=240)).state is RunState.COMPLETED
+    assert (await finished(nc, victim, timeout=240)).state is RunState.COMPLETED
+    assert len(log.of(Started)) == 2, "one attempt before the preemption, one after"
+    log.close()
+    for tag, sub in (("loss", "baton"), ("user_loss", "")):
+        want = scalars(root / "pre" / reference / sub, tag)
+        got = scalars(root / "pre" / victim / sub, tag)
+        assert [s for s, _ in want] == list(range(TOTAL)), want
+        assert got == want, f"{tag}: {got} != {want}"
