@@ -20,7 +20,7 @@ from shared.bus.connect import publish
 from shared.contracts import Task, encode
 from shared.contracts.groups import GroupKey, MemberKey, RankCall
 from shared.state import transitions
-from shared.state.groups import GroupStore
+from shared.state.groups import GroupStore, older_on_either_side
 from shared.state.lease import Lease
 from shared.state.runs import Runs
 from shared.waits import wait_set
@@ -62,6 +62,8 @@ class Forming:
 
     js: JetStreamContext
     store: GroupStore
+    other: GroupStore | None
+    """At a site, the other side's groups (`older_on_either_side`)."""
     runs: Runs
     task: Task
     lease: Lease
@@ -165,7 +167,7 @@ class Forming:
     async def _give_way(
         self, held: int, waited: float, wait_s: float, stop: asyncio.Event
     ) -> GaveWay | None:
-        older = await self.store.older_forming(self.key)
+        older = await older_on_either_side(self.key, self.store, self.other)
         if older is not None:
             return GaveWay(f"gave way to the older run {older.run_id}, forming too", GIVE_WAY_S)
         if waited > wait_s:

@@ -11,8 +11,10 @@ partly formed group never trains.
 **Priority.** Groups of one pool compete for its trainers. Two groups that each hold some
 of the trainers the other needs would wait for ever, so the older run (earlier submission,
 then run id) always wins: a trainer leading or joining a forming group gives way the moment
-it sees an older group of its pool still forming — the leader gives its task back for a
-moment, a member hands its call back — and so joins the older one on its next fetch. The
+it sees an older group of its pool still forming (at a site, on either side: a group
+granted to the site and one the hub holds compete for the site's trainers alike) — the
+leader gives its task back for a moment, a member hands its call back — and so joins the
+older one on its next fetch. The
 oldest forming group only ever gains trainers, so some group always forms. A group that
 cannot form at all (more ranks than the pool has trainers) gives its leader back after
 `BATON_FORM_WAIT` for as long again, so it never keeps the pool from other work.
@@ -88,12 +90,15 @@ class Leader(Forming):
         addr: str,
         site: str = "",
         granted: bool = False,
+        other: GroupStore | None = None,
     ) -> None:
         """`granted`: the run is granted to `site`, so its group forms there (`store` is the
-        site's, its calls go into the site's own work queue)."""
+        site's, its calls go into the site's own work queue). `other`: at a site, the other
+        side's groups, whose older forming ones this group gives way to as to its own."""
         self.nc = nc
         self.js = js
         self.store = store
+        self.other = other
         self.runs = runs
         self.task = task
         self.lease = lease

@@ -39,7 +39,7 @@ from shared.contracts.child import (
     StepDone,
 )
 from shared.contracts.groups import GroupKey, MemberKey, RankCall
-from shared.state.groups import GroupStore
+from shared.state.groups import GroupStore, older_on_either_side
 from shared.waits import wait_set
 
 log = logging.getLogger("baton.trainer")
@@ -61,8 +61,11 @@ class Member:
         publish_output: Callable[[str, bytes], Awaitable[None]],
         ack_wait_s: float,
         site: str = "",
+        other: GroupStore | None = None,
     ) -> None:
+        """`other`: at a site, the other side's groups (`older_on_either_side`)."""
         self.groups = groups
+        self.other = other
         self.zygote = zygote
         self.call = call
         self.task = call.task
@@ -174,7 +177,7 @@ class Member:
             if time.monotonic() - kept < POLL_S:
                 continue  # the rest at the slower cadence
             kept = time.monotonic()
-            older = await self.groups.older_forming(group)
+            older = await older_on_either_side(group, self.groups, self.other)
             if older is not None:
                 log.info("%s: rank %d given back: the older run %s is forming",
                          self.run_id, self.call.rank, older.run_id)  # fmt: skip

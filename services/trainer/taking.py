@@ -189,6 +189,7 @@ class Taking:
         leader = Leader(
             self.nc, self.js, groups or self.groups, scope.runs, task, lease, record,
             self.settings.worker_id, self.settings.host_addr, self.site, groups is not None,
+            self.groups if groups is not None else self.site_groups,
         )  # fmt: skip
         try:
             formed = await leader.form(msg, self.draining.leave, self.settings.form_wait_s)
@@ -230,6 +231,7 @@ class Taking:
             groups or self.groups, self.zygote, call, self.settings.worker_id, self.store.url,
             Path(self.settings.work_dir), (self.draining.leave, self.signals.hurry),
             self._publish_output, self.settings.ack_wait_s, self.site,
+            self.groups if groups is not None else self.site_groups,
         )  # fmt: skip
         self.attempt = member
         try:

@@ -145,3 +145,21 @@ def _decode(data: bytes | None, kind: type[_K]) -> _K | None:
         return decode(data, kind)
     except ContractError:
         return None
+
+
+async def older_on_either_side(
+    mine: GroupKey, own: GroupStore, other: GroupStore | None
+) -> GroupKey | None:
+    """An older group of `mine`'s pool still forming, in its own side's bucket (`own`) or,
+    for a trainer at a site, the other side's (`other`: a site's trainers serve the groups
+    granted to it and the hub's alike, so a group on one side gives way to an older one on
+    the other, whichever side holds it). The other side's bucket unreadable — the hub's,
+    during a cut — holds nothing to give way to: no group of the hub's forms at a cut-off
+    site."""
+    older = await own.older_forming(mine)
+    if older is not None or other is None:
+        return older
+    try:
+        return await other.older_forming(mine)
+    except Exception:  # a cut, a hub that does not answer: as good as no group there
+        return None
