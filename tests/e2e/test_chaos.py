@@ -207,6 +207,7 @@ async def test_a_run_that_ends_at_the_edge_during_a_long_cut_completes_once(
     await site.assert_events_once_in_order(nc, run_id)
 
 
+@pytest.mark.adversary  # the same run at both sides of a cut: the adversary tier's
 async def test_a_hub_run_the_edge_finished_during_a_cut_is_completed_from_the_store(
     hub: Stack, site: Site
 ) -> None:
