@@ -212,7 +212,8 @@ class SiteDispatcher:
             with contextlib.suppress(NotFoundError, ContractError):
                 msg = await self.js.get_last_msg(names.OUTBOX_STREAM, subject)
                 beat = decode(msg.data or b"", WorkerInfo)
-                count += beat.pool == pool and not beat.drained
+                if beat.pool == pool and not beat.drained:
+                    count += 1
         return count
 
     async def _accepted(
