@@ -28,7 +28,10 @@ back: first the store's `latest` is moved to the next epoch (`grants.fence`), so
 commits are refused from that instant, then the record (`transitions.take_back`) and a
 fresh task for the hub's queue, and a `taken_back` event. A run whose final checkpoint is
 already committed is not taken back: it was trained to the end, and its site's record will
-say so at heal.
+say so at heal. A run asked to cancel that its site has not started is taken back at once,
+whatever its link, and the sweep then cancels it: its site may never have got the grant
+(one sent as a link healed, seen in the fault campaign), and a site that did and starts it
+after all is refused by the fence.
 
 **Finished by the hub.** A run granted to a site whose chain the hub's own attempt ended
 with a final commit (the same job at both sides of a cut, the site's submission taken in
@@ -159,7 +162,8 @@ class TakeBack:
 
     async def sweep(self, granted: list[RunRecord], workers: list[WorkerInfo]) -> list[str]:
         """Complete every run in `granted` that the hub's own attempt finished in the store,
-        and take back every other one whose site has been silent — or has had no undrained
+        take back at once every one asked to cancel that its site has not started, and
+        take back every other one whose site has been silent — or has had no undrained
         trainer of the run's pool (every one drained or gone), or idle ones that never take
         it — past its policy's `lost_after`; returns the runs completed or taken back."""
         serving = {(w.site, w.pool) for w in workers if w.site and not w.drained}
@@ -181,16 +185,33 @@ class TakeBack:
                 if await self.finished_by_hub(r):
                     taken.append(r.run_id)
         for r in (r for r in granted if r.run_id not in taken):
-            policy = disconnect_of(r.spec, self.policy.table)
-            quiet, why = silent.get(r.site), "silent"
-            if quiet is not None and quiet < sites.SILENCE_S:
-                quiet, why = self._unserved(r, now, serving, idle)
-            if quiet is None or quiet < policy.lost_after_s or not policy.replace:
-                continue
-            why = f"site {r.site} {why} for {quiet:.0f}s (lost_after {policy.lost_after_s:.0f}s)"
-            if await self.take_back(r, why):
+            why = self._due(r, now, silent, serving, idle)
+            if why is not None and await self.take_back(r, why):
                 taken.append(r.run_id)
         return taken
+
+    def _due(
+        self,
+        r: RunRecord,
+        now: float,
+        silent: dict[str, float],
+        serving: set[tuple[str, str]],
+        idle: set[tuple[str, str]],
+    ) -> str | None:
+        """Why the granted run `r` is to be taken back now; None while it is not."""
+        if r.cancel_requested is not None and r.state is RunState.QUEUED and not r.worker:
+            # Asked to cancel before its site took it: the hub's to end, now (the sweep then
+            # cancels it, `cancel_untrained`), not once a site that may never have got its
+            # grant (sent as a link healed) takes it. Fenced first: should the site start it
+            # after all, its commits are refused.
+            return f"asked to cancel before site {r.site} started it"
+        policy = disconnect_of(r.spec, self.policy.table)
+        quiet, why = silent.get(r.site), "silent"
+        if quiet is not None and quiet < sites.SILENCE_S:
+            quiet, why = self._unserved(r, now, serving, idle)
+        if quiet is None or quiet < policy.lost_after_s or not policy.replace:
+            return None
+        return f"site {r.site} {why} for {quiet:.0f}s (lost_after {policy.lost_after_s:.0f}s)"
 
     def _unserved(
         self, r: RunRecord, now: float, serving: set[tuple[str, str]], idle: set[tuple[str, str]]

@@ -480,6 +480,38 @@ async def test_a_granted_run_is_timed_at_the_hub_and_stopped_at_its_site(
     assert not await site_events(site, run_id, "completed")
 
 
+async def test_a_granted_run_cancelled_before_its_site_starts_it_ends_at_once(
+    hub: Stack, site: Site
+) -> None:
+    """Both of lab1's trainers train long runs and a third is granted to lab1 ahead, queued
+    there. Cancelled at the hub, it is the hub's to end at once: taken back (fenced in the
+    store) and CANCELLED while both trainers still train — not left to a site trainer that
+    may never take it (the fault campaign saw a grant sent as a link healed never reach its
+    site, and the cancelled run waited for ever)."""
+    nc = await hub.client()
+    busy = [await submit(nc, paced(100_000, pace=0.05)) for _ in range(2)]
+    ahead = await submit(nc, paced(40, pace=0.0))
+
+    async def granted() -> bool:
+        rs = await records(nc, [*busy, ahead])
+        return all(r.site == "lab1" for r in rs) and all(
+            r.state is RunState.RUNNING for r in rs[:2]
+        )
+
+    await eventually(granted, 60, "two runs training at lab1 and a third granted ahead")
+    await client.cancel(nc, ahead, "not needed")
+    ended = await finished(nc, ahead, timeout=60)
+    assert ended.state is RunState.CANCELLED and not ended.site, ended
+    assert all(r.state is RunState.RUNNING for r in await records(nc, busy)), "a trainer freed"
+    events = await history(nc, ahead)
+    assert [e.site for e in of(events, TakenBack) if isinstance(e, TakenBack)] == ["lab1"]
+    assert not of(events, Started), "started after its cancel"
+    for run_id in busy:
+        await client.cancel(nc, run_id, "the test is over")
+    for run_id in busy:
+        assert (await finished(nc, run_id, timeout=90)).state is RunState.CANCELLED
+
+
 async def test_a_run_the_hub_ends_during_a_cut_is_settled_with_what_its_site_trained(
     hub: Stack, site: Site
 ) -> None:
