@@ -21,8 +21,9 @@ attempt is stopped by its next look at the store.
 **Taking back.** The reaper's sweep looks at every live run granted to a site; once the
 site has been silent (no greeting, on the hub server's clock) for the run's `lost_after` —
 or, for a run nobody there trains now, linked but without an undrained trainer of its pool
-(all drained, or gone) for as long, or beside idle trainers of its pool that never take it
-(its task lost: a grant check that read a stale copy of the hub's record) —
+(all drained, or gone) for as long, or beside trainers of its pool idle all the while that
+never take it for `UNTAKEN_AFTER_S` (its task lost: a grant check that read a stale copy of
+the hub's record, a grant sent as the link healed that never arrived) —
 (`shared.contracts.jobs.Disconnect`), and its policy allows replacing it, the run is taken
 back: first the store's `latest` is moved to the next epoch (`grants.fence`), so the site's
 commits are refused from that instant, then the record (`transitions.take_back`) and a
@@ -68,6 +69,13 @@ from shared.state.policy import Policy, disconnect_of
 from shared.state.runs import Runs
 
 log = logging.getLogger("baton.reaper")
+
+UNTAKEN = "with idle trainers that never take it"
+
+UNTAKEN_AFTER_S = 120.0
+"""How long a linked site's trainers of a run's pool may all sit idle beside it, granted and
+queued there, before its task is taken for lost (at most the run's `lost_after`): an idle
+trainer takes a queued task within a second."""
 
 FINAL_LOOK_S = 10.0
 """How often the sweep reads the store's `latest` of a granted run nobody holds whose
@@ -206,10 +214,13 @@ class TakeBack:
             # after all, its commits are refused.
             return f"asked to cancel before site {r.site} started it"
         policy = disconnect_of(r.spec, self.policy.table)
+        bound = policy.lost_after_s
         quiet, why = silent.get(r.site), "silent"
         if quiet is not None and quiet < sites.SILENCE_S:
             quiet, why = self._unserved(r, now, serving, idle)
-        if quiet is None or quiet < policy.lost_after_s or not policy.replace:
+            if why == UNTAKEN:
+                bound = min(bound, UNTAKEN_AFTER_S)
+        if quiet is None or quiet < bound or not policy.replace:
             return None
         return f"site {r.site} {why} for {quiet:.0f}s (lost_after {policy.lost_after_s:.0f}s)"
 
@@ -225,10 +236,13 @@ class TakeBack:
             since = self._unserved_since.setdefault(where, now)
             return now - since, f"without a trainer of pool {r.spec.pool}"
         if where not in idle:
-            return None, ""  # its trainers there are busy: one takes it in turn
+            # Its trainers there are busy: one takes it in turn. Idle is counted afresh
+            # from the next time they all are (a trainer between two runs is idle a moment).
+            self._idle_since.pop((r.run_id, r.epoch), None)
+            return None, ""
         # Idle trainers there, and nobody takes it: its task is gone.
         since = self._idle_since.setdefault((r.run_id, r.epoch), now)
-        return now - since, "with idle trainers that never take it"
+        return now - since, UNTAKEN
 
     async def finished_by_hub(self, r: RunRecord) -> bool:
         """Complete `r` from the store when its chain ends in the hub's own final commit
