@@ -175,13 +175,12 @@ async def test_long_cut_without_another_trainer_loses_no_step(hub: Stack, site: 
     await site.assert_events_once_in_order(nc, run_id)
 
 
-async def test_a_run_that_ends_at_the_edge_during_a_long_cut_completes_once(
-    hub: Stack, site: Site
-) -> None:
-    """The edge finishes the run while cut off for longer than the TTL: its ending waits
-    for the link, and at heal it is written once — the lapsed lease is not taken back
-    under the ending (which would refuse it as fenced and train the run a second time)."""
-    nc = await hub.client()
+async def finished_at_the_edge_cut_off(
+    nc: Client, hub: Stack, site: Site, *, lapsed: bool
+) -> tuple[str, str, EventLog]:
+    """A hub run of 160 steps started at the edge, its link cut at step 20 (`lapsed`: and
+    its lease then seen to lapse at the hub), until the edge finished it cut off: the
+    uninterrupted run's digest, the run and its events."""
     want = await reference(nc, 160)
     run_id = await submit(nc, paced(160))
     log = EventLog(nc, run_id)
@@ -189,13 +188,25 @@ async def test_a_run_that_ends_at_the_edge_during_a_long_cut_completes_once(
     assert isinstance(first, Started) and first.worker == EDGE
     await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 20, 30, "step 20")
     site.proxy.sever()
-    js = nc.jetstream()
-    await eventually(lambda: _lapsed(js, hub.lease_key(run_id)), 3 * TTL, "the lease to lapse")
+    if lapsed:
+        js = nc.jetstream()
+        await eventually(lambda: _lapsed(js, hub.lease_key(run_id)), 3 * TTL, "the lease to lapse")
 
     async def ended_at_the_edge() -> bool:
         return f"{run_id}: completed at step 160" in hub.log(EDGE)
 
     await eventually(ended_at_the_edge, 60, "the run to finish at the edge, cut off")
+    return want, run_id, log
+
+
+async def test_a_run_that_ends_at_the_edge_during_a_long_cut_completes_once(
+    hub: Stack, site: Site
+) -> None:
+    """The edge finishes the run while cut off for longer than the TTL: its ending waits
+    for the link, and at heal it is written once — the lapsed lease is not taken back
+    under the ending (which would refuse it as fenced and train the run a second time)."""
+    nc = await hub.client()
+    want, run_id, log = await finished_at_the_edge_cut_off(nc, hub, site, lapsed=True)
     site.proxy.restore()
     record = await finished(nc, run_id, timeout=90)
     assert record.state is RunState.COMPLETED and record.digest == want, record
@@ -217,18 +228,7 @@ async def test_a_hub_run_the_edge_finished_during_a_cut_is_completed_from_the_st
     nothing. (A chain written as the site's made the hub's attempt yield the run to a site
     that never reports a run it was not granted: RUNNING for ever.)"""
     nc = await hub.client()
-    want = await reference(nc, 160)
-    run_id = await submit(nc, paced(160))
-    log = EventLog(nc, run_id)
-    first = await log.wait_for(lambda e: isinstance(e, Started), 30, "start at the edge")
-    assert isinstance(first, Started) and first.worker == EDGE
-    await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 20, 30, "step 20")
-    site.proxy.sever()
-
-    async def ended_at_the_edge() -> bool:
-        return f"{run_id}: completed at step 160" in hub.log(EDGE)
-
-    await eventually(ended_at_the_edge, 60, "the run to finish at the edge, cut off")
+    want, run_id, log = await finished_at_the_edge_cut_off(nc, hub, site, lapsed=False)
     await hub.add_trainer("hub-trainer-1")
     record = await finished(nc, run_id, timeout=90)
     assert record.state is RunState.COMPLETED and record.digest == want, record

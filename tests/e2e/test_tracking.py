@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,40 @@ def scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
+async def killed_once(stack: Stack, lm: Callable[[float], JobSpec], heir: str) -> tuple[str, str]:
+    """`lm(0.0)` trained through (the reference), then `lm(0.05)`, whose trainer is
+    SIGKILLed between its checkpoints of 10 and 20 steps and an `heir` trainer added: both
+    completed, the victim having redone steps. (reference, victim)."""
+    nc = await stack.client()
+    reference = await submit(nc, lm(0.0))
+    assert (await finished(nc, reference, timeout=240)).state is RunState.COMPLETED
+    victim = await submit(nc, lm(0.05))
+    log = EventLog(nc, victim)
+    first = await log.wait_for(lambda e: isinstance(e, Started), 60, "start")
+    assert isinstance(first, Started)
+    await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step >= 10, 60, "10")
+    reached = await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 14, 60, "14")
+    assert isinstance(reached, Progress)
+    family = children_of(stack.pid(first.worker))
+    os.kill(stack.pid(first.worker), signal.SIGKILL)
+    await all_dead(family, "the killed trainer's training process")
+    await stack.add_trainer(heir)
+    assert (await finished(nc, victim, timeout=240)).state is RunState.COMPLETED
+    restored = [e for e in log.of(Restored) if e.worker != first.worker]
+    assert restored and restored[0].step < reached.step, "no step was redone"
+    log.close()
+    return reference, victim
+
+
+def same_history(project: Path, reference: str, victim: str, sub: str, tag: str) -> None:
+    """The victim's TensorBoard history of `tag` (in `<run>/<sub>`) is the reference's, one
+    value for each of its `HF_TOTAL` steps."""
+    want = scalars(project / reference / sub, tag)
+    got = scalars(project / victim / sub, tag)
+    assert len(want) == HF_TOTAL, want
+    assert got == want, f"{sub}/{tag}: {got} != {want}"
+
+
 async def test_tensorboard_holds_the_uninterrupted_history(stack: Stack, tmp_path: Path) -> None:
     root = tmp_path / "tb"
     victim, reference = await run_pair(
@@ -139,29 +173,9 @@ async def test_the_hf_trainers_tensorboard_resumes_its_run(stack: Stack, tmp_pat
             idempotency_key=uuid.uuid4().hex,
         )  # fmt: skip
 
-    nc = await stack.client()
-    reference = await submit(nc, lm(0.0))
-    assert (await finished(nc, reference, timeout=240)).state is RunState.COMPLETED
-    victim = await submit(nc, lm(0.05))
-    log = EventLog(nc, victim)
-    first = await log.wait_for(lambda e: isinstance(e, Started), 60, "start")
-    assert isinstance(first, Started)
-    await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step >= 10, 60, "10")
-    reached = await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 14, 60, "14")
-    assert isinstance(reached, Progress)
-    family = children_of(stack.pid(first.worker))
-    os.kill(stack.pid(first.worker), signal.SIGKILL)
-    await all_dead(family, "the killed trainer's training process")
-    await stack.add_trainer("hf-heir")
-    assert (await finished(nc, victim, timeout=240)).state is RunState.COMPLETED
-    restored = [e for e in log.of(Restored) if e.worker != first.worker]
-    assert restored and restored[0].step < reached.step, "no step was redone"
-    log.close()
+    reference, victim = await killed_once(stack, lm, "hf-heir")
     for tag, sub in (("train/loss", ""), ("loss", "baton")):
-        want = scalars(root / "hf" / reference / sub, tag)
-        got = scalars(root / "hf" / victim / sub, tag)
-        assert len(want) == HF_TOTAL, want
-        assert got == want, f"{tag}: {got} != {want}"
+        same_history(root / "hf", reference, victim, sub, tag)
 
 
 async def test_the_hf_trainers_mlflow_callback_resumes_the_one_run(
@@ -227,29 +241,9 @@ async def test_lightnings_logger_resumes_its_run(stack: Stack, tmp_path: Path) -
             idempotency_key=uuid.uuid4().hex,
         )  # fmt: skip
 
-    nc = await stack.client()
-    reference = await submit(nc, lm(0.0))
-    assert (await finished(nc, reference, timeout=240)).state is RunState.COMPLETED
-    victim = await submit(nc, lm(0.05))
-    log = EventLog(nc, victim)
-    first = await log.wait_for(lambda e: isinstance(e, Started), 60, "start")
-    assert isinstance(first, Started)
-    await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step >= 10, 60, "10")
-    reached = await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 14, 60, "14")
-    assert isinstance(reached, Progress)
-    family = children_of(stack.pid(first.worker))
-    os.kill(stack.pid(first.worker), signal.SIGKILL)
-    await all_dead(family, "the killed trainer's training process")
-    await stack.add_trainer("pl-heir")
-    assert (await finished(nc, victim, timeout=240)).state is RunState.COMPLETED
-    restored = [e for e in log.of(Restored) if e.worker != first.worker]
-    assert restored and restored[0].step < reached.step, "no step was redone"
-    log.close()
+    reference, victim = await killed_once(stack, lm, "pl-heir")
     for tag, sub in (("loss", "lightning"), ("loss", "baton")):
-        want = scalars(root / "pl" / reference / sub, tag)
-        got = scalars(root / "pl" / victim / sub, tag)
-        assert len(want) == HF_TOTAL, want
-        assert got == want, f"{sub}/{tag}: {got} != {want}"
+        same_history(root / "pl", reference, victim, sub, tag)
 
 
 async def test_tensorboard_holds_the_uninterrupted_history_through_a_preemption(
