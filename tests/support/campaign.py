@@ -119,8 +119,8 @@ CLUSTER = Topology("cluster", hub_nodes=3)
 """Three hub nodes (one killed or stopped at a time) and the site lab1, its leaf behind a
 proxy to the first node (whose loss cuts the link too)."""
 
-OPERATIONS = ("submit", "person", "priority", "frugal", "dual", "cancel", "pause", "rollback",
-              "fork", "topup")  # fmt: skip
+OPERATIONS = ("submit", "person", "priority", "dual", "cancel", "pause", "rollback", "fork",
+              "topup")  # fmt: skip
 FAULTS = ("sigkill", "sigstop", "sigterm", "cut", "node-kill", "node-stop", "forget")
 RESUME = "resume"
 """Not an operation of its own: the second half of a `pause`."""
@@ -164,8 +164,7 @@ def schedule(seed: int, duration_s: float, topology: Topology) -> list[Step]:
     for i in range(len(SPECS)):
         steps.append(Step(t, "submit", "ops", i, rng.choice(PACES)))
         t += 1.0
-    kinds = ["submit", "person", "priority", "frugal", "cancel", "pause", "rollback", "fork",
-             "topup"]  # fmt: skip
+    kinds = ["submit", "person", "priority", "cancel", "pause", "rollback", "fork", "topup"]
     while (t := t + u(5, 12)) < duration_s:
         kind = rng.choice(kinds)
         spec = rng.randrange(len(SPECS))
@@ -236,8 +235,7 @@ class Tracked:
     run_id: str
     spec: int
     how: str
-    """operator, person, priority, frugal (paused at its budget), dual (hub and site),
-    fork."""
+    """operator, person, priority, dual (hub and site), fork."""
     job: JobSpec
     cancelled: bool = False
     resubmitted: int = 0
@@ -334,14 +332,13 @@ class Campaign:
             "submit": lambda: self.submit(step.target, step.pace, "operator"),
             "person": lambda: self.submit(step.target, step.pace, "person"),
             "priority": lambda: self.submit(step.target, step.pace, "priority"),
-            "frugal": lambda: self.submit(step.target, step.pace, "frugal"),
             "dual": lambda: self.dual(step.target, step.pace),
             "cancel": self.cancel,
             "pause": lambda: self.pause(pause_key(step.at)),
             RESUME: lambda: self.resume(step.target),
             "rollback": self.rollback,
             "fork": self.fork,
-            "topup": self.topup_and_resume,
+            "topup": lambda: self.topup(PERSON, 5.0),
         }
         said = await ops[step.kind]()
         if said is None:
@@ -356,9 +353,6 @@ class Campaign:
         key = uuid.uuid4().hex
         if how == "operator":
             job = spec_of(index, pace, key)
-        elif how == "frugal":  # a person's, held for a few seconds: paused at its budget
-            # A name of its own: its hold is its own `estimate_s`, not its job's history.
-            job = spec_of(index, pace, key, name=f"{PERSON}-frugal-{key[:8]}", estimate_s=2.0)
         else:  # a person's: priced (its own estimate), maybe urgent
             # Its own name: its holds are reckoned from its own runs' speed, not from the
             # references' (pace 0), so that a hold lasts the run (a spent one pauses it).
@@ -540,16 +534,6 @@ class Campaign:
             self.say(f"  fork {tracked.run_id} of {t.run_id} at step {step}")
             return None
         return "no completed run to fork"
-
-    async def topup_and_resume(self) -> str | None:
-        """The person tops up, and resumes its runs paused at their budget."""
-        said = await self.topup(PERSON, 5.0)
-        paused = [t for t, _ in await self._live(RunState.PAUSED)
-                  if t.how == "frugal" and t.run_id not in self._paused.values()]  # fmt: skip
-        for t in paused:
-            await client.steer(self.person, Resume(run_id=t.run_id, reason="topped up"))
-            self.say(f"  resume {t.run_id} (topped up)")
-        return said
 
     async def topup(self, owner: str, credits: float) -> str | None:
         entry = TopUp(owner=owner, id=uuid.uuid4().hex, amount=units(credits), by="campaign")
