@@ -74,14 +74,19 @@ async def utilisation(
         hub, site = await stack(Path(tmp), ahead, horizon_s)
         try:
             nc = await hub.client()
+            # More than the cut can use by a quarter: runs complete while a long horizon
+            # is being granted (a 900 s one is ninety runs), and what is left must still
+            # fill it.
+            count = 2 * (per_trainer + 1) * 5 // 4
             run_ids = [  # each its own idempotency key: one run each
                 await submit(nc, paced(steps, pace=PACE, estimate_s=steps * PACE))
-                for _ in range(2 * (per_trainer + 1))
+                for _ in range(count)
             ]
             await eventually(lambda: _training(nc, run_ids, 2), 120, "both trainers to train")
             if horizon_s:  # granted as far as the horizon reaches before the cut
-                await eventually(lambda: _granted_s(nc, run_ids, 2 * horizon_s, steps), 120,
-                                 "the site to be granted its horizon")  # fmt: skip
+                granting_s = max(120.0, horizon_s / 2)
+                await eventually(lambda: _granted_s(nc, run_ids, 2 * horizon_s, steps),
+                                 granting_s, "the site to be granted its horizon")  # fmt: skip
             site.proxy.sever()
             start = time.time()
             await asyncio.sleep(cut_s)  # the cut's length is the measurement's
