@@ -74,13 +74,16 @@ def ends_stay(history: History) -> list[Violation]:
     nothing of an attempt that could go on training it — a `started`, `progress`, `restored`
     or `checkpoint_committed` — but the last words of attempts that could not: the one
     training when it ended (its trainer's or its group's members', under its token), one
-    under a lower token (a site's grant taken back, whose outbox delivers late), or one a
-    `superseded` event says lost to the other side — until a `rolled_back` event (or the
-    reopened attempt's `rollback_refused` warning) says the run was reopened. A second
-    `completed` is `completed-once`'s to say."""
+    under a lower token (a site's grant taken back, whose outbox delivers late), one a
+    `superseded` event says lost to the other side, or one a `handed_over` event says the
+    hub gave up on (its lease expired: a site's trainer of a hub task, cut off, trains on in
+    vain and its outbox delivers late — the store refuses its commits once the run ended)
+    — until a `rolled_back` event (or the reopened attempt's `rollback_refused` warning)
+    says the run was reopened. A second `completed` is `completed-once`'s to say."""
     out = []
     for run_id, logged in by_run(history).items():
         lost = {lg.event.loser_token for lg in logged if isinstance(lg.event, ev.Superseded)}
+        lost |= {lg.event.token for lg in logged if isinstance(lg.event, ev.HandedOver)}
         ended: Logged | None = None
         workers, token = frozenset[str](), -1  # the attempt training when the run ended
         last_workers, last_token = frozenset[str](), -1
@@ -163,7 +166,8 @@ class Ended:
     token: int
     """That attempt's token."""
     lost: set[int]
-    """Tokens of attempts a `superseded` event says lost to the other side."""
+    """Tokens of attempts a `superseded` event says lost to the other side, or a
+    `handed_over` event says the hub gave up on."""
     started: dict[str, int]
     """Each worker's newest `started` token so far."""
     completed: bool

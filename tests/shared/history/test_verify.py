@@ -363,6 +363,11 @@ def test_late_words_of_a_taken_back_or_losing_attempt_are_no_violation() -> None
     # Without the `superseded` event, the later attempt's words are the run going on.
     going_on = _events(clean(), lambda es: _without(ev.Superseded)(late(es)))
     assert {v.invariant for v in check(going_on)} == {invariants.ENDS_STAY}, check(going_on)
+    # So they are unless the hub handed that attempt over (its lease expired: a site's
+    # trainer of a hub task, cut off, whose outbox delivers its words after the end).
+    gave_up = ev.HandedOver(run_id=A, worker="dual-w", token=9, reason="its lease expired")
+    handed = _events(clean(), lambda es: [*_without(ev.Superseded)(late(es)), gave_up])
+    assert check(handed) == [], check(handed)
 
 
 def test_a_settlement_charged_from_its_events_is_recomputed_to_the_unit() -> None:
