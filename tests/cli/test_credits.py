@@ -147,7 +147,8 @@ async def test_each_role_reads_the_accounts_its_permissions_allow(hub: Authorize
     try:
         await credits.follow()
         assert credits.balances() == {
-            "alice": {"balance": 2.0, "held": 0.0}, "submitter": {"balance": 6.75, "held": 3.0},
+            "alice": {"balance": 2.0, "held": 0.0, "overdrawn": False},
+            "submitter": {"balance": 6.75, "held": 3.0, "overdrawn": False},
         }  # fmt: skip
         await book.write(js, TopUp(owner="alice", id="c", amount=1_000_000))
 
@@ -155,6 +156,15 @@ async def test_each_role_reads_the_accounts_its_permissions_allow(hub: Authorize
             return credits.balances()["alice"]["balance"] == 3.0
 
         await eventually(moved, 10, "the dashboard's balances to follow a top-up")
+        # Charged past what it held (a site's submission): overdrawn, as `baton credits` says.
+        await book.write(js, Settle(owner="alice", run_id="alice.r9", held=0, charged=4_000_000))
+
+        async def overdrawn() -> bool:
+            return credits.balances()["alice"] == {
+                "balance": -1.0, "held": 0.0, "overdrawn": True,
+            }  # fmt: skip
+
+        await eventually(overdrawn, 10, "the dashboard to mark the balance overdrawn")
     finally:
         await credits.stop()
 
