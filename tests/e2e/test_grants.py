@@ -555,14 +555,16 @@ async def test_an_owner_past_the_overdraft_has_the_runs_nothing_held_for_paused(
     balance below zero — so the long one, still training at lab1 on credit, is paused at
     its next checkpoint (`budget: …`; a `credits_overdrawn` warning says why), losing no
     step. After a top-up, `baton resume` holds what it still needs, and it completes with
-    the uninterrupted run's weights, charged what it trained, to the unit."""
+    the uninterrupted run's weights, charged what it trained, to the unit. The jobs are a
+    user's: the character model with its shuffling data loader, AdamW and a cosine
+    schedule (`examples/charlm.py`)."""
     nc, at_site = await hub.client(), await site.client("submitter")
-    reference = await submit(nc, paced(400, pace=0.0))
+    reference = await submit(nc, charlm(200, pace=0.0))
     want = (await finished(nc, reference, timeout=90)).digest
     site.proxy.sever()
     await eventually(lambda: _down(nc, "lab1"), 30, "the hub to see lab1 cut off")
-    short, _ = await client.submit(at_site, paced(40, pace=0.02), 20, "lab1")
-    long, _ = await client.submit(at_site, paced(400, pace=0.1), 20, "lab1")
+    short, _ = await client.submit(at_site, charlm(40, pace=0.0), 20, "lab1")
+    long, _ = await client.submit(at_site, charlm(200, pace=0.2), 20, "lab1")
 
     async def short_done() -> bool:
         return bool(await site_events(site, short, "completed"))
