@@ -74,7 +74,9 @@ def ends_stay(history: History) -> list[Violation]:
     nothing of an attempt that could go on training it — a `started`, `progress`, `restored`
     or `checkpoint_committed` — but the last words of attempts that could not: the one
     training when it ended (its trainer's or its group's members', under its token), one
-    under a lower token (a site's grant taken back, whose outbox delivers late), one a
+    under a lower token, one of an epoch a `taken_back` event fenced (a site's grant taken
+    back — also one the hub then ended without starting it again, as a cancel asked before
+    it heard the site start it — whose outbox delivers late), one a
     `superseded` event says lost to the other side, or one a `handed_over` event says the
     hub gave up on (its lease expired: a site's trainer of a hub task, cut off, trains on in
     vain and its outbox delivers late — the store refuses its commits once the run ended)
@@ -84,6 +86,10 @@ def ends_stay(history: History) -> list[Violation]:
     for run_id, logged in by_run(history).items():
         lost = {lg.event.loser_token for lg in logged if isinstance(lg.event, ev.Superseded)}
         lost |= {lg.event.token for lg in logged if isinstance(lg.event, ev.HandedOver)}
+        fenced = max(
+            (token_of(lg.event.epoch, 0) for lg in logged if isinstance(lg.event, ev.TakenBack)),
+            default=0,
+        )
         ended: Logged | None = None
         workers, token = frozenset[str](), -1  # the attempt training when the run ended
         last_workers, last_token = frozenset[str](), -1
@@ -104,7 +110,7 @@ def ends_stay(history: History) -> list[Violation]:
                 ended = None
                 continue
             completed = isinstance(ended.event, ev.Completed)
-            if _goes_on(e, Ended(workers, token, lost, started, completed)):
+            if _goes_on(e, Ended(workers, token, lost, fenced, started, completed)):
                 out.append(_went_on(run_id, ended, lg))
     return out
 
@@ -168,6 +174,8 @@ class Ended:
     lost: set[int]
     """Tokens of attempts a `superseded` event says lost to the other side, or a
     `handed_over` event says the hub gave up on."""
+    fenced: int
+    """Every token below this is of an epoch a `taken_back` event fenced (0: none)."""
     started: dict[str, int]
     """Each worker's newest `started` token so far."""
     completed: bool
@@ -175,8 +183,10 @@ class Ended:
 
     def silenced(self, token: int | None) -> bool:
         """An attempt under `token` could not go on training the run: the ending one's,
-        one below it, or one that lost to the other side."""
-        return token is not None and (token <= self.token or token in self.lost)
+        one below it, one of a fenced epoch, or one that lost to the other side."""
+        return token is not None and (
+            token <= self.token or token < self.fenced or token in self.lost
+        )
 
 
 def _goes_on(e: ev.Event, end: Ended) -> bool:

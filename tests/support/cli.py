@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,10 +23,25 @@ async def run_baton(*args: str, env: dict[str, str], cwd: Path = REPO) -> tuple[
     """`baton ARGS` in its own process under `env`: its exit code, stdout and stderr. The
     bound is on a hang, not on speed: some commands import torch, slow on a loaded machine."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "baton", *args, cwd=cwd, env=env,
+        sys.executable, "-m", "baton", *args, cwd=cwd, env={**env, "PYTHONFAULTHANDLER": "1"},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 180)
+    talk = asyncio.ensure_future(proc.communicate())
+    done, _ = await asyncio.wait({talk}, timeout=180)
+    if not done:
+        # A hang: every thread's stack, as faulthandler writes it on SIGABRT, is the report.
+        proc.send_signal(signal.SIGABRT)
+        done, _ = await asyncio.wait({talk}, timeout=60)
+        if not done:  # something else holds its pipes open
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            talk.cancel()
+            raise AssertionError(f"baton {' '.join(args)} did not exit, nor die on SIGABRT")
+        _, err = talk.result()
+        raise AssertionError(
+            f"baton {' '.join(args)} did not exit in 180 s; its threads:\n{err.decode()[-6000:]}"
+        )
+    out, err = talk.result()
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 

@@ -29,6 +29,7 @@ from shared.history.facts import (
 from shared.history.verify import CHECKS, check, describe
 from shared.ledger.book import subject_of
 from shared.ledger.charges import charge, life_events
+from shared.state.grants import token_of
 
 A, B, C = "rA", "alice.rB", "rC"
 SPEC = JobSpec(name="t", entry_point="examples.regression:train", total_steps=20)
@@ -368,6 +369,37 @@ def test_late_words_of_a_taken_back_or_losing_attempt_are_no_violation() -> None
     gave_up = ev.HandedOver(run_id=A, worker="dual-w", token=9, reason="its lease expired")
     handed = _events(clean(), lambda es: [*_without(ev.Superseded)(late(es)), gave_up])
     assert check(handed) == [], check(handed)
+
+
+def test_late_words_of_a_grant_taken_back_and_then_cancelled_are_no_violation() -> None:
+    """A cancel asked of a granted run its site had not (as the hub knew) started: the hub
+    takes the grant back, fencing its epoch, and cancels the run without starting it again.
+    The site had started it during a cut: its words arrive after the `cancelled` event,
+    under a token of the fenced epoch, above every token the hub ever started."""
+    grant = token_of(3, 7)
+
+    def cancelled(with_take_back: bool) -> History:
+        taken = [ev.TakenBack(run_id=C, site="lab1", epoch=4, reason="asked to cancel")]
+        es: list[ev.Event] = [
+            ev.Accepted(run_id=C, name="t", pool="default", total_steps=20),
+            ev.Delegated(run_id=C, site="lab1", epoch=3),
+            *(taken if with_take_back else []),
+            ev.Cancelled(run_id=C, reason="asked"),
+            ev.Started(run_id=C, worker="site-w", token=grant, attempt=1, start_step=0),
+            ev.Progress(run_id=C, step=8, total_steps=20, worker="site-w"),
+        ]
+        h = clean()
+        return replace(
+            h,
+            events=logged([e.event for e in h.events] + es),
+            records={**h.records, C: record(C, RunState.CANCELLED)},
+        )
+
+    assert check(cancelled(True)) == [], check(cancelled(True))
+    # Without the take-back, the site's attempt is the run going on.
+    going_on = check(cancelled(False))
+    assert {v.invariant for v in going_on} == {invariants.ENDS_STAY}, going_on
+    assert len(going_on) == 2, going_on  # its `started` and its `progress`
 
 
 def test_a_settlement_charged_from_its_events_is_recomputed_to_the_unit() -> None:
