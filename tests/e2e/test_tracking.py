@@ -21,10 +21,12 @@ import msgspec
 import pytest
 import pytest_asyncio
 
+from shared.bus import names
 from shared.contracts import JobSpec, RunState
 from shared.contracts.events import CheckpointCommitted, Preempted, Progress, Restored, Started
+from shared.state.runs import Runs
 from tests.e2e.jobs import EventLog, finished, history, job, submit
-from tests.support.stack import Stack, all_dead, children_of
+from tests.support.stack import Stack, all_dead, children_of, eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.frameworks, pytest.mark.asyncio(loop_scope="module")]
 
@@ -276,5 +278,67 @@ async def test_tensorboard_holds_the_uninterrupted_history_through_a_preemption(
     for tag, sub in (("loss", "baton"), ("user_loss", "")):
         want = scalars(root / "pre" / reference / sub, tag)
         got = scalars(root / "pre" / victim / sub, tag)
+        assert [s for s, _ in want] == list(range(TOTAL)), want
+        assert got == want, f"{tag}: {got} != {want}"
+
+
+async def test_tensorboard_holds_the_uninterrupted_history_through_a_site_cut(
+    tmp_path: Path,
+) -> None:
+    """The tracked job and its reference, both granted to the site lab1 (one trainer), which
+    is then cut off from the hub: at the cut-off site the reference trains through and the
+    victim kills its own training process twice (between checkpoints, and in the step
+    before one), each time resumed there from the site's last commit — which no trainer
+    hears of from the hub (the checkpointer's events wait in the site's outbox). At heal
+    both are COMPLETED at the hub, and TensorBoard holds one run each whose histories,
+    Baton's rows and the user's writer's, are equal."""
+    from tests.support.sites import Site
+
+    root = tmp_path / "tb"
+    tracking = {"kind": "tensorboard", "dir": str(root), "project": "cut"}
+    hub = Stack(tmp_path / "hub", trainers=0, lease_ttl=6)
+    await hub.start(("dispatcher", "checkpointer", "reaper"))
+    try:
+        site = Site(hub, "lab1")
+        await site.start(trainers=1)
+        nc = await hub.client()
+        runs = await Runs.open(nc.jetstream())
+        # Slow enough that the cut comes while the first still trains and the other waits
+        # its turn, granted ahead.
+        slow = {"pace": 0.15}
+        reference = await submit(nc, msgspec.structs.replace(
+            tracked(tracking, None), config=slow, estimate_s=30
+        ))  # fmt: skip
+        kills = tracked(tracking, tmp_path / "marks")
+        victim = await submit(nc, msgspec.structs.replace(
+            kills, config={**(kills.config or {}), **slow}, estimate_s=30
+        ))  # fmt: skip
+
+        async def both_granted() -> bool:
+            found = [await runs.get(r) for r in (reference, victim)]
+            return all(f is not None and f[0].site == "lab1" for f in found)
+
+        await eventually(both_granted, 60, "both runs to be granted to lab1")
+        site.proxy.sever()
+
+        async def done_at_site() -> bool:
+            subjects = [names.at_site(names.event_subject(r, "completed"), "lab1")
+                        for r in (reference, victim)]  # fmt: skip
+            return all([await site.outbox(s) for s in subjects])
+
+        await eventually(done_at_site, 240, "both runs to complete at the cut-off site")
+        started = await site.outbox(names.at_site(names.event_subject(victim, "started"), "lab1"))
+        assert len(started) == 3, f"the victim ran {len(started)} attempts at lab1, not 3"
+        site.proxy.restore()
+        for run_id in (reference, victim):
+            record = await finished(nc, run_id, timeout=60)
+            assert record.state is RunState.COMPLETED, (run_id, record.state, record.reason)
+    finally:
+        await hub.stop()
+    runs_there = sorted(p.name for p in (root / "cut").iterdir())
+    assert runs_there == sorted([victim, reference]), runs_there  # one log dir per Baton run
+    for tag, sub in (("loss", "baton"), ("user_loss", "")):
+        want = scalars(root / "cut" / reference / sub, tag)
+        got = scalars(root / "cut" / victim / sub, tag)
         assert [s for s, _ in want] == list(range(TOTAL)), want
         assert got == want, f"{tag}: {got} != {want}"
