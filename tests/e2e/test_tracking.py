@@ -288,10 +288,10 @@ async def test_tensorboard_holds_the_uninterrupted_history_through_a_site_cut(
     """The tracked job and its reference, both granted to the site lab1 (one trainer), which
     is then cut off from the hub: at the cut-off site the reference trains through and the
     victim kills its own training process twice (between checkpoints, and in the step
-    before one), each time resumed there from the site's last commit — which no trainer
-    hears of from the hub (the checkpointer's events wait in the site's outbox). At heal
-    both are COMPLETED at the hub, and TensorBoard holds one run each whose histories,
-    Baton's rows and the user's writer's, are equal."""
+    before one), each time resumed there from the site's last commit (the site's
+    checkpointer's, its events waiting in the site's outbox for the hub). At heal both are
+    COMPLETED at the hub, and TensorBoard holds one run each whose histories, Baton's rows
+    and the user's writer's, are equal."""
     from tests.support.sites import Site
 
     root = tmp_path / "tb"
