@@ -16,7 +16,8 @@ trainer's heartbeat reaches the hub only while its site is linked) and the sites
 greetings: a site that has not greeted the hub for `SILENCE_S` is granted nothing more.
 A group of several ranks is granted only to a site with as many trainers free now, and
 forms there (its key in the site's groups bucket, its calls in the site's work queue:
-`services/trainer/group.py`); an elastic run stays the hub's. Sites' links are read only
+`services/trainer/group.py`); an elastic run is granted where its `min` is free, and forms
+and grows there up to its `max` with the site's trainers. Sites' links are read only
 while some site trainer is live, so delegation costs a hub without sites nothing.
 """
 

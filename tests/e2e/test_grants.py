@@ -14,8 +14,9 @@ import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.aio.client import Client
@@ -28,6 +29,7 @@ from shared.contracts import JobSpec, RunRecord, RunState, decode, encode
 from shared.contracts.control import Drain, Resume
 from shared.contracts.events import (
     Accepted,
+    CheckpointCommitted,
     Completed,
     Delegated,
     Event,
@@ -35,6 +37,7 @@ from shared.contracts.events import (
     GroupFormed,
     HandedOver,
     Rejected,
+    Resized,
     RunWarning,
     Started,
     TakenBack,
@@ -663,6 +666,69 @@ async def _group_done_at_site_once(nc: Client, site: Site, run_id: str, want: st
     await eventually(lambda: _completed_once(nc, run_id), 30, "the run's events at the hub")
     [formed] = of(await history(nc, run_id), GroupFormed)
     assert isinstance(formed, GroupFormed) and set(formed.members) == set(site.trainers), formed
+    await site.assert_events_once_in_order(nc, run_id)
+
+
+async def test_an_elastic_run_granted_to_a_site_shrinks_and_grows_there_through_a_cut(
+    hub: Stack, site: Site
+) -> None:
+    """An elastic run (`examples/elastic.py`, 1 to 2 ranks) is granted to lab1 and forms
+    there on both of its trainers; the link is cut, and during the cut one of them is
+    SIGKILLed for good: the group shrinks to one rank at the site, from its last commit, and
+    once a new trainer joins the site it grows back to two — all while cut off. At heal the
+    run is COMPLETED once at the hub, on the bits of an uninterrupted run, each of its site
+    events arriving once, in order."""
+    nc = await hub.client()
+
+    def elastic(ranks: object, pace: float) -> JobSpec:
+        return job(
+            name="elastic", entry_point="examples.elastic:train", total_steps=300, ranks=ranks,
+            seed=5, checkpoint={"every_steps": 10},
+            config={"shards": 2, "samples": 512, "steps_sleep": pace},
+        )  # fmt: skip
+
+    reference = await submit(nc, elastic(1, 0.0))
+    want = (await finished(nc, reference, timeout=120)).digest
+    assert want
+    run_id = await submit(nc, elastic({"min": 1, "max": 2}, 0.05))
+
+    async def at_site(kind: type[Event], tag: str, ok: Callable[[Any], bool]) -> Any:
+        found = [decode(d, kind) for d in await site_events(site, run_id, tag)]
+        return next((e for e in found if ok(e)), None)
+
+    formed = await eventually(
+        lambda: at_site(GroupFormed, "group_formed", lambda e: len(e.members) == 2),
+        90, "a group of two at lab1",
+    )  # fmt: skip
+    assert (await records(nc, [run_id]))[0].site == "lab1"
+    await eventually(
+        lambda: at_site(CheckpointCommitted, "checkpoint_committed",
+                        lambda e: e.token == formed.epoch),
+        60, "a commit",
+    )  # fmt: skip
+    site.proxy.sever()
+    hub.signal(formed.members[1], signal.SIGKILL)  # rank 1's trainer, for good
+    shrunk = await eventually(
+        lambda: at_site(Resized, "resized", lambda e: e.to_ranks == 1),
+        90, "the group to shrink at lab1",
+    )  # fmt: skip
+    await site.add_trainer(f"{site.name}-trainer-3")
+    grown = await eventually(
+        lambda: at_site(Resized, "resized", lambda e: e.to_ranks == 2 and e.epoch > shrunk.epoch),
+        120, "the group to grow back at lab1",
+    )  # fmt: skip
+    assert grown.from_ranks == 1, grown
+
+    async def done_at_site() -> bool:
+        return bool(await site_events(site, run_id, "completed"))
+
+    await eventually(done_at_site, 180, "the run to complete at the cut-off site")
+    assert not [e for e in await history(nc, run_id) if isinstance(e, Resized)], "heard in a cut"
+    site.proxy.restore()
+    done = await finished(nc, run_id, timeout=60)
+    assert done.state is RunState.COMPLETED and done.digest == want, done
+    assert done.site == "lab1", done
+    await eventually(lambda: _completed_once(nc, run_id), 30, "the run's events at the hub")
     await site.assert_events_once_in_order(nc, run_id)
 
 

@@ -16,25 +16,25 @@ _replace = msgspec.structs.replace
 
 
 def grantable(r: RunRecord) -> bool:
-    """A QUEUED run of a fixed size (one rank or a group; an elastic group stays the hub's)
-    that the hub holds, waiting for the scheduler, asked nothing: one `delegate` applies to."""
+    """A QUEUED run (one rank, a group, an elastic group) that the hub holds, waiting for
+    the scheduler, asked nothing: one `delegate` applies to."""
     asked = r.cancel_requested or r.pause_requested or r.rollback_to is not None
-    return (
-        r.state is RunState.QUEUED and not r.site and not r.spec.elastic and not asked
-        and not r.admitted
-    )  # fmt: skip
+    return r.state is RunState.QUEUED and not r.site and not asked and not r.admitted
 
 
 def delegate(site: str) -> Change:
     """A `grantable` run: granted to `site` under the next epoch (the site starts it, also
-    while cut off), which admits it."""
+    while cut off), which admits it. An elastic run may hold up to its `max` there: the
+    hub's scheduler caps only the runs it holds (its group forms and grows with the
+    site's trainers, `services/trainer/group.py`)."""
 
     def change(r: RunRecord) -> RunRecord | None:
         if not grantable(r):
             return None
         return _replace(
-            r, site=site, epoch=r.epoch + 1, worker=None, delivery=None, group=[], admitted=True
-        )
+            r, site=site, epoch=r.epoch + 1, worker=None, delivery=None, group=[], admitted=True,
+            ranks_cap=None,
+        )  # fmt: skip
 
     return change
 

@@ -96,14 +96,18 @@ async def test_no_fence_over_a_final_checkpoint(tmp_path: Path) -> None:
     assert latest is not None and latest[0].token == grants.token_of(1, 1)
 
 
-def test_delegate_grants_a_queued_run_of_a_fixed_size_under_the_next_epoch() -> None:
+def test_delegate_grants_a_queued_run_under_the_next_epoch() -> None:
     new = applied(t.delegate("lab1"), QUEUED)
     assert changed(QUEUED, new) == {"site": "lab1", "epoch": 1, "admitted": True}
     group = msgspec.structs.replace(QUEUED, spec=msgspec.structs.replace(SPEC, ranks=2))
     assert applied(t.delegate("lab1"), group).site == "lab1"
+    # An elastic run's size is then the site's: the hub's cap, if it had one, is not.
     elastic = msgspec.structs.replace(SPEC, ranks=RankRange(min=1, max=2))
+    capped = msgspec.structs.replace(QUEUED, spec=elastic, ranks_cap=1)
+    granted = applied(t.delegate("lab1"), capped)
+    assert granted.site == "lab1" and granted.ranks_cap is None, granted
     refused(
-        t.delegate("lab1"), record(), new, msgspec.structs.replace(QUEUED, spec=elastic),
+        t.delegate("lab1"), record(), new,
         msgspec.structs.replace(QUEUED, cancel_requested="x"),
         msgspec.structs.replace(QUEUED, pause_requested="x"),
         msgspec.structs.replace(QUEUED, rollback_to=10), *terminal(),
