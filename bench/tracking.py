@@ -7,12 +7,14 @@ commit told back to the training side at once):
 
 * `bare`: the loop, no Baton, no tracker;
 * `<tracker> alone`: the loop, the tracker's client logging each step as a user would
-  (TensorBoard: `SummaryWriter.add_scalar` + `flush`; MLflow: `MlflowClient.log_metric`);
+  (TensorBoard: `SummaryWriter.add_scalar` + `flush`; MLflow: `MlflowClient.log_metric`;
+  W&B, offline: `run.log`, and the run's `finish` at the end, timed, as Baton's is);
 * `baton`: the loop under a `RunContext`, `ctx.report()` each step, no tracker;
 * `baton + <tracker>`: the same with `[tracking]`: rows buffered, written per commit.
 
 MLflow is reached through a SQLite tracking URI in the process (no server): what is
-compared is the number and size of the client's writes, not a network.
+compared is the number and size of the client's writes, not a network. W&B runs offline
+(its service process writes the run's file; no server).
 
     .venv/bin/python -m bench.tracking [--steps 2000] [--every 100]
 """
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from baton.runtime.context import RunContext
+from baton.tracking import identity
 from shared.checkpoint import commit
 from shared.checkpoint.store.file import FileStore
 from shared.contracts import CommitRequest, JobSpec, Task, convert
@@ -95,8 +98,15 @@ def under_baton(root: Path, steps: int, every: int, tracking: dict[str, Any] | N
         ctx.report(loss=step(net, opt, i))
     ctx.close()
     took = (time.perf_counter() - began) / steps
-    for name in ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
-        os.environ.pop(name, None)
+    if spec.tracking is not None:
+        # What the training process's environment was, and W&B's process-wide settings,
+        # which it read from that environment: gone with the process, as after an attempt.
+        for name in identity.environment(spec.tracking, "bench", None):
+            os.environ.pop(name, None)
+        if spec.tracking.kind == "wandb":
+            import wandb
+
+            wandb.teardown()
     return took
 
 
@@ -124,12 +134,25 @@ def mlflow_alone(uri: str, name: str, steps: int) -> float:
     return bare(steps, lambda i, value: client.log_metric(run, "loss", value, step=i))
 
 
+def wandb_alone(root: Path, steps: int) -> float:
+    import wandb
+
+    run = wandb.init(project="bench", mode="offline", dir=str(root), reinit="create_new")
+    began = time.perf_counter()
+    bare(steps, lambda i, value: run.log({"loss": value}, step=i))
+    run.finish()
+    took = (time.perf_counter() - began) / steps
+    wandb.teardown()  # its settings are the process's: not the next variant's
+    return took
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    os.environ["WANDB_SILENT"] = "true"
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         uri = f"sqlite:///{root / 'mlflow.db'}"
@@ -145,6 +168,9 @@ def main() -> None:
                 d, args.steps, args.every, {"kind": "tensorboard", "dir": str(d / "tb")})),
             ("baton + mlflow", lambda d: under_baton(
                 d, args.steps, args.every, {"kind": "mlflow", "uri": uri, "project": d.name})),
+            ("wandb alone", lambda d: wandb_alone(d, args.steps)),
+            ("baton + wandb", lambda d: under_baton(d, args.steps, args.every,
+                {"kind": "wandb", "mode": "offline", "dir": str(d), "project": "bench"})),
         ]  # fmt: skip
         rows = [
             (name, statistics.median(run(root / f"{i}-{r}") for r in range(args.repeats)))

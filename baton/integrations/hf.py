@@ -129,8 +129,16 @@ def _tracked(ctx: RunContext, trainer: Trainer) -> None:
       logs the arguments and the model's config as always; its logs reach the run through
       Baton, under the same names and steps, once per kept step, and not a second time
       through the callback (which would log each redone step again).
-    * W&B: its callback's `wandb.init()` resumes the run from `WANDB_RUN_ID`."""
-    from transformers.integrations.integration_utils import MLflowCallback, TensorBoardCallback
+    * W&B (`[tracking]` W&B): its callback finds the run Baton opened (the one
+      `WANDB_RUN_ID` names) and logs the arguments and the model's config to it as always;
+      its logs reach the run through Baton, once per kept step, and not a second time
+      through the callback (which numbers its rows by W&B's own counter, so each redone
+      step would be a row again)."""
+    from transformers.integrations.integration_utils import (
+        MLflowCallback,
+        TensorBoardCallback,
+        WandbCallback,
+    )
 
     tracking = ctx.tracking
     if tracking is None:
@@ -140,6 +148,8 @@ def _tracked(ctx: RunContext, trainer: Trainer) -> None:
         trainer.add_callback(TensorBoardCallback(tb_writer=writer))  # type: ignore[no-untyped-call]
     if tracking.config.kind == "mlflow" and trainer.pop_callback(MLflowCallback):
         trainer.add_callback(_mlflow_once()())
+    if tracking.config.kind == "wandb" and trainer.pop_callback(WandbCallback):
+        trainer.add_callback(_wandb_once()())
 
 
 def _mlflow_once() -> type[TrainerCallback]:
@@ -161,6 +171,27 @@ def _mlflow_once() -> type[TrainerCallback]:
                 self.setup(args, state, model)  # type: ignore[no-untyped-call]
 
     return MlflowOnce
+
+
+def _wandb_once() -> type[TrainerCallback]:
+    from transformers.integrations.integration_utils import WandbCallback
+
+    class WandbOnce(WandbCallback):
+        """The Trainer's W&B callback, its metrics left to Baton's rows."""
+
+        def on_log(
+            self,
+            args: TrainingArguments,
+            state: TrainerState,
+            control: TrainerControl,
+            model: Any = None,
+            logs: Any = None,
+            **kwargs: Any,
+        ) -> None:
+            if not self._initialized:
+                self.setup(args, state, model)  # type: ignore[no-untyped-call]
+
+    return WandbOnce
 
 
 class BatonCallback(TrainerCallback):

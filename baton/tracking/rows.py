@@ -1,6 +1,6 @@
 """The metrics of the steps a run has done but no committed checkpoint has kept yet.
 
-Invariant: a row leaves the buffer only once it is written to the tracker, and only when
+Invariant: a row leaves the buffer only once the tracker holds it for good, and only when
 a committed checkpoint keeps its step (a checkpoint at step `c` keeps steps `0..c-1`). The
 buffer is registered with the run's checkpoints (`restore()`, as `baton_tracking`), so a
 checkpoint holds the rows not yet written when it was taken: an attempt killed after that
@@ -37,5 +37,5 @@ class Rows:
         return [(s, ms, dict(m)) for s, ms, m in self.state["rows"] if s < committed]
 
     def written(self, through: int) -> None:
-        """Rows up to step `through` are in the tracker: forget them."""
+        """Rows up to step `through` are in the tracker for good: forget them."""
         self.state["rows"] = [r for r in self.state["rows"] if r[0] > through]

@@ -65,8 +65,8 @@ class Tracker:
         1 in a framework's loop, whose global step counts the steps done
         (`baton.runtime.external`). A checkpoint at step `c` keeps the rows before
         `c + step_base`."""
-        self._writes = rank == 0 and tracking.kind in ("tensorboard", "mlflow")
-        """Only rank 0's metrics are the run's; Baton writes none of its own to W&B."""
+        self._writes = rank == 0
+        """Only rank 0's metrics are the run's."""
         self._sink: Sink | None = None
         self._done = threading.Condition()
         self._committed = -1
@@ -98,8 +98,7 @@ class Tracker:
         try:
             self._sink = open_sink(self.config, self.log_dir, os.environ.get("MLFLOW_RUN_ID"))
             if self._sink is not None:
-                self._sink.resumed(kept + self.step_base, restored)
-                self._written(restored)
+                self.rows.written(self._sink.resumed(kept + self.step_base, restored))
                 self._flushed = kept
         except Exception as exc:
             self._sink = None
@@ -124,8 +123,7 @@ class Tracker:
             return
         try:
             rows = self.rows.kept(committed + self.step_base)
-            self._sink.write(rows)
-            self._written(rows)
+            self.rows.written(self._sink.write(rows))
             self._flushed = committed
         except Exception as exc:
             self._warn(exc)
@@ -149,10 +147,6 @@ class Tracker:
             self._sink.close(completed and self._flushed >= saved)
         except Exception as exc:
             self._warn(exc)
-
-    def _written(self, rows: list[tuple[int, int, dict[str, float]]]) -> None:
-        if rows:
-            self.rows.written(rows[-1][0])
 
     def _warn(self, exc: Exception) -> None:
         if not self._warned:

@@ -6,7 +6,8 @@ the uninterrupted run's, reported by an identical job that nothing killed.
 
 TensorBoard's event files are read by TensorBoard's own reader (`EventAccumulator`), both
 Baton's (`<run>/baton`) and the user's own `SummaryWriter` (`ctx.tracking.summary_writer()`);
-MLflow's run is read from a real tracking server (`mlflow server`, SQLite behind it)."""
+MLflow's run is read from a real tracking server (`mlflow server`, SQLite behind it);
+W&B's, offline, from its own files (`baton.tracking.wandb_files`)."""
 
 from __future__ import annotations
 
@@ -156,6 +157,69 @@ async def test_mlflow_holds_one_run_with_the_uninterrupted_history(
         assert {by_run[r].info.status for r in (victim, reference)} == {"FINISHED"}
     finally:
         server.close()
+
+
+def wandb_history(root: Path, run_id: str, metric: str) -> list[tuple[int, float]]:
+    """The (step, value) rows of `metric` W&B's offline files under `root` hold for the
+    Baton run's W&B run, every process's folder of it, in the order written."""
+    from baton.tracking import identity, wandb_files
+
+    rows = wandb_files.history(root / "wandb", identity.wandb_id(run_id))
+    return [(step, values[metric]) for step, values in rows if metric in values]
+
+
+async def test_wandb_holds_one_run_with_the_uninterrupted_history(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """W&B offline, read back from its own files: each attempt's process leaves a folder of
+    the one W&B run (the run id's), and together they hold each step's loss once, the
+    uninterrupted run's — though W&B loses what a killed process logged since its file's
+    last block (Baton keeps such rows in its checkpoints until the file holds them)."""
+    from baton.tracking import identity, wandb_files
+
+    root = tmp_path / "wb"
+    tracking = {"kind": "wandb", "mode": "offline", "dir": str(root), "project": "tracked"}
+    victim, reference = await run_pair(stack, tracking, tmp_path / "marks")
+    want = wandb_history(root, reference, "loss")
+    assert [s for s, _ in want] == list(range(TOTAL)), want
+    got = wandb_history(root, victim, "loss")
+    assert got == want, f"{got} != {want}"
+    parts = wandb_files.folders(root / "wandb", identity.wandb_id(victim))
+    assert len(parts) >= 3, parts  # one W&B run, a folder for each attempt's process
+
+
+async def test_the_hf_trainers_wandb_callback_resumes_the_one_run(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The Trainer with `report_to = ["wandb"]` under `[tracking] wandb` (offline), its
+    trainer SIGKILLed between two checkpoints: its W&B callback (the arguments, as the
+    run's config) and Baton's rows (the Trainer's logs, under its global steps) land in the
+    one W&B run, `loss` once per step with the values of the same job run without a
+    kill."""
+    from baton.tracking import identity, wandb_files
+
+    root = tmp_path / "wb"
+    tracking = {"kind": "wandb", "mode": "offline", "dir": str(root), "project": "hf"}
+
+    def lm(pace: float) -> JobSpec:
+        return job(
+            name="hf-wandb", entry_point="examples.hf_lm:train", total_steps=HF_TOTAL,
+            seed=42, checkpoint={"every_steps": 10}, tracking=tracking,
+            config={"pace": pace, "batch": 8, "window": 32, "stride": 8,
+                    "report_to": ["wandb"]},
+            idempotency_key=uuid.uuid4().hex,
+        )  # fmt: skip
+
+    reference, victim = await killed_once(stack, lm, "hf-wandb-heir")
+    want = wandb_history(root, reference, "loss")
+    assert [s for s, _ in want] == list(range(1, HF_TOTAL + 1)), want  # its global steps
+    assert wandb_history(root, victim, "loss") == want
+    configured = [
+        folder
+        for folder in wandb_files.folders(root / "wandb", identity.wandb_id(victim))
+        if "learning_rate" in wandb_files.config(folder, identity.wandb_id(victim))
+    ]
+    assert configured, "the callback logged no arguments"
 
 
 async def test_the_hf_trainers_tensorboard_resumes_its_run(stack: Stack, tmp_path: Path) -> None:

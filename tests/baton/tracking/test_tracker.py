@@ -1,6 +1,7 @@
 """A tracker's history is the uninterrupted run's, whatever kills its attempts: read back
-with TensorBoard's own reader (`EventAccumulator`) and from a real MLflow tracking server
-(those in the `frameworks` tier: the server takes seconds to start)."""
+with TensorBoard's own reader (`EventAccumulator`), from a real MLflow tracking server and
+from W&B's offline files (those two in the `frameworks` tier: the server, and W&B's service
+process, take seconds to start)."""
 
 from __future__ import annotations
 
@@ -136,6 +137,63 @@ def test_mlflow_holds_one_run_with_each_step_once(
     assert status == "FINISHED", status
 
 
+@pytest.fixture
+def wandb_offline(tmp_path: Path) -> Iterator[Path]:
+    """W&B in offline mode, its runs under the folder given; its service process (W&B's
+    core, started by the first `wandb.init()` of a process) stopped at the end, with the
+    environment the attempts set."""
+    import wandb
+
+    saved = dict(os.environ)
+    os.environ["WANDB_SILENT"] = "true"
+    try:
+        yield tmp_path / "wandb"
+    finally:
+        wandb.teardown()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.mark.frameworks  # W&B's service process for each test: seconds on 2 cores
+@pytest.mark.parametrize(
+    "kills",
+    [
+        [],
+        [{"kill_after": 7}, {"kill_after": 9, "commit_upto": 8}],
+        [{"kill_after": 4, "hear": False}, {"kill_after": 8, "hear": False}],
+        # commits heard late: checkpoint 6 holds rows 0-5, of which 0-2 were written after
+        # it was taken; the attempt resuming from it writes 3-5 only (the run's files hold
+        # 0-2 already)
+        [{"kill_after": 8, "late": True}],
+    ],
+    ids=["uninterrupted", "between-and-before", "twice-unheard", "heard-late"],
+)
+def test_wandb_holds_one_run_with_each_step_once(
+    tmp_path: Path, wandb_offline: Path, kills: list[dict[str, int | bool]]
+) -> None:
+    """Read back from W&B's offline files (`wandb_files`): every process's folder of the
+    one W&B run, each step's row once, the uninterrupted run's values."""
+    import wandb
+
+    from baton.tracking import identity, wandb_files
+    from baton.tracking.tracker import prepare
+
+    tracking = {"kind": "wandb", "mode": "offline", "dir": str(wandb_offline.parent)}
+    driver = Driver(tmp_path, job(tracking, TOTAL))
+    for kill in [*kills, {}]:
+        assert driver.spec.tracking is not None
+        prepare(driver.spec.tracking, RUN, 0)  # as each training process does
+        driver.attempt(**kill)  # type: ignore[arg-type]
+        if kill:  # its process is gone: W&B's run of it ends with it
+            wandb.finish(exit_code=137)
+        wandb.teardown()  # and W&B's service process with it (its file written whole)
+    rows = wandb_files.history(wandb_offline, identity.wandb_id(RUN))
+    want = [(s, loss(s)) for s in range(TOTAL)]
+    assert [(step, values["loss"]) for step, values in rows] == want, rows
+    folders = wandb_files.folders(wandb_offline, identity.wandb_id(RUN))
+    assert len(folders) >= len(kills) + 1, folders  # one W&B run: each attempt's part of it
+
+
 def test_an_attempt_that_hears_of_no_commit_finds_them_in_the_store(tmp_path: Path) -> None:
     """The trainer's word on each commit never reaches the last attempt (a lost event):
     closing, it sees its final commit in the store and writes every kept row."""
@@ -146,12 +204,8 @@ def test_an_attempt_that_hears_of_no_commit_finds_them_in_the_store(tmp_path: Pa
     assert got == expected(), got
 
 
-def test_a_tracker_baton_writes_nothing_to_buffers_nothing() -> None:
-    """W&B gets the environment alone: no rows pile up in the checkpoints."""
-    tracker = Tracker(Tracking(kind="wandb", mode="offline"), "r1", 0)
-    tracker.resumed(0, 0)
-    tracker.stepped(0, {"loss": 1.0})
-    assert tracker.rows.state == {"rows": []}, tracker.rows.state
+def test_a_rank_that_writes_nothing_buffers_nothing() -> None:
+    """Only rank 0's metrics are the run's: no rows pile up in other ranks' checkpoints."""
     tb = Tracker(Tracking(kind="tensorboard", dir="/nowhere"), "r1", 1)  # rank 1: not the run's
     tb.stepped(0, {"loss": 1.0})
     assert tb.rows.state == {"rows": []}, tb.rows.state
