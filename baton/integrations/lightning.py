@@ -94,6 +94,7 @@ from baton.runtime.context import RunContext
 from baton.runtime.external import ExternalLoop
 from baton.runtime.load import rng_state, set_rng_state
 from shared.checkpoint.files import rank_prefix
+from shared.contracts.tracking import Tracking
 
 __all__ = ["CKPT", "BatonCallback", "BatonDDPStrategy", "BatonEnvironment"]
 
@@ -198,17 +199,27 @@ class BatonCallback(Callback):
         return out | {"strategy": strategy, "num_nodes": ctx.world_size}
 
     def logger(self) -> Any:
-        """Under `[tracking]` kind `tensorboard` (docs/tracking.md): a `TensorBoardLogger`
-        on the run's log dir (`<run>/lightning`), the same for every attempt, whose writer
-        opens with `purge_step` at the step the attempt resumed at, so the steps it redoes
-        replace what a killed attempt logged of them. `trainer_kwargs` puts it in place of
-        Lightning's default logger (`logger=True`, or none given); a logger you pass is
-        yours. None for other trackers: MLflow's and W&B's loggers resume the run from the
-        environment (`MLFlowLogger(run_id=os.environ["MLFLOW_RUN_ID"])`, `WandbLogger()`),
-        and what the module logs reaches `[tracking]` through Baton, each kept step once."""
+        """Lightning's default logger on the run's tracker run (docs/tracking.md), the same
+        for every attempt; `trainer_kwargs` puts it in place of Lightning's default logger
+        (`logger=True`, or none given); a logger you pass is yours. None without
+        `[tracking]`.
+
+        * TensorBoard: a `TensorBoardLogger` on the run's log dir (`<run>/lightning`) whose
+          writer opens with `purge_step` at the step the attempt resumed at, so the steps it
+          redoes replace what a killed attempt logged of them.
+        * MLflow, W&B: an `MLFlowLogger` on the run `MLFLOW_RUN_ID` names, a `WandbLogger`
+          on the run Baton opened: the hyperparameters and `logger.experiment` as always,
+          the metrics left to Baton's rows — what the module logs reaches the run through
+          them, each kept step once (logged by both, each redone step would be there
+          twice)."""
         tracking = self.ctx.tracking
-        if tracking is None or tracking.config.kind != "tensorboard":
+        if tracking is None:
             return None
+        kind = tracking.config.kind
+        if kind == "mlflow":
+            return _mlflow_logger(tracking.config)
+        if kind == "wandb":
+            return _wandb_logger()
         from lightning.pytorch.loggers import TensorBoardLogger
 
         run = tracking  # narrowed, for the class below
@@ -386,3 +397,41 @@ def _fresh(before: Mapping[str, torch.Tensor], now: Mapping[str, torch.Tensor]) 
         for k, v in now.items()
         if k not in before or v.data_ptr() != before[k].data_ptr()
     }
+
+
+def _mlflow_logger(tracking: Tracking) -> Any:
+    import os
+
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    class RunLogger(MLFlowLogger):
+        def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+            """Left to Baton's rows (the module's `self.log` reaches them through
+            `BatonCallback`, each kept step once)."""
+
+        def finalize(self, status: str = "success") -> None:
+            """Left to Baton too: the run is FINISHED when the Baton run completes, not
+            when an attempt's `fit` returns (a pause, a preemption)."""
+
+    return RunLogger(
+        experiment_name=tracking.project, tracking_uri=tracking.uri,
+        run_id=os.environ.get("MLFLOW_RUN_ID"),
+    )  # fmt: skip
+
+
+def _wandb_logger() -> Any:
+    from lightning.pytorch.loggers import WandbLogger
+
+    class RunLogger(WandbLogger):
+        @property
+        def experiment(self) -> Any:
+            import wandb
+
+            if self._experiment is None and wandb.run is not None:
+                self._experiment = wandb.run  # the run Baton opened: no warning of a reuse
+            return super().experiment
+
+        def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+            """Left to Baton's rows (as MLflow's, above)."""
+
+    return RunLogger()

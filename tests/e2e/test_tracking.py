@@ -312,6 +312,67 @@ async def test_lightnings_logger_resumes_its_run(stack: Stack, tmp_path: Path) -
         same_history(root / "pl", reference, victim, sub, tag)
 
 
+def pl_tracked(tracking: dict[str, Any]) -> Callable[[float], JobSpec]:
+    """The Lightning example under `tracking`, its default logger on (`logger=True`), one
+    log a step; `pace` changes no arithmetic."""
+
+    def lm(pace: float) -> JobSpec:
+        return job(
+            name="pl-tracked", entry_point="examples.lightning_lm:train", total_steps=HF_TOTAL,
+            seed=42, checkpoint={"every_steps": 10}, tracking=tracking,
+            config={"steps_sleep": pace, "batch": 8, "window": 32, "stride": 8, "logger": True,
+                    "log_every": 1},
+            idempotency_key=uuid.uuid4().hex,
+        )  # fmt: skip
+
+    return lm
+
+
+async def test_lightnings_logger_on_wandb_and_mlflow_resumes_the_one_run(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The Lightning example with its default logger under `[tracking]` W&B (offline) and
+    then MLflow, its trainer SIGKILLed between two checkpoints each time: the logger Baton
+    puts in place (`BatonCallback.logger()`) logs the module's hyperparameters to the run's
+    one tracker run, and the metrics reach it through Baton's rows, `loss` once per step
+    with the values of the same job run without a kill."""
+    from mlflow.tracking import MlflowClient
+
+    from baton.tracking import identity, wandb_files
+    from tests.support.mlflow_server import MlflowServer
+
+    root = tmp_path / "wb"
+    lm = pl_tracked({"kind": "wandb", "mode": "offline", "dir": str(root), "project": "pl"})
+    reference, victim = await killed_once(stack, lm, "pl-wandb-heir")
+    want = wandb_history(root, reference, "loss")
+    assert len(want) == HF_TOTAL, want
+    assert wandb_history(root, victim, "loss") == want
+    folders = wandb_files.folders(root / "wandb", identity.wandb_id(victim))
+    assert any("batch" in wandb_files.config(f, identity.wandb_id(victim)) for f in folders)
+
+    server = MlflowServer(tmp_path / "mlflow")
+    try:
+        lm = pl_tracked({"kind": "mlflow", "uri": server.uri, "project": "pl"})
+        reference, victim = await killed_once(stack, lm, "pl-mlflow-heir")
+        client = MlflowClient(tracking_uri=server.uri)
+        experiment = client.get_experiment_by_name("pl")
+        assert experiment is not None
+        runs = {r.data.tags.get("baton.run_id"): r for r in client.search_runs(
+            [experiment.experiment_id])}  # fmt: skip
+        assert sorted(runs) == sorted([reference, victim]), sorted(runs)  # one run each
+        points = {
+            run_id: sorted((m.step, m.value) for m in client.get_metric_history(
+                runs[run_id].info.run_id, "loss"))
+            for run_id in (reference, victim)
+        }  # fmt: skip
+        assert len(points[reference]) == HF_TOTAL, points[reference]
+        assert points[victim] == points[reference], points
+        assert "batch" in runs[victim].data.params, runs[victim].data.params
+        assert runs[victim].info.status == "FINISHED"
+    finally:
+        server.close()
+
+
 async def test_tensorboard_holds_the_uninterrupted_history_through_a_preemption(
     stack: Stack, tmp_path: Path
 ) -> None:
