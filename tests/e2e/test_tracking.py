@@ -11,8 +11,6 @@ W&B's, offline, from its own files (`baton.tracking.wandb_files`)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -24,10 +22,10 @@ import pytest_asyncio
 
 from shared.bus import names
 from shared.contracts import JobSpec, RunState
-from shared.contracts.events import CheckpointCommitted, Preempted, Progress, Restored, Started
+from shared.contracts.events import CheckpointCommitted, Preempted, Restored, Started
 from shared.state.runs import Runs
 from tests.e2e.jobs import EventLog, finished, history, job, submit
-from tests.support.stack import Stack, all_dead, children_of, eventually
+from tests.support.stack import Stack, eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.frameworks, pytest.mark.asyncio(loop_scope="module")]
 
@@ -81,29 +79,70 @@ def scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
-async def killed_once(stack: Stack, lm: Callable[[float], JobSpec], heir: str) -> tuple[str, str]:
-    """`lm(0.0)` trained through (the reference), then `lm(0.05)`, whose trainer is
-    SIGKILLed between its checkpoints of 10 and 20 steps and an `heir` trainer added: both
-    completed, the victim having redone steps. (reference, victim)."""
+FRAMEWORK_KILLS = [13, 19]
+"""A framework's global steps (1 for the first) at whose end its training process is
+SIGKILLed (`tests.support.killing`): 13 between the checkpoints of 10 and 20 steps done,
+19 in the step just before the one of 20."""
+
+
+async def killed_twice(
+    stack: Stack, lm: Callable[[Path | None], JobSpec], marks: Path
+) -> tuple[str, str]:
+    """`lm(None)`, the reference, and `lm(marks)`, killed at the end of its global steps
+    `FRAMEWORK_KILLS`, submitted together: both completed, the victim in three attempts,
+    each resumed from a checkpoint before the step it was killed at (steps redone).
+    (reference, victim)."""
     nc = await stack.client()
-    reference = await submit(nc, lm(0.0))
-    assert (await finished(nc, reference, timeout=240)).state is RunState.COMPLETED
-    victim = await submit(nc, lm(0.05))
-    log = EventLog(nc, victim)
-    first = await log.wait_for(lambda e: isinstance(e, Started), 60, "start")
-    assert isinstance(first, Started)
-    await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step >= 10, 60, "10")
-    reached = await log.wait_for(lambda e: isinstance(e, Progress) and e.step >= 14, 60, "14")
-    assert isinstance(reached, Progress)
-    family = children_of(stack.pid(first.worker))
-    os.kill(stack.pid(first.worker), signal.SIGKILL)
-    await all_dead(family, "the killed trainer's training process")
-    await stack.add_trainer(heir)
-    assert (await finished(nc, victim, timeout=240)).state is RunState.COMPLETED
-    restored = [e for e in log.of(Restored) if e.worker != first.worker]
-    assert restored and restored[0].step < reached.step, "no step was redone"
-    log.close()
+    marks.mkdir(parents=True, exist_ok=True)
+    victim = await submit(nc, lm(marks))
+    reference = await submit(nc, lm(None))
+    for run_id in (victim, reference):
+        record = await finished(nc, run_id, timeout=240)
+        assert record.state is RunState.COMPLETED, (run_id, record.state, record.reason)
+    events = await history(nc, victim)
+    attempts = [e for e in events if isinstance(e, Started)]
+    assert len(attempts) == 3, f"the victim ran {len(attempts)} attempts, not 3 (two kills)"
+    resumed = [e.step for e in events if isinstance(e, Restored)][-2:]
+    assert len(resumed) == 2 and all(
+        step < kill for step, kill in zip(resumed, FRAMEWORK_KILLS, strict=True)
+    ), resumed
     return reference, victim
+
+
+def hf_tracked(tracking: dict[str, Any], report_to: str) -> Callable[[Path | None], JobSpec]:
+    """The Hugging Face example under `tracking`, the Trainer reporting to `report_to`;
+    killed at `FRAMEWORK_KILLS` given the marks' folder."""
+
+    def lm(marks: Path | None) -> JobSpec:
+        config: dict[str, Any] = {"batch": 8, "window": 32, "stride": 8, "report_to": [report_to]}
+        if marks is not None:
+            config |= {"kill_at": FRAMEWORK_KILLS, "marks": str(marks)}
+        return job(
+            name="hf-tracked", entry_point="tests.support.killing:hf", total_steps=HF_TOTAL,
+            seed=42, checkpoint={"every_steps": 10}, tracking=tracking, config=config,
+            idempotency_key=uuid.uuid4().hex,
+        )  # fmt: skip
+
+    return lm
+
+
+def pl_tracked(tracking: dict[str, Any]) -> Callable[[Path | None], JobSpec]:
+    """The Lightning example under `tracking`, its default logger on (`logger=True`), one
+    log a step; killed at `FRAMEWORK_KILLS` given the marks' folder."""
+
+    def lm(marks: Path | None) -> JobSpec:
+        config: dict[str, Any] = {
+            "batch": 8, "window": 32, "stride": 8, "logger": True, "log_every": 1,
+        }  # fmt: skip
+        if marks is not None:
+            config |= {"kill_at": FRAMEWORK_KILLS, "marks": str(marks)}
+        return job(
+            name="pl-tracked", entry_point="tests.support.killing:lightning",
+            total_steps=HF_TOTAL, seed=42, checkpoint={"every_steps": 10}, tracking=tracking,
+            config=config, idempotency_key=uuid.uuid4().hex,
+        )  # fmt: skip
+
+    return lm
 
 
 def same_history(project: Path, reference: str, victim: str, sub: str, tag: str) -> None:
@@ -191,26 +230,16 @@ async def test_wandb_holds_one_run_with_the_uninterrupted_history(
 async def test_the_hf_trainers_wandb_callback_resumes_the_one_run(
     stack: Stack, tmp_path: Path
 ) -> None:
-    """The Trainer with `report_to = ["wandb"]` under `[tracking] wandb` (offline), its
-    trainer SIGKILLed between two checkpoints: its W&B callback (the arguments, as the
-    run's config) and Baton's rows (the Trainer's logs, under its global steps) land in the
-    one W&B run, `loss` once per step with the values of the same job run without a
-    kill."""
+    """The Trainer with `report_to = ["wandb"]` under `[tracking] wandb` (offline), killed
+    twice: its W&B callback (the arguments, as the run's config) and Baton's rows (the
+    Trainer's logs, under its global steps) land in the one W&B run, `loss` once per step
+    with the values of the same job run without a kill."""
     from baton.tracking import identity, wandb_files
 
     root = tmp_path / "wb"
     tracking = {"kind": "wandb", "mode": "offline", "dir": str(root), "project": "hf"}
-
-    def lm(pace: float) -> JobSpec:
-        return job(
-            name="hf-wandb", entry_point="examples.hf_lm:train", total_steps=HF_TOTAL,
-            seed=42, checkpoint={"every_steps": 10}, tracking=tracking,
-            config={"pace": pace, "batch": 8, "window": 32, "stride": 8,
-                    "report_to": ["wandb"]},
-            idempotency_key=uuid.uuid4().hex,
-        )  # fmt: skip
-
-    reference, victim = await killed_once(stack, lm, "hf-wandb-heir")
+    lm = hf_tracked(tracking, "wandb")
+    reference, victim = await killed_twice(stack, lm, tmp_path / "marks")
     want = wandb_history(root, reference, "loss")
     assert [s for s, _ in want] == list(range(1, HF_TOTAL + 1)), want  # its global steps
     assert wandb_history(root, victim, "loss") == want
@@ -223,23 +252,14 @@ async def test_the_hf_trainers_wandb_callback_resumes_the_one_run(
 
 
 async def test_the_hf_trainers_tensorboard_resumes_its_run(stack: Stack, tmp_path: Path) -> None:
-    """The Trainer with `report_to = ["tensorboard"]` under `[tracking] tensorboard`, its
-    trainer SIGKILLed between two checkpoints: the Trainer's own TensorBoard callback (a
-    writer on the run's log dir with `purge_step`) and Baton's rows each end with the
-    history of the same job run without a kill."""
+    """The Trainer with `report_to = ["tensorboard"]` under `[tracking] tensorboard`,
+    killed twice: the Trainer's own TensorBoard callback (a writer on the run's log dir
+    with `purge_step`) and Baton's rows each end with the history of the same job run
+    without a kill."""
     root = tmp_path / "tb"
     tracking = {"kind": "tensorboard", "dir": str(root), "project": "hf"}
-
-    def lm(pace: float) -> JobSpec:
-        return job(
-            name="hf-tracked", entry_point="examples.hf_lm:train", total_steps=HF_TOTAL,
-            seed=42, checkpoint={"every_steps": 10}, tracking=tracking,
-            config={"pace": pace, "batch": 8, "window": 32, "stride": 8,
-                    "report_to": ["tensorboard"]},
-            idempotency_key=uuid.uuid4().hex,
-        )  # fmt: skip
-
-    reference, victim = await killed_once(stack, lm, "hf-heir")
+    lm = hf_tracked(tracking, "tensorboard")
+    reference, victim = await killed_twice(stack, lm, tmp_path / "marks")
     for tag, sub in (("train/loss", ""), ("loss", "baton")):
         same_history(root / "hf", reference, victim, sub, tag)
 
@@ -247,10 +267,10 @@ async def test_the_hf_trainers_tensorboard_resumes_its_run(stack: Stack, tmp_pat
 async def test_the_hf_trainers_mlflow_callback_resumes_the_one_run(
     stack: Stack, tmp_path: Path
 ) -> None:
-    """The Trainer with `report_to = ["mlflow"]` under `[tracking] mlflow`, its trainer
-    SIGKILLed between two checkpoints, completes; its MLflow callback (which reads
-    `MLFLOW_RUN_ID`: the arguments, as params) and Baton's rows (the Trainer's logs, under
-    its global steps) land in one MLflow run, `loss` once per step."""
+    """The Trainer with `report_to = ["mlflow"]` under `[tracking] mlflow`, killed twice:
+    its MLflow callback (which reads `MLFLOW_RUN_ID`: the arguments, as params) and Baton's
+    rows (the Trainer's logs, under its global steps) land in one MLflow run, `loss` once
+    per step with the values of the same job run without a kill."""
     from mlflow.tracking import MlflowClient
 
     from tests.support.mlflow_server import MlflowServer
@@ -258,81 +278,44 @@ async def test_the_hf_trainers_mlflow_callback_resumes_the_one_run(
     server = MlflowServer(tmp_path / "mlflow")
     try:
         tracking = {"kind": "mlflow", "uri": server.uri, "project": "hf"}
-        spec = job(
-            name="hf-mlflow", entry_point="examples.hf_lm:train", total_steps=HF_TOTAL,
-            seed=42, checkpoint={"every_steps": 10}, tracking=tracking,
-            config={"pace": 0.05, "batch": 8, "window": 32, "stride": 8,
-                    "report_to": ["mlflow"]},
-            idempotency_key=uuid.uuid4().hex,
-        )  # fmt: skip
-        nc = await stack.client()
-        victim = await submit(nc, spec)
-        log = EventLog(nc, victim)
-        first = await log.wait_for(lambda e: isinstance(e, Started), 60, "start")
-        assert isinstance(first, Started)
-        await log.wait_for(lambda e: isinstance(e, CheckpointCommitted) and e.step >= 10, 60, "10")
-        family = children_of(stack.pid(first.worker))
-        os.kill(stack.pid(first.worker), signal.SIGKILL)
-        await all_dead(family, "the killed trainer's training process")
-        await stack.add_trainer("hf-mlflow-heir")
-        record = await finished(nc, victim, timeout=240)
-        assert record.state is RunState.COMPLETED, record.reason
-        log.close()
+        lm = hf_tracked(tracking, "mlflow")
+        reference, victim = await killed_twice(stack, lm, tmp_path / "marks")
         client = MlflowClient(tracking_uri=server.uri)
         experiment = client.get_experiment_by_name("hf")
         assert experiment is not None
-        runs = client.search_runs([experiment.experiment_id])
-        assert len(runs) == 1, [r.info.run_id for r in runs]
-        steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss"))
+        runs = {r.data.tags.get("baton.run_id"): r for r in client.search_runs(
+            [experiment.experiment_id])}  # fmt: skip
+        assert sorted(runs) == sorted([reference, victim]), sorted(runs)  # one run each
+        points = {
+            run_id: sorted((m.step, m.value) for m in client.get_metric_history(
+                runs[run_id].info.run_id, "loss"))
+            for run_id in (reference, victim)
+        }  # fmt: skip
+        steps = [s for s, _ in points[reference]]
         assert steps == list(range(1, HF_TOTAL + 1)), steps  # the Trainer's global steps
-        assert runs[0].data.params, "the callback logged no arguments"
+        assert points[victim] == points[reference], points
+        assert runs[victim].data.params, "the callback logged no arguments"
     finally:
         server.close()
 
 
 async def test_lightnings_logger_resumes_its_run(stack: Stack, tmp_path: Path) -> None:
     """A `LightningModule` that logs through Lightning's default logger (`logger=True`)
-    under `[tracking] tensorboard`, its trainer SIGKILLed between two checkpoints: the
-    logger Baton puts in place writes the run's log dir with `purge_step`, and ends — as
-    Baton's rows do — with the history of the same job run without a kill."""
+    under `[tracking] tensorboard`, killed twice: the logger Baton puts in place writes the
+    run's log dir with `purge_step`, and ends — as Baton's rows do — with the history of
+    the same job run without a kill."""
     root = tmp_path / "tb"
     tracking = {"kind": "tensorboard", "dir": str(root), "project": "pl"}
-
-    def lm(pace: float) -> JobSpec:
-        return job(
-            name="pl-tracked", entry_point="examples.lightning_lm:train", total_steps=HF_TOTAL,
-            seed=42, checkpoint={"every_steps": 10}, tracking=tracking,
-            config={"steps_sleep": pace, "batch": 8, "window": 32, "stride": 8, "logger": True,
-                    "log_every": 1},
-            idempotency_key=uuid.uuid4().hex,
-        )  # fmt: skip
-
-    reference, victim = await killed_once(stack, lm, "pl-heir")
+    reference, victim = await killed_twice(stack, pl_tracked(tracking), tmp_path / "marks")
     for tag, sub in (("loss", "lightning"), ("loss", "baton")):
         same_history(root / "pl", reference, victim, sub, tag)
-
-
-def pl_tracked(tracking: dict[str, Any]) -> Callable[[float], JobSpec]:
-    """The Lightning example under `tracking`, its default logger on (`logger=True`), one
-    log a step; `pace` changes no arithmetic."""
-
-    def lm(pace: float) -> JobSpec:
-        return job(
-            name="pl-tracked", entry_point="examples.lightning_lm:train", total_steps=HF_TOTAL,
-            seed=42, checkpoint={"every_steps": 10}, tracking=tracking,
-            config={"steps_sleep": pace, "batch": 8, "window": 32, "stride": 8, "logger": True,
-                    "log_every": 1},
-            idempotency_key=uuid.uuid4().hex,
-        )  # fmt: skip
-
-    return lm
 
 
 async def test_lightnings_logger_on_wandb_and_mlflow_resumes_the_one_run(
     stack: Stack, tmp_path: Path
 ) -> None:
     """The Lightning example with its default logger under `[tracking]` W&B (offline) and
-    then MLflow, its trainer SIGKILLed between two checkpoints each time: the logger Baton
+    then MLflow, killed twice each time: the logger Baton
     puts in place (`BatonCallback.logger()`) logs the module's hyperparameters to the run's
     one tracker run, and the metrics reach it through Baton's rows, `loss` once per step
     with the values of the same job run without a kill."""
@@ -343,7 +326,7 @@ async def test_lightnings_logger_on_wandb_and_mlflow_resumes_the_one_run(
 
     root = tmp_path / "wb"
     lm = pl_tracked({"kind": "wandb", "mode": "offline", "dir": str(root), "project": "pl"})
-    reference, victim = await killed_once(stack, lm, "pl-wandb-heir")
+    reference, victim = await killed_twice(stack, lm, tmp_path / "marks-wandb")
     want = wandb_history(root, reference, "loss")
     assert len(want) == HF_TOTAL, want
     assert wandb_history(root, victim, "loss") == want
@@ -353,7 +336,7 @@ async def test_lightnings_logger_on_wandb_and_mlflow_resumes_the_one_run(
     server = MlflowServer(tmp_path / "mlflow")
     try:
         lm = pl_tracked({"kind": "mlflow", "uri": server.uri, "project": "pl"})
-        reference, victim = await killed_once(stack, lm, "pl-mlflow-heir")
+        reference, victim = await killed_twice(stack, lm, tmp_path / "marks-mlflow")
         client = MlflowClient(tracking_uri=server.uri)
         experiment = client.get_experiment_by_name("pl")
         assert experiment is not None
