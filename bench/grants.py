@@ -4,6 +4,7 @@ cut off, and how soon the hub is consistent after heal.
     .venv/bin/python -m bench.grants [--cuts 30,120] [--run-s 20] [--heal 10,100]
                                      [--skip-baseline]
     .venv/bin/python -m bench.grants --by-time 60,300 [--run-s 20]
+    .venv/bin/python -m bench.grants --whole-cut 600 [--run-s 20]
 
 **Utilisation.** A hub with no trainer (dispatcher, checkpointer, reaper) and site `lab1`
 (leaf node behind a loopback proxy, its checkpointer, dispatcher and two trainers), real
@@ -21,6 +22,13 @@ against grants by time with a horizon of the cut's length (`BATON_GRANT_AHEAD_S=
 begins once the site was granted that much, or every run): the share of the cut the site's
 trainers trained, each.
 
+**A whole cut, end to end** (`--whole-cut C`): grants by time with a horizon of the cut,
+the hub's queue holding more work than the cut can use; the share of the cut the site's
+trainers trained, then, at heal: every run the site started completes once (one
+`completed` event at the hub), each with the weights of the same job run uninterrupted
+(the reference, trained before the cut), and how long after the link is restored the hub
+holds every outcome the site reached during the cut (records ended, from `restore`).
+
 **Heal → consistent.** N short runs granted to the site (two trainers, `ahead` N/2), the
 link cut before they start; once every run completed at the cut-off site (its outbox says
 so), the link is restored and the bench times restore → every run's record at the hub
@@ -34,14 +42,16 @@ import asyncio
 import math
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from nats.aio.client import Client
 
 from shared.bus import names
 from shared.contracts import RunState
+from shared.contracts.events import Completed
 from shared.state.runs import Runs
-from tests.e2e.jobs import paced, submit
+from tests.e2e.jobs import history, paced, submit
 from tests.support.busy import busy_within, site_events
 from tests.support.sites import Site
 from tests.support.stack import Stack, eventually
@@ -98,6 +108,56 @@ async def utilisation(
             await hub.stop()
 
 
+async def whole_cut(cut_s: float, run_s: float) -> None:
+    """`--whole-cut`: see the module's docstring; prints its findings, and fails loudly on a
+    run that ended other than once, exact."""
+    steps = max(10, round(run_s / PACE))
+    per_trainer = math.ceil(cut_s / run_s) + 1
+    with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
+        hub, site = await stack(Path(tmp), 1, cut_s)
+        try:
+            nc = await hub.client()
+            reference = await submit(nc, paced(steps, pace=0.0))
+            await eventually(lambda: _completed(nc, [reference]), 300, "the reference")
+            runs = await Runs.open(nc.jetstream())
+            found = await runs.get(reference)
+            assert found is not None and found[0].digest
+            want = found[0].digest
+            count = 2 * (per_trainer + 1) * 5 // 4
+            run_ids = [
+                await submit(nc, paced(steps, pace=PACE, estimate_s=steps * PACE))
+                for _ in range(count)
+            ]
+            await eventually(lambda: _training(nc, run_ids, 2), 120, "both trainers to train")
+            granting_s = max(120.0, cut_s / 2)
+            await eventually(lambda: _granted_s(nc, run_ids, 2 * cut_s, steps), granting_s,
+                             "the site to be granted its horizon")  # fmt: skip
+            site.proxy.sever()
+            start = time.time()
+            await asyncio.sleep(cut_s)  # the cut's length is the measurement's
+            end = time.time()
+            events = await site_events(site)
+            busy = busy_within(events, start, end) / (2 * (end - start))
+            done = {e.run_id for kind, e in events if kind == "completed"}
+            started = {e.run_id for kind, e in events if kind == "started"}
+            site.proxy.restore()
+            healed = time.monotonic()
+            await eventually(lambda: _completed(nc, sorted(done)), 120, "the site's outcomes",
+                             every=0.02)  # fmt: skip
+            known_s = time.monotonic() - healed
+            await eventually(lambda: _completed(nc, sorted(started)), 600, "every started run")
+            digests = set()
+            for run_id in sorted(started):
+                record = await runs.get(run_id)
+                assert record is not None
+                digests.add(record[0].digest)
+                await eventually(partial(_completed_events, nc, run_id), 60, f"{run_id}'s end")
+            assert digests == {want}, f"weights other than the uninterrupted run's: {digests}"
+        finally:
+            await hub.stop()
+    print(f"| {cut_s:.0f} s | {busy:.1%} | {len(done)} | {len(started)} | {known_s:.2f} s |")
+
+
 async def heal(n: int) -> tuple[float, float]:
     """(restore → every record COMPLETED at the hub, → every `completed` event at the hub)."""
     with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
@@ -150,6 +210,13 @@ async def _completed(nc: Client, run_ids: list[str]) -> bool:
     return all(f and f[0].state is RunState.COMPLETED for f in found)
 
 
+async def _completed_events(nc: Client, run_id: str) -> bool:
+    """Whether the run's one `completed` event is at the hub (never more than one)."""
+    found = [e for e in await history(nc, run_id) if isinstance(e, Completed)]
+    assert len(found) <= 1, f"{run_id} completed {len(found)} times"
+    return len(found) == 1
+
+
 async def _events(nc: Client, n: int) -> bool:
     info = await nc.jetstream().stream_info(names.EVENTS_STREAM, subjects_filter="*.*.*.completed")
     return len(info.state.subjects or {}) >= n
@@ -162,7 +229,13 @@ async def main() -> None:
     p.add_argument("--heal", default="10,100")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--by-time", default="", help="cuts (s) to compare count and time at")
+    p.add_argument("--whole-cut", type=float, default=0.0, help="one cut (s), end to end")
     a = p.parse_args()
+    if a.whole_cut:
+        print("| cut | busy | runs done in the cut | runs started | heal → outcomes known |")
+        print("|---|---|---|---|---|")
+        await whole_cut(a.whole_cut, a.run_s)
+        return
     if a.by_time:
         await by_time([float(c) for c in a.by_time.split(",") if c], a.run_s)
         return
