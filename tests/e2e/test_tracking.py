@@ -145,6 +145,17 @@ def pl_tracked(tracking: dict[str, Any]) -> Callable[[Path | None], JobSpec]:
     return lm
 
 
+def tracked_history_is_the_references(project: Path, reference: str, victim: str) -> None:
+    """The tracked job's TensorBoard histories under `project`, Baton's rows
+    (`<run>/baton`, `loss`) and the user's writer's (`<run>`, `user_loss`): the victim's
+    are the reference's, one value for each of its `TOTAL` steps."""
+    for tag, sub in (("loss", "baton"), ("user_loss", "")):
+        want = scalars(project / reference / sub, tag)
+        got = scalars(project / victim / sub, tag)
+        assert [s for s, _ in want] == list(range(TOTAL)), want
+        assert got == want, f"{tag}: {got} != {want}"
+
+
 def same_history(project: Path, reference: str, victim: str, sub: str, tag: str) -> None:
     """The victim's TensorBoard history of `tag` (in `<run>/<sub>`) is the reference's, one
     value for each of its `HF_TOTAL` steps."""
@@ -161,41 +172,45 @@ async def test_tensorboard_holds_the_uninterrupted_history(stack: Stack, tmp_pat
     )
     runs = sorted(p.name for p in (root / "p").iterdir())
     assert runs == sorted([victim, reference]), runs  # one log dir per Baton run
-    for tag, sub in (("loss", "baton"), ("user_loss", "")):
-        want = scalars(root / "p" / reference / sub, tag)
-        got = scalars(root / "p" / victim / sub, tag)
-        assert [s for s, _ in want] == list(range(TOTAL)), want
-        assert got == want, f"{tag}: {got} != {want}"
+    tracked_history_is_the_references(root / "p", reference, victim)
 
 
 async def test_mlflow_holds_one_run_with_the_uninterrupted_history(
     stack: Stack, tmp_path: Path
 ) -> None:
-    from mlflow.tracking import MlflowClient
-
     from tests.support.mlflow_server import MlflowServer
 
     server = MlflowServer(tmp_path / "mlflow")
     try:
         tracking = {"kind": "mlflow", "uri": server.uri, "project": "tracked"}
         victim, reference = await run_pair(stack, tracking, tmp_path / "marks")
-        client = MlflowClient(tracking_uri=server.uri)
-        experiment = client.get_experiment_by_name("tracked")
-        assert experiment is not None
-        runs = client.search_runs([experiment.experiment_id])
-        names = sorted(r.data.tags.get("baton.run_id", "") for r in runs)
-        assert names == sorted([victim, reference]), names  # one tracker run per Baton run
-        by_run = {r.data.tags["baton.run_id"]: r for r in runs}
-        points = {
-            run_id: sorted((m.step, m.value) for m in client.get_metric_history(
-                by_run[run_id].info.run_id, "loss"))
-            for run_id in (victim, reference)
-        }  # fmt: skip
+        runs, points = mlflow_loss(server.uri, "tracked", [victim, reference])
         assert [s for s, _ in points[reference]] == list(range(TOTAL)), points[reference]
         assert points[victim] == points[reference], points
-        assert {by_run[r].info.status for r in (victim, reference)} == {"FINISHED"}
+        assert {runs[r].info.status for r in (victim, reference)} == {"FINISHED"}
     finally:
         server.close()
+
+
+def mlflow_loss(
+    uri: str, experiment: str, run_ids: list[str]
+) -> tuple[dict[str, Any], dict[str, list[tuple[int, float]]]]:
+    """The MLflow runs of `experiment`, one for each of `run_ids` (by their `baton.run_id`
+    tag), and each one's `loss` history, (step, value) by step."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    assert found is not None, f"no experiment {experiment}"
+    runs = {r.data.tags.get("baton.run_id"): r for r in client.search_runs(
+        [found.experiment_id])}  # fmt: skip
+    assert sorted(runs) == sorted(run_ids), sorted(runs)  # one tracker run per Baton run
+    points = {
+        run_id: sorted((m.step, m.value) for m in client.get_metric_history(
+            runs[run_id].info.run_id, "loss"))
+        for run_id in run_ids
+    }  # fmt: skip
+    return runs, points
 
 
 def wandb_history(root: Path, run_id: str, metric: str) -> list[tuple[int, float]]:
@@ -271,7 +286,6 @@ async def test_the_hf_trainers_mlflow_callback_resumes_the_one_run(
     its MLflow callback (which reads `MLFLOW_RUN_ID`: the arguments, as params) and Baton's
     rows (the Trainer's logs, under its global steps) land in one MLflow run, `loss` once
     per step with the values of the same job run without a kill."""
-    from mlflow.tracking import MlflowClient
 
     from tests.support.mlflow_server import MlflowServer
 
@@ -280,17 +294,7 @@ async def test_the_hf_trainers_mlflow_callback_resumes_the_one_run(
         tracking = {"kind": "mlflow", "uri": server.uri, "project": "hf"}
         lm = hf_tracked(tracking, "mlflow")
         reference, victim = await killed_twice(stack, lm, tmp_path / "marks")
-        client = MlflowClient(tracking_uri=server.uri)
-        experiment = client.get_experiment_by_name("hf")
-        assert experiment is not None
-        runs = {r.data.tags.get("baton.run_id"): r for r in client.search_runs(
-            [experiment.experiment_id])}  # fmt: skip
-        assert sorted(runs) == sorted([reference, victim]), sorted(runs)  # one run each
-        points = {
-            run_id: sorted((m.step, m.value) for m in client.get_metric_history(
-                runs[run_id].info.run_id, "loss"))
-            for run_id in (reference, victim)
-        }  # fmt: skip
+        runs, points = mlflow_loss(server.uri, "hf", [reference, victim])
         steps = [s for s, _ in points[reference]]
         assert steps == list(range(1, HF_TOTAL + 1)), steps  # the Trainer's global steps
         assert points[victim] == points[reference], points
@@ -319,7 +323,6 @@ async def test_lightnings_logger_on_wandb_and_mlflow_resumes_the_one_run(
     puts in place (`BatonCallback.logger()`) logs the module's hyperparameters to the run's
     one tracker run, and the metrics reach it through Baton's rows, `loss` once per step
     with the values of the same job run without a kill."""
-    from mlflow.tracking import MlflowClient
 
     from baton.tracking import identity, wandb_files
     from tests.support.mlflow_server import MlflowServer
@@ -337,17 +340,7 @@ async def test_lightnings_logger_on_wandb_and_mlflow_resumes_the_one_run(
     try:
         lm = pl_tracked({"kind": "mlflow", "uri": server.uri, "project": "pl"})
         reference, victim = await killed_twice(stack, lm, tmp_path / "marks-mlflow")
-        client = MlflowClient(tracking_uri=server.uri)
-        experiment = client.get_experiment_by_name("pl")
-        assert experiment is not None
-        runs = {r.data.tags.get("baton.run_id"): r for r in client.search_runs(
-            [experiment.experiment_id])}  # fmt: skip
-        assert sorted(runs) == sorted([reference, victim]), sorted(runs)  # one run each
-        points = {
-            run_id: sorted((m.step, m.value) for m in client.get_metric_history(
-                runs[run_id].info.run_id, "loss"))
-            for run_id in (reference, victim)
-        }  # fmt: skip
+        runs, points = mlflow_loss(server.uri, "pl", [reference, victim])
         assert len(points[reference]) == HF_TOTAL, points[reference]
         assert points[victim] == points[reference], points
         assert "batch" in runs[victim].data.params, runs[victim].data.params
@@ -383,11 +376,7 @@ async def test_tensorboard_holds_the_uninterrupted_history_through_a_preemption(
     assert (await finished(nc, victim, timeout=240)).state is RunState.COMPLETED
     assert len(log.of(Started)) == 2, "one attempt before the preemption, one after"
     log.close()
-    for tag, sub in (("loss", "baton"), ("user_loss", "")):
-        want = scalars(root / "pre" / reference / sub, tag)
-        got = scalars(root / "pre" / victim / sub, tag)
-        assert [s for s, _ in want] == list(range(TOTAL)), want
-        assert got == want, f"{tag}: {got} != {want}"
+    tracked_history_is_the_references(root / "pre", reference, victim)
 
 
 async def test_tensorboard_holds_the_uninterrupted_history_through_a_site_cut(
@@ -445,8 +434,4 @@ async def test_tensorboard_holds_the_uninterrupted_history_through_a_site_cut(
         await hub.stop()
     runs_there = sorted(p.name for p in (root / "cut").iterdir())
     assert runs_there == sorted([victim, reference]), runs_there  # one log dir per Baton run
-    for tag, sub in (("loss", "baton"), ("user_loss", "")):
-        want = scalars(root / "cut" / reference / sub, tag)
-        got = scalars(root / "cut" / victim / sub, tag)
-        assert [s for s, _ in want] == list(range(TOTAL)), want
-        assert got == want, f"{tag}: {got} != {want}"
+    tracked_history_is_the_references(root / "cut", reference, victim)

@@ -100,19 +100,25 @@ def mlflow_history(uri: str, experiment: str) -> tuple[int, list[tuple[int, floa
     return len(runs), points, runs[0].info.status
 
 
-@pytest.mark.frameworks  # a tracking server of its own: ~9 s to start on 2 cores
-@pytest.mark.parametrize(
+KILLED = pytest.mark.parametrize(
     "kills",
     [
         [],
         [{"kill_after": 7}, {"kill_after": 9, "commit_upto": 8}],
         [{"kill_after": 4, "hear": False}, {"kill_after": 8, "hear": False}],
         # commits heard late: checkpoint 6 holds rows 0-5, of which 0-2 were written after
-        # it was taken; the attempt resuming from it writes 3-5 only (`baton.flushed_step`)
+        # it was taken; the attempt resuming from it writes 3-5 only (the tracker says it
+        # holds 0-2: MLflow's `baton.flushed_step`, W&B's files)
         [{"kill_after": 8, "late": True}],
     ],
     ids=["uninterrupted", "between-and-before", "twice-unheard", "heard-late"],
 )
+"""The attempts a tracker's run goes through, for the trackers whose history is read back
+from their own stores."""
+
+
+@pytest.mark.frameworks  # a tracking server of its own: ~9 s to start on 2 cores
+@KILLED
 def test_mlflow_holds_one_run_with_each_step_once(
     tmp_path: Path, mlflow_uri: str, kills: list[dict[str, int | bool]]
 ) -> None:
@@ -155,19 +161,7 @@ def wandb_offline(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.mark.frameworks  # W&B's service process for each test: seconds on 2 cores
-@pytest.mark.parametrize(
-    "kills",
-    [
-        [],
-        [{"kill_after": 7}, {"kill_after": 9, "commit_upto": 8}],
-        [{"kill_after": 4, "hear": False}, {"kill_after": 8, "hear": False}],
-        # commits heard late: checkpoint 6 holds rows 0-5, of which 0-2 were written after
-        # it was taken; the attempt resuming from it writes 3-5 only (the run's files hold
-        # 0-2 already)
-        [{"kill_after": 8, "late": True}],
-    ],
-    ids=["uninterrupted", "between-and-before", "twice-unheard", "heard-late"],
-)
+@KILLED
 def test_wandb_holds_one_run_with_each_step_once(
     tmp_path: Path, wandb_offline: Path, kills: list[dict[str, int | bool]]
 ) -> None:
