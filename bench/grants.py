@@ -47,6 +47,7 @@ from pathlib import Path
 
 from nats.aio.client import Client
 
+from baton.client.holdings import site_views
 from shared.bus import names
 from shared.contracts import RunState
 from shared.contracts.events import Completed
@@ -95,8 +96,8 @@ async def utilisation(
             await eventually(lambda: _training(nc, run_ids, 2), 120, "both trainers to train")
             if horizon_s:  # granted as far as the horizon reaches before the cut
                 granting_s = max(120.0, horizon_s / 2)
-                await eventually(lambda: _granted_s(nc, run_ids, 2 * horizon_s, steps),
-                                 granting_s, "the site to be granted its horizon")  # fmt: skip
+                await eventually(lambda: _granted_s(nc, run_ids, horizon_s), granting_s,
+                                 "the site to be granted its horizon")  # fmt: skip
             site.proxy.sever()
             start = time.time()
             await asyncio.sleep(cut_s)  # the cut's length is the measurement's
@@ -130,7 +131,7 @@ async def whole_cut(cut_s: float, run_s: float) -> None:
             ]
             await eventually(lambda: _training(nc, run_ids, 2), 120, "both trainers to train")
             granting_s = max(120.0, cut_s / 2)
-            await eventually(lambda: _granted_s(nc, run_ids, 2 * cut_s, steps), granting_s,
+            await eventually(lambda: _granted_s(nc, run_ids, cut_s), granting_s,
                              "the site to be granted its horizon")  # fmt: skip
             site.proxy.sever()
             start = time.time()
@@ -196,12 +197,17 @@ async def _granted(nc: Client, run_ids: list[str]) -> bool:
     return all(f and f[0].site for f in found)
 
 
-async def _granted_s(nc: Client, run_ids: list[str], want_s: float, steps: int) -> bool:
-    """Whether the runs granted to the site come to `want_s` expected seconds (or all are)."""
+async def _granted_s(nc: Client, run_ids: list[str], horizon_s: float) -> bool:
+    """Whether the site's granted horizon, as the hub reckons it (`baton sites`: expected
+    seconds of the runs it holds per live trainer there, by the job's measured speed), has
+    reached `horizon_s` — or every run is granted."""
+    views = {v.site: v for v in await site_views(nc)}
+    held = views.get("lab1")
+    if held is not None and held.horizon_s is not None and held.horizon_s >= horizon_s:
+        return True
     runs = await Runs.open(nc.jetstream())
     found = [f[0] for r in run_ids if (f := await runs.get(r))]
-    held = sum(PACE * (steps - r.step) for r in found if r.site)
-    return held >= want_s or all(r.site for r in found)
+    return all(r.site for r in found)
 
 
 async def _completed(nc: Client, run_ids: list[str]) -> bool:

@@ -20,9 +20,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-MOST_AHEAD = 32
+MOST_AHEAD = 128
 """Runs a site holds per live trainer of a pool beyond the one each trains, at most, when
-granted by time."""
+granted by time: enough for a 30-minute horizon of 15-second runs (a ceiling of 32 bounded
+a 900 s horizon of 20-second runs to about 660 s of work per trainer), and no pool of
+tiny runs is granted thousands."""
 
 
 @dataclass(frozen=True, slots=True)
