@@ -94,7 +94,6 @@ from baton.runtime.context import RunContext
 from baton.runtime.external import ExternalLoop
 from baton.runtime.load import rng_state, set_rng_state
 from shared.checkpoint.files import rank_prefix
-from shared.contracts.tracking import Tracking
 
 __all__ = ["CKPT", "BatonCallback", "BatonDDPStrategy", "BatonEnvironment"]
 
@@ -199,40 +198,15 @@ class BatonCallback(Callback):
         return out | {"strategy": strategy, "num_nodes": ctx.world_size}
 
     def logger(self) -> Any:
-        """Lightning's default logger on the run's tracker run (docs/tracking.md), the same
-        for every attempt; `trainer_kwargs` puts it in place of Lightning's default logger
-        (`logger=True`, or none given); a logger you pass is yours. None without
-        `[tracking]`.
-
-        * TensorBoard: a `TensorBoardLogger` on the run's log dir (`<run>/lightning`) whose
-          writer opens with `purge_step` at the step the attempt resumed at, so the steps it
-          redoes replace what a killed attempt logged of them.
-        * MLflow, W&B: an `MLFlowLogger` on the run `MLFLOW_RUN_ID` names, a `WandbLogger`
-          on the run Baton opened: the hyperparameters and `logger.experiment` as always,
-          the metrics left to Baton's rows — what the module logs reaches the run through
-          them, each kept step once (logged by both, each redone step would be there
-          twice)."""
-        tracking = self.ctx.tracking
-        if tracking is None:
+        """Lightning's default logger on the run's tracker run, the same for every attempt
+        (`baton.integrations.lightning_loggers`); `trainer_kwargs` puts it in place of
+        Lightning's default logger (`logger=True`, or none given); a logger you pass is
+        yours. None without `[tracking]`."""
+        if self.ctx.tracking is None:
             return None
-        kind = tracking.config.kind
-        if kind == "mlflow":
-            return _mlflow_logger(tracking.config)
-        if kind == "wandb":
-            return _wandb_logger()
-        from lightning.pytorch.loggers import TensorBoardLogger
+        from baton.integrations.lightning_loggers import run_logger
 
-        run = tracking  # narrowed, for the class below
-
-        class RunLogger(TensorBoardLogger):
-            @property
-            def experiment(self) -> Any:
-                # Opened on first use, after `ckpt_path()` found the step to purge from.
-                if self._experiment is None and run.purge_step is not None:
-                    self._kwargs["purge_step"] = run.purge_step
-                return super().experiment
-
-        return RunLogger(tracking.log_dir, name="", version="lightning", default_hp_metric=False)
+        return run_logger(self.ctx.tracking)
 
     # -- checks, before anything runs ----------------------------------------------------
 
@@ -397,41 +371,3 @@ def _fresh(before: Mapping[str, torch.Tensor], now: Mapping[str, torch.Tensor]) 
         for k, v in now.items()
         if k not in before or v.data_ptr() != before[k].data_ptr()
     }
-
-
-def _mlflow_logger(tracking: Tracking) -> Any:
-    import os
-
-    from lightning.pytorch.loggers import MLFlowLogger
-
-    class RunLogger(MLFlowLogger):
-        def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-            """Left to Baton's rows (the module's `self.log` reaches them through
-            `BatonCallback`, each kept step once)."""
-
-        def finalize(self, status: str = "success") -> None:
-            """Left to Baton too: the run is FINISHED when the Baton run completes, not
-            when an attempt's `fit` returns (a pause, a preemption)."""
-
-    return RunLogger(
-        experiment_name=tracking.project, tracking_uri=tracking.uri,
-        run_id=os.environ.get("MLFLOW_RUN_ID"),
-    )  # fmt: skip
-
-
-def _wandb_logger() -> Any:
-    from lightning.pytorch.loggers import WandbLogger
-
-    class RunLogger(WandbLogger):
-        @property
-        def experiment(self) -> Any:
-            import wandb
-
-            if self._experiment is None and wandb.run is not None:
-                self._experiment = wandb.run  # the run Baton opened: no warning of a reuse
-            return super().experiment
-
-        def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-            """Left to Baton's rows (as MLflow's, above)."""
-
-    return RunLogger()
