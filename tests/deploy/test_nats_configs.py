@@ -489,7 +489,15 @@ async def test_hub_node_routes_refuse_a_server_short_of_password_or_route_certif
                 return logs().count(why) >= before + 2
 
             await wait_for(refused_twice, 30, f"{name}: two refusals ({why!r})")
-            assert await route_peers(intruder) == set(), f"{name} holds a route"
+
+            # A dial being refused is listed at the intruder for a moment, between its
+            # handshake and the node's refusal (long enough on a loaded machine to be
+            # seen): what matters is that none is held, and that no node took it.
+            async def holds_none(intruder: ConfiguredServer = intruder) -> bool:
+                return await route_peers(intruder) == set()
+
+            await wait_for(holds_none, 30, f"{name} to hold no route")
+            assert await one_cluster(), f"{name} was taken into the cluster"
         finally:
             await intruder.stop()
     assert await one_cluster(), "the three nodes are no longer one cluster"
