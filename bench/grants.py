@@ -85,28 +85,34 @@ async def utilisation(
         hub, site = await stack(Path(tmp), ahead, horizon_s)
         try:
             nc = await hub.client()
-            # More than the cut can use by a quarter: runs complete while a long horizon
-            # is being granted (a 900 s one is ninety runs), and what is left must still
-            # fill it.
-            count = 2 * (per_trainer + 1) * 5 // 4
-            run_ids = [  # each its own idempotency key: one run each
-                await submit(nc, paced(steps, pace=PACE, estimate_s=steps * PACE))
-                for _ in range(count)
-            ]
-            await eventually(lambda: _training(nc, run_ids, 2), 120, "both trainers to train")
-            if horizon_s:  # granted as far as the horizon reaches before the cut
-                granting_s = max(120.0, horizon_s / 2)
-                await eventually(lambda: _granted_s(nc, run_ids, horizon_s), granting_s,
-                                 "the site to be granted its horizon")  # fmt: skip
-            site.proxy.sever()
-            start = time.time()
-            await asyncio.sleep(cut_s)  # the cut's length is the measurement's
-            end = time.time()
+            start, end = await _queue_and_cut(nc, site, steps, per_trainer, horizon_s, cut_s)
             site.proxy.restore()
             busy = busy_within(await site_events(site), start, end)
             return busy / (2 * (end - start))
         finally:
             await hub.stop()
+
+
+async def _queue_and_cut(
+    nc: Client, site: Site, steps: int, per_trainer: int, horizon_s: float, cut_s: float
+) -> tuple[float, float]:
+    """Queue at the hub more runs than the cut can use, wait until both trainers train
+    (and, with a horizon, the site holds it), and cut the link for `cut_s`: the cut's start
+    and end (the site host's clock, the same host here); the link is left cut."""
+    # More than the cut can use by a quarter: runs complete while a long horizon is being
+    # granted (a 900 s one is ninety runs), and what is left must still fill it.
+    count = 2 * (per_trainer + 1) * 5 // 4
+    run_ids = [  # each its own idempotency key: one run each
+        await submit(nc, paced(steps, pace=PACE, estimate_s=steps * PACE)) for _ in range(count)
+    ]
+    await eventually(lambda: _training(nc, run_ids, 2), 120, "both trainers to train")
+    if horizon_s:  # granted as far as the horizon reaches before the cut
+        await eventually(lambda: _granted_s(nc, run_ids, horizon_s), max(120.0, horizon_s / 2),
+                         "the site to be granted its horizon")  # fmt: skip
+    site.proxy.sever()
+    start = time.time()
+    await asyncio.sleep(cut_s)  # the cut's length is the measurement's
+    return start, time.time()
 
 
 async def whole_cut(cut_s: float, run_s: float) -> None:
@@ -124,19 +130,7 @@ async def whole_cut(cut_s: float, run_s: float) -> None:
             found = await runs.get(reference)
             assert found is not None and found[0].digest
             want = found[0].digest
-            count = 2 * (per_trainer + 1) * 5 // 4
-            run_ids = [
-                await submit(nc, paced(steps, pace=PACE, estimate_s=steps * PACE))
-                for _ in range(count)
-            ]
-            await eventually(lambda: _training(nc, run_ids, 2), 120, "both trainers to train")
-            granting_s = max(120.0, cut_s / 2)
-            await eventually(lambda: _granted_s(nc, run_ids, cut_s), granting_s,
-                             "the site to be granted its horizon")  # fmt: skip
-            site.proxy.sever()
-            start = time.time()
-            await asyncio.sleep(cut_s)  # the cut's length is the measurement's
-            end = time.time()
+            start, end = await _queue_and_cut(nc, site, steps, per_trainer, cut_s, cut_s)
             events = await site_events(site)
             busy = busy_within(events, start, end) / (2 * (end - start))
             done = {e.run_id for kind, e in events if kind == "completed"}
