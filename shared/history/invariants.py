@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from shared.contracts import events as ev
 from shared.contracts.records import RunState, replica_of
 from shared.history.facts import History, Logged, Violation
-from shared.state.grants import token_of
+from shared.state.grants import epoch_of, token_of
 
 RUN_KEPT = "run-kept"
 ENDS_STAY = "ends-stay"
@@ -76,16 +76,19 @@ def ends_stay(history: History) -> list[Violation]:
     training when it ended (its trainer's or its group's members', under its token), one
     under a lower token, one of an epoch a `taken_back` event fenced (a site's grant taken
     back — also one the hub then ended without starting it again, as a cancel asked before
-    it heard the site start it — whose outbox delivers late), one a
-    `superseded` event says lost to the other side, or one a `handed_over` event says the
+    it heard the site start it — whose outbox delivers late), one of a side's epoch a
+    `superseded` event says lost to the other side (any attempt of that side under that
+    epoch: the store's chain is the other's), or one a `handed_over` event says the
     hub gave up on (its lease expired: a site's trainer of a hub task, cut off, trains on in
     vain and its outbox delivers late — the store refuses its commits once the run ended)
     — until a `rolled_back` event (or the reopened attempt's `rollback_refused` warning)
     says the run was reopened. A second `completed` is `completed-once`'s to say."""
     out = []
     for run_id, logged in by_run(history).items():
-        lost = {lg.event.loser_token for lg in logged if isinstance(lg.event, ev.Superseded)}
-        lost |= {lg.event.token for lg in logged if isinstance(lg.event, ev.HandedOver)}
+        lost = {lg.event.token for lg in logged if isinstance(lg.event, ev.HandedOver)}
+        beaten = {
+            epoch_of(lg.event.loser_token) for lg in logged if isinstance(lg.event, ev.Superseded)
+        }
         fenced = max(
             (token_of(lg.event.epoch, 0) for lg in logged if isinstance(lg.event, ev.TakenBack)),
             default=0,
@@ -110,7 +113,7 @@ def ends_stay(history: History) -> list[Violation]:
                 ended = None
                 continue
             completed = isinstance(ended.event, ev.Completed)
-            if _goes_on(e, Ended(workers, token, lost, fenced, started, completed)):
+            if _goes_on(e, Ended(workers, token, lost, beaten, fenced, started, completed)):
                 out.append(_went_on(run_id, ended, lg))
     return out
 
@@ -172,8 +175,10 @@ class Ended:
     token: int
     """That attempt's token."""
     lost: set[int]
-    """Tokens of attempts a `superseded` event says lost to the other side, or a
-    `handed_over` event says the hub gave up on."""
+    """Tokens of attempts a `handed_over` event says the hub gave up on."""
+    beaten: set[int]
+    """Epochs a `superseded` event says lost to the other side: every attempt of the losing
+    side under that epoch trained in vain (the store's chain is the other side's)."""
     fenced: int
     """Every token below this is of an epoch a `taken_back` event fenced (0: none)."""
     started: dict[str, int]
@@ -183,9 +188,13 @@ class Ended:
 
     def silenced(self, token: int | None) -> bool:
         """An attempt under `token` could not go on training the run: the ending one's,
-        one below it, one of a fenced epoch, or one that lost to the other side."""
+        one below it, one of a fenced epoch, one the hub gave up on, or one of an epoch that
+        lost to the other side."""
         return token is not None and (
-            token <= self.token or token < self.fenced or token in self.lost
+            token <= self.token
+            or token < self.fenced
+            or token in self.lost
+            or epoch_of(token) in self.beaten
         )
 
 

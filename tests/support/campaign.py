@@ -46,6 +46,7 @@ from baton.stack.options import CLUSTER_LEASE_TTL
 from shared.bus import names
 from shared.bus import sourcing as sources
 from shared.bus.connect import publish
+from shared.checkpoint import commit
 from shared.checkpoint.store import open_store
 from shared.contracts import JobSpec, RunRecord, RunState, convert, encode
 from shared.contracts.control import Pause, Resume, Rollback
@@ -64,6 +65,7 @@ from shared.history.facts import TopUpId
 from shared.history.verify import check, describe
 from shared.ledger import book
 from shared.state.runs import Runs
+from shared.state.workers import live_workers
 from tests.e2e import jobs
 from tests.support.ledger import settled
 from tests.support.sites import Site
@@ -744,8 +746,43 @@ class Campaign:
         except AssertionError:
             left = {r: await runs.find(r) for r in self.runs if r not in records}
             said = {r: (f.state.value, f.worker, f.site) if f else None for r, f in left.items()}
+            for run_id in left:
+                print(await self.where(run_id))
             raise AssertionError(f"runs that did not end by themselves: {said}") from None
         return records
+
+    async def where(self, run_id: str) -> str:
+        """What every side says of a run that did not end: the hub's record and the site's,
+        the store's `latest`, the trainers' heartbeats and the run's last events (printed
+        when the campaign fails on it, so that CI's output says why)."""
+
+        def record(r: RunRecord | None) -> str:
+            if r is None:
+                return "none"
+            return (f"{r.state.value} worker={r.worker} site={r.site!r} epoch={r.epoch} "
+                    f"token={r.token} step={r.step} attempts={r.attempts} "
+                    f"cancel={r.cancel_requested is not None}")  # fmt: skip
+
+        lines = [f"-- {run_id} ({self.runs[run_id].how}, spec {self.runs[run_id].spec})"]
+        with contextlib.suppress(Exception):
+            hub = await Runs.open(self.nc.jetstream())
+            lines.append(f"   hub's record:  {record(await hub.find(run_id))}")
+        with contextlib.suppress(Exception):
+            at_site = await self.site.client()
+            site_runs = await Runs.open(at_site.jetstream(), bucket=names.site_runs_bucket("lab1"))
+            lines.append(f"   site's record: {record(await site_runs.find(run_id))}")
+        with contextlib.suppress(Exception):
+            async with open_store(self.stack.store_url) as store:
+                latest = await commit.read_latest(store, run_id)
+            lines.append(f"   store's latest: {latest[0] if latest else None}")
+        with contextlib.suppress(Exception):
+            for w in await live_workers(self.nc.jetstream()):
+                lines.append(f"   trainer {w.worker}: run={w.run_id} token={w.token} "
+                             f"step={w.step} site={w.site!r} drained={w.drained}")  # fmt: skip
+        with contextlib.suppress(Exception):
+            for e in (await client.history(self.nc, run_id))[-25:]:
+                lines.append(f"   {e.at:.1f} {msgspec.json.encode(e).decode()[:300]}")
+        return "\n".join(lines)
 
     async def history(self, run_id: str) -> list[Event]:
         async def read() -> list[Event] | None:

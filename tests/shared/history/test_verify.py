@@ -29,7 +29,7 @@ from shared.history.facts import (
 from shared.history.verify import CHECKS, check, describe
 from shared.ledger.book import subject_of
 from shared.ledger.charges import charge, life_events
-from shared.state.grants import token_of
+from shared.state.grants import site_epoch, token_of
 
 A, B, C = "rA", "alice.rB", "rC"
 SPEC = JobSpec(name="t", entry_point="examples.regression:train", total_steps=20)
@@ -369,6 +369,40 @@ def test_late_words_of_a_taken_back_or_losing_attempt_are_no_violation() -> None
     gave_up = ev.HandedOver(run_id=A, worker="dual-w", token=9, reason="its lease expired")
     handed = _events(clean(), lambda es: [*_without(ev.Superseded)(late(es)), gave_up])
     assert check(handed) == [], check(handed)
+
+
+def test_late_words_of_an_earlier_attempt_of_a_side_that_lost_are_no_violation() -> None:
+    """The same job at both sides of a cut, the hub having lost its unsynced tail: the hub's
+    chain completes the run; the site's first attempt was fenced and its second yielded
+    (`superseded` names the second's token). The first's words arrive after the end, under
+    a token above every token the hub ever started, of the epoch that lost."""
+    first, second = token_of(site_epoch("lab1"), 3), token_of(site_epoch("lab1"), 9)
+
+    def dual(superseded: bool) -> History:
+        lost = ev.Superseded(
+            run_id=C, owner="", epoch=0, loser="lab1", loser_token=second, wasted_steps=0
+        )
+        es: list[ev.Event] = [
+            ev.Accepted(run_id=C, name="t", pool="default", total_steps=20),
+            ev.Completed(run_id=C, step=20, digest="d"),
+            ev.Started(run_id=C, worker="site-w", token=first, attempt=1, start_step=8),
+            ev.Progress(run_id=C, step=9, total_steps=20, worker="site-w"),
+            ev.Fenced(run_id=C, worker="site-w", token=first, reason="orphan"),
+            *([lost] if superseded else []),
+        ]
+        h = clean()
+        return replace(
+            h,
+            events=logged([e.event for e in h.events] + es),
+            records={**h.records, C: record(C, RunState.COMPLETED)},
+        )
+
+    def going_on(h: History) -> list[Violation]:  # C's store is not this test's matter
+        return [v for v in check(h) if v.invariant == invariants.ENDS_STAY]
+
+    assert going_on(dual(True)) == [], [describe(v) for v in going_on(dual(True))]
+    # Without the `superseded` event, the site's first attempt is the run going on.
+    assert len(going_on(dual(False))) == 2, going_on(dual(False))  # `started`, `progress`
 
 
 def test_late_words_of_a_grant_taken_back_and_then_cancelled_are_no_violation() -> None:
