@@ -23,7 +23,9 @@ site has been silent (no greeting, on the hub server's clock) for the run's `los
 or, for a run nobody there trains now, linked but without an undrained trainer of its pool
 (all drained, or gone) for as long, or beside trainers of its pool idle all the while that
 never take it for `UNTAKEN_AFTER_S` (its task lost: a grant check that read a stale copy of
-the hub's record, a grant sent as the link healed that never arrived) —
+the hub's record, a grant sent as the link healed that never arrived), or whose site's
+record names a trainer whose heartbeats have not named the run for as long (a record
+nobody there acts on: the trainer gone, idle, or training another run) —
 (`shared.contracts.jobs.Disconnect`), and its policy allows replacing it, the run is taken
 back: first the store's `latest` is moved to the next epoch (`grants.fence`), so the site's
 commits are refused from that instant, then the record (`transitions.take_back`) and a
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import msgspec
 from nats.aio.client import Client
@@ -71,6 +74,7 @@ from shared.state.runs import Runs
 log = logging.getLogger("baton.reaper")
 
 UNTAKEN = "with idle trainers that never take it"
+UNHELD = "with its record held by"
 
 UNTAKEN_AFTER_S = 120.0
 """How long a linked site's trainers of a run's pool may all sit idle beside it, granted and
@@ -148,6 +152,27 @@ class Reconciler:
         await emit(self.js, event, msg_id=f"superseded.{new.run_id}.{new.epoch}")
 
 
+@dataclass(frozen=True)
+class SiteTrainers:
+    """What the sites' trainers' heartbeats say, as a sweep reads them."""
+
+    serving: set[tuple[str, str]]
+    """(site, pool) with an undrained trainer."""
+    idle: set[tuple[str, str]]
+    """(site, pool) with an undrained trainer that trains nothing."""
+    training: dict[str, str | None]
+    """Each site trainer → the run it trains (None: nothing)."""
+
+    @classmethod
+    def of(cls, workers: list[WorkerInfo]) -> SiteTrainers:
+        at_sites = [w for w in workers if w.site]
+        return cls(
+            serving={(w.site, w.pool) for w in at_sites if not w.drained},
+            idle={(w.site, w.pool) for w in at_sites if not w.drained and not w.run_id},
+            training={w.worker: w.run_id for w in at_sites},
+        )
+
+
 class TakeBack:
     def __init__(
         self, nc: Client, js: JetStreamContext, runs: Runs, store: Store, policy: Policy
@@ -165,6 +190,9 @@ class TakeBack:
         self._idle_since: dict[tuple[str, int], float] = {}
         """(run, epoch) → when a granted run nobody holds was first seen beside idle
         trainers of its pool at its linked site (this reaper's monotonic clock)."""
+        self._stale_since: dict[tuple[str, int], float] = {}
+        """(run, epoch) → when a granted run its site's record says a trainer holds was
+        first seen while that trainer's heartbeats name no such run (same clock)."""
         self._looked: dict[tuple[str, float], float] = {}
         """(run, record revision's `updated_at`) → when its store was last read."""
 
@@ -174,13 +202,14 @@ class TakeBack:
         take back every other one whose site has been silent — or has had no undrained
         trainer of the run's pool (every one drained or gone), or idle ones that never take
         it — past its policy's `lost_after`; returns the runs completed or taken back."""
-        serving = {(w.site, w.pool) for w in workers if w.site and not w.drained}
-        idle = {(w.site, w.pool) for w in workers if w.site and not w.drained and not w.run_id}
+        trainers = SiteTrainers.of(workers)
         now = time.monotonic()
         unheld = [r for r in granted if r.worker is None]
         kept = {(r.run_id, r.epoch) for r in unheld}
         self._idle_since = {k: t for k, t in self._idle_since.items() if k in kept}
-        for key in [k for k in self._unserved_since if k in serving]:
+        held = {(r.run_id, r.epoch) for r in granted if r.worker is not None}
+        self._stale_since = {k: t for k, t in self._stale_since.items() if k in held}
+        for key in [k for k in self._unserved_since if k in trainers.serving]:
             del self._unserved_since[key]
         if not granted:
             return []
@@ -193,7 +222,7 @@ class TakeBack:
                 if await self.finished_by_hub(r):
                     taken.append(r.run_id)
         for r in (r for r in granted if r.run_id not in taken):
-            why = self._due(r, now, silent, serving, idle)
+            why = self._due(r, now, silent, trainers)
             if why is not None and await self.take_back(r, why):
                 taken.append(r.run_id)
         return taken
@@ -203,8 +232,7 @@ class TakeBack:
         r: RunRecord,
         now: float,
         silent: dict[str, float],
-        serving: set[tuple[str, str]],
-        idle: set[tuple[str, str]],
+        trainers: SiteTrainers,
     ) -> str | None:
         """Why the granted run `r` is to be taken back now; None while it is not."""
         if r.cancel_requested is not None and r.state is RunState.QUEUED and not r.worker:
@@ -217,25 +245,37 @@ class TakeBack:
         bound = policy.lost_after_s
         quiet, why = silent.get(r.site), "silent"
         if quiet is not None and quiet < sites.SILENCE_S:
-            quiet, why = self._unserved(r, now, serving, idle)
-            if why == UNTAKEN:
+            quiet, why = self._unserved(r, now, trainers)
+            if why == UNTAKEN or why.startswith(UNHELD):
                 bound = min(bound, UNTAKEN_AFTER_S)
         if quiet is None or quiet < bound or not policy.replace:
             return None
         return f"site {r.site} {why} for {quiet:.0f}s (lost_after {policy.lost_after_s:.0f}s)"
 
     def _unserved(
-        self, r: RunRecord, now: float, serving: set[tuple[str, str]], idle: set[tuple[str, str]]
+        self, r: RunRecord, now: float, trainers: SiteTrainers
     ) -> tuple[float | None, str]:
         """For a run granted to a linked site: how long nobody there has been able to take
-        it, and why; (None, "") while it is held, paused, or waits its turn."""
-        if r.worker is not None or r.state is RunState.PAUSED:
-            return None, ""  # trained, or waiting for a resume
+        it, or the trainer its record names has not trained it, and why; (None, "") while
+        it is trained, paused, or waits its turn."""
+        if r.state is RunState.PAUSED:
+            return None, ""  # waiting for a resume
+        if r.worker is not None:
+            # Its site's record says who trains it; that trainer's heartbeats say whether it
+            # does. A record no trainer there acts on (its task ended at the site, or spent
+            # its deliveries, while the record stayed RUNNING) would be waited on for ever.
+            if trainers.training.get(r.worker, "") == r.run_id:
+                self._stale_since.pop((r.run_id, r.epoch), None)
+                return None, ""
+            since = self._stale_since.setdefault((r.run_id, r.epoch), now)
+            doing = trainers.training.get(r.worker, "")
+            said = "is gone" if doing == "" else f"trains {doing or 'nothing'}"
+            return now - since, f"{UNHELD} {r.worker}, which {said},"
         where = (r.site, r.spec.pool)
-        if where not in serving:  # every trainer of its pool there drained, or gone
+        if where not in trainers.serving:  # every trainer of its pool there drained, or gone
             since = self._unserved_since.setdefault(where, now)
             return now - since, f"without a trainer of pool {r.spec.pool}"
-        if where not in idle:
+        if where not in trainers.idle:
             # Its trainers there are busy: one takes it in turn. Idle is counted afresh
             # from the next time they all are (a trainer between two runs is idle a moment).
             self._idle_since.pop((r.run_id, r.epoch), None)
