@@ -822,17 +822,23 @@ class Campaign:
 
 
 @contextlib.asynccontextmanager
-async def campaign_stack(root: Path, topology: Topology) -> AsyncIterator[tuple[Stack, Site]]:
+async def campaign_stack(
+    root: Path,
+    topology: Topology,
+    people: tuple[str, ...] = (PERSON,),
+    env: dict[str, str] | None = None,
+) -> AsyncIterator[tuple[Stack, Site]]:
     """The hub (`topology.hub_nodes` servers, the priced pool with priorities), its services,
     trainers restarted when they die (as under `baton up`), and the site lab1 behind a proxy
-    with its own such trainer; stopped however the test ends."""
+    with its own such trainer; `people` with their own credentials, `env` for the hub's
+    services besides; stopped however the test ends."""
     pools = root / "pools.toml"
     root.mkdir(parents=True, exist_ok=True)
     pools.write_text(POOLS)
     stack = Stack(
-        root / "hub", trainers=0, hub_nodes=topology.hub_nodes, people=(PERSON,),
+        root / "hub", trainers=0, hub_nodes=topology.hub_nodes, people=people,
         lease_ttl=6 if topology.hub_nodes == 1 else CLUSTER_LEASE_TTL,
-        env={"BATON_POOLS_FILE": str(pools)},
+        env={"BATON_POOLS_FILE": str(pools), **(env or {})},
     )  # fmt: skip
     # What the hub's faults cause on purpose: requests in flight to a server that is down
     # or stopped time out, and a sweep that timed out is tried again. Never a permission.
