@@ -1,6 +1,7 @@
 """The credits ledger on a real nats-server: an entry is stored once however often it is
 written, a hold is refused when the owner's entries moved since the balance it was checked
-against, reads fold exactly the entries stored, and holds are all or none."""
+against, reads fold exactly the entries stored, holds are all or none, and the stream
+refuses deletes and purges."""
 
 from __future__ import annotations
 
@@ -94,3 +95,20 @@ async def test_an_entry_a_newer_baton_wrote_stops_nothing(declared: Client) -> N
     assert settled is not None and settled.held == units(1), settled
     account = (await book.read(declared, "alice"))["alice"]
     assert account.unreadable == 2 and account.balance == units(3 - 0.5), account
+
+
+async def test_the_ledger_refuses_deletes_and_purges(declared: Client) -> None:
+    """Append-only by the stream's own rule, not by habit: a message deleted or the stream
+    purged — by a client with every right — is refused, and the owner's entries stay."""
+    js = declared.jetstream()
+    seq = await book.write(js, TopUp(owner="gail", id="t1", amount=units(2)))
+    assert seq is not None
+    with pytest.raises(Exception, match="(?i)delete|purge|not allowed|denied"):
+        await js.delete_msg(names.LEDGER_STREAM, seq)
+    with pytest.raises(Exception, match="(?i)delete|purge|not allowed|denied"):
+        await js.purge_stream(names.LEDGER_STREAM)
+    with pytest.raises(Exception, match="(?i)delete|purge|not allowed|denied"):
+        await js.purge_stream(names.LEDGER_STREAM, subject=book.subject_of(
+            TopUp(owner="gail", id="t1", amount=units(2))
+        ))  # fmt: skip
+    assert (await book.read(declared, "gail"))["gail"].balance == units(2)
