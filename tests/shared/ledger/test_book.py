@@ -97,17 +97,20 @@ async def test_an_entry_a_newer_baton_wrote_stops_nothing(declared: Client) -> N
     assert account.unreadable == 2 and account.balance == units(3 - 0.5), account
 
 
+REFUSED = r"(?i)(delete|purge).*not permitted|not permitted.*(delete|purge)"
+
+
 async def test_the_ledger_refuses_deletes_and_purges(declared: Client) -> None:
     """Append-only by the stream's own rule, not by habit: a message deleted or the stream
     purged — by a client with every right — is refused, and the owner's entries stay."""
     js = declared.jetstream()
     seq = await book.write(js, TopUp(owner="gail", id="t1", amount=units(2)))
     assert seq is not None
-    with pytest.raises(Exception, match="(?i)delete|purge|not allowed|denied"):
+    with pytest.raises(Exception, match=REFUSED):
         await js.delete_msg(names.LEDGER_STREAM, seq)
-    with pytest.raises(Exception, match="(?i)delete|purge|not allowed|denied"):
+    with pytest.raises(Exception, match=REFUSED):
         await js.purge_stream(names.LEDGER_STREAM)
-    with pytest.raises(Exception, match="(?i)delete|purge|not allowed|denied"):
+    with pytest.raises(Exception, match=REFUSED):
         await js.purge_stream(names.LEDGER_STREAM, subject=book.subject_of(
             TopUp(owner="gail", id="t1", amount=units(2))
         ))  # fmt: skip
