@@ -201,7 +201,8 @@ class TakeBack:
         take back at once every one asked to cancel that its site has not started, and
         take back every other one whose site has been silent — or has had no undrained
         trainer of the run's pool (every one drained or gone), or idle ones that never take
-        it — past its policy's `lost_after`; returns the runs completed or taken back."""
+        it, or a record naming a trainer that does not train it — past its policy's
+        `lost_after`; returns the runs completed or taken back."""
         trainers = SiteTrainers.of(workers)
         now = time.monotonic()
         unheld = [r for r in granted if r.worker is None]
@@ -248,6 +249,10 @@ class TakeBack:
             quiet, why = self._unserved(r, now, trainers)
             if why == UNTAKEN or why.startswith(UNHELD):
                 bound = min(bound, UNTAKEN_AFTER_S)
+        else:
+            # Cut off: its trainers' heartbeats come back through the outbox some time after
+            # the link does, so a record's trainer is judged afresh from the heal.
+            self._stale_since.pop((r.run_id, r.epoch), None)
         if quiet is None or quiet < bound or not policy.replace:
             return None
         return f"site {r.site} {why} for {quiet:.0f}s (lost_after {policy.lost_after_s:.0f}s)"

@@ -74,9 +74,14 @@ async def test_a_granted_run_whose_record_names_a_trainer_that_does_not_train_it
     assert take._due(held, 30.0 + UNTAKEN_AFTER_S - 1, LAB1, IDLE) is None
     why = take._due(held, 30.0 + UNTAKEN_AFTER_S + 1, LAB1, IDLE)
     assert why == (
-        "site lab1 with its record held by lab1-t, which trains nothing, for 121s "
-        "(lost_after 600s)"
+        "site lab1 with its record held by lab1-t, which trains nothing, for 121s (lost_after 600s)"
     ), why
     gone = SiteTrainers(serving=POOL, idle=POOL, training={"lab1-u": None})
     why = take._due(held, 30.0 + UNTAKEN_AFTER_S + 2, LAB1, gone)
     assert why is not None and "lab1-t, which is gone," in why, why
+    # A cut: its trainers' heartbeats come back after the link does; counted from the heal.
+    cut = {"lab1": 30.0}
+    assert take._due(held, 200.0, cut, gone) is None
+    assert take._due(held, 300.0, LAB1, gone) is None  # healed: from here
+    assert take._due(held, 300.0 + UNTAKEN_AFTER_S - 1, LAB1, gone) is None
+    assert take._due(held, 300.0 + UNTAKEN_AFTER_S + 1, LAB1, gone) is not None
