@@ -24,7 +24,7 @@ async def test_an_entry_is_stored_once_whoever_writes_it(declared: Client) -> No
     assert first is not None
     # Again, twice at once, and after its message id's window would have let it through.
     again = await asyncio.gather(book.write(js, top), book.write(js, top))
-    assert again == [None, None], again
+    assert list(again) == [None, None], again
     assert await book.find(js, book.subject_of(top)) == top
     account = (await book.read(declared, "alice"))["alice"]
     assert account.balance == units(3) and account.last_seq == first
