@@ -78,14 +78,18 @@ def ends_stay(history: History) -> list[Violation]:
     back — also one the hub then ended without starting it again, as a cancel asked before
     it heard the site start it — whose outbox delivers late), one of a side's epoch a
     `superseded` event says lost to the other side (any attempt of that side under that
-    epoch: the store's chain is the other's), or one a `handed_over` event says the
+    epoch: the store's chain is the other's), one a `handed_over` event says the
     hub gave up on (its lease expired: a site's trainer of a hub task, cut off, trains on in
-    vain and its outbox delivers late — the store refuses its commits once the run ended)
-    — until a `rolled_back` event (or the reopened attempt's `rollback_refused` warning)
-    says the run was reopened. A second `completed` is `completed-once`'s to say."""
+    vain and its outbox delivers late — the store refuses its commits once the run ended),
+    or one whose own `commit_refused` says the store refused it (fenced, or the run's chain
+    sealed or final: the word that stands when a hub that forgot its tail lost the
+    `handed_over`) — until a `rolled_back` event (or the reopened attempt's
+    `rollback_refused` warning) says the run was reopened. A second `completed` is
+    `completed-once`'s to say."""
     out = []
     for run_id, logged in by_run(history).items():
         lost = {lg.event.token for lg in logged if isinstance(lg.event, ev.HandedOver)}
+        lost |= {lg.event.token for lg in logged if isinstance(lg.event, ev.CommitRefused)}
         beaten = {
             epoch_of(lg.event.loser_token) for lg in logged if isinstance(lg.event, ev.Superseded)
         }
@@ -175,7 +179,8 @@ class Ended:
     token: int
     """That attempt's token."""
     lost: set[int]
-    """Tokens of attempts a `handed_over` event says the hub gave up on."""
+    """Tokens of attempts a `handed_over` event says the hub gave up on, or whose commit
+    the store refused (`commit_refused`)."""
     beaten: set[int]
     """Epochs a `superseded` event says lost to the other side: every attempt of the losing
     side under that epoch trained in vain (the store's chain is the other side's)."""
@@ -188,8 +193,8 @@ class Ended:
 
     def silenced(self, token: int | None) -> bool:
         """An attempt under `token` could not go on training the run: the ending one's,
-        one below it, one of a fenced epoch, one the hub gave up on, or one of an epoch that
-        lost to the other side."""
+        one below it, one of a fenced epoch, one the hub gave up on or the store refused,
+        or one of an epoch that lost to the other side."""
         return token is not None and (
             token <= self.token
             or token < self.fenced

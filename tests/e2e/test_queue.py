@@ -33,6 +33,7 @@ from baton.client import scheduling
 from shared.bus.connect import connect
 from shared.contracts import RunState
 from shared.credentials import options_for, read_env_file
+from shared.state.workers import live_workers
 from tests.e2e.jobs import finished, paced, submit
 from tests.support.cli import as_json, baton
 from tests.support.dashboard import Rig, request, rigged
@@ -113,6 +114,14 @@ async def test_a_resume_the_owners_credits_cannot_hold_again_is_refused_at_once(
     try:
         account = (await scheduling.accounts(nc, "submitter"))["submitter"]
         assert (account.balance, account.holds) == (250_000, {run_id: 1_250_000}), account
+
+        # Paused once it has trained a few steps: a resume reckons what is left at the run's
+        # own pace (far past its hold), not at its estimate (which its hold still covers).
+        async def training() -> bool:
+            workers = await live_workers(nc.jetstream())
+            return any(w.run_id == run_id and (w.step or 0) >= 3 for w in workers)
+
+        await eventually(training, HANG_S, f"{run_id} to train a few steps", every=0.5)
         code, out, err = await baton(s, "pause", run_id)
         assert code == 0 and "PAUSED" in out, (out, err)
         # A wait far longer than the command may take here (`baton` gives it 180 s): it

@@ -405,6 +405,39 @@ def test_late_words_of_an_earlier_attempt_of_a_side_that_lost_are_no_violation()
     assert len(going_on(dual(False))) == 2, going_on(dual(False))  # `started`, `progress`
 
 
+def test_late_words_of_an_attempt_the_store_refused_are_no_violation() -> None:
+    """CI, campaign seed 1: a site's trainer of a hub task, cut off, handed over, trains on
+    and commits; the run is cancelled and its chain sealed; the hub forgets its tail (the
+    `handed_over` among it) and ends the run again from the seal. The attempt's words come
+    after, under a token above the last the hub's history started — and its own
+    `commit_refused` says the store stopped it."""
+
+    def forgot(refused: bool) -> History:
+        said = ev.CommitRefused(run_id=C, step=60, token=73, reason="cancelled by the hub")
+        es: list[ev.Event] = [
+            ev.Accepted(run_id=C, name="t", pool="default", total_steps=70),
+            ev.Started(run_id=C, worker="t2", token=62, attempt=2, start_step=30),
+            ev.Cancelled(run_id=C, reason="cancelled: its checkpoint chain is sealed"),
+            ev.Started(run_id=C, worker="site-w", token=73, attempt=4, start_step=20),
+            ev.Progress(run_id=C, step=21, total_steps=70, worker="site-w"),
+            ev.CheckpointCommitted(run_id=C, step=40, token=73, manifest=key(C, 40, 73), bytes=1),
+            *([said] if refused else []),
+        ]
+        h = clean()
+        return replace(
+            h,
+            events=logged([e.event for e in h.events] + es),
+            records={**h.records, C: record(C, RunState.CANCELLED)},
+        )
+
+    def going_on(h: History) -> list[Violation]:  # C's store is not this test's matter
+        return [v for v in check(h) if v.invariant == invariants.ENDS_STAY]
+
+    assert going_on(forgot(True)) == [], [describe(v) for v in going_on(forgot(True))]
+    # Without its `commit_refused`, nothing says the attempt could not go on.
+    assert len(going_on(forgot(False))) == 3, going_on(forgot(False))
+
+
 def test_late_words_of_a_grant_taken_back_and_then_cancelled_are_no_violation() -> None:
     """A cancel asked of a granted run its site had not (as the hub knew) started: the hub
     takes the grant back, fencing its epoch, and cancels the run without starting it again.
