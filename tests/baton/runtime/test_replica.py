@@ -115,7 +115,9 @@ def nowhere(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def test_replicas_start_alike_meet_every_round_and_the_log_replays(url: str) -> None:
-    job = spec()
+    # Every round closes as soon as all three are in; a deadline that a loaded machine
+    # could reach between two threads' boundaries would close one without a replica.
+    job = spec(round_deadline_s=60.0)
     ones = [One(url, job, i) for i in range(3)]
     assert len({o.weights() for o in ones}) == 1  # the start written once, loaded by all
     together(*((o, 4 * H) for o in ones))
