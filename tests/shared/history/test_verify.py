@@ -390,19 +390,11 @@ def test_late_words_of_an_earlier_attempt_of_a_side_that_lost_are_no_violation()
             ev.Fenced(run_id=C, worker="site-w", token=first, reason="orphan"),
             *([lost] if superseded else []),
         ]
-        h = clean()
-        return replace(
-            h,
-            events=logged([e.event for e in h.events] + es),
-            records={**h.records, C: record(C, RunState.COMPLETED)},
-        )
+        return _with_c(es, RunState.COMPLETED)
 
-    def going_on(h: History) -> list[Violation]:  # C's store is not this test's matter
-        return [v for v in check(h) if v.invariant == invariants.ENDS_STAY]
-
-    assert going_on(dual(True)) == [], [describe(v) for v in going_on(dual(True))]
+    assert _going_on(dual(True)) == [], [describe(v) for v in _going_on(dual(True))]
     # Without the `superseded` event, the site's first attempt is the run going on.
-    assert len(going_on(dual(False))) == 2, going_on(dual(False))  # `started`, `progress`
+    assert len(_going_on(dual(False))) == 2, _going_on(dual(False))  # `started`, `progress`
 
 
 def test_late_words_of_an_attempt_the_store_refused_are_no_violation() -> None:
@@ -423,19 +415,26 @@ def test_late_words_of_an_attempt_the_store_refused_are_no_violation() -> None:
             ev.CheckpointCommitted(run_id=C, step=40, token=73, manifest=key(C, 40, 73), bytes=1),
             *([said] if refused else []),
         ]
-        h = clean()
-        return replace(
-            h,
-            events=logged([e.event for e in h.events] + es),
-            records={**h.records, C: record(C, RunState.CANCELLED)},
-        )
+        return _with_c(es, RunState.CANCELLED)
 
-    def going_on(h: History) -> list[Violation]:  # C's store is not this test's matter
-        return [v for v in check(h) if v.invariant == invariants.ENDS_STAY]
-
-    assert going_on(forgot(True)) == [], [describe(v) for v in going_on(forgot(True))]
+    assert _going_on(forgot(True)) == [], [describe(v) for v in _going_on(forgot(True))]
     # Without its `commit_refused`, nothing says the attempt could not go on.
-    assert len(going_on(forgot(False))) == 3, going_on(forgot(False))
+    assert len(_going_on(forgot(False))) == 3, _going_on(forgot(False))
+
+
+def _with_c(es: list[ev.Event], state: RunState) -> History:
+    """`clean()`'s history with run C's events `es` after its own, C's record in `state`."""
+    h = clean()
+    return replace(
+        h,
+        events=logged([e.event for e in h.events] + es),
+        records={**h.records, C: record(C, state)},
+    )
+
+
+def _going_on(h: History) -> list[Violation]:
+    """`ends-stay`'s violations alone (run C's store is not these tests' matter)."""
+    return [v for v in check(h) if v.invariant == invariants.ENDS_STAY]
 
 
 def test_late_words_of_a_grant_taken_back_and_then_cancelled_are_no_violation() -> None:
