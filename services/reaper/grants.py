@@ -269,11 +269,11 @@ class TakeBack:
             # Its site's record says who trains it; that trainer's heartbeats say whether it
             # does. A record no trainer there acts on (its task ended at the site, or spent
             # its deliveries, while the record stayed RUNNING) would be waited on for ever.
-            if trainers.training.get(r.worker, "") == r.run_id:
+            doing = trainers.training.get(r.worker, "")  # "": no heartbeat of it
+            if doing == r.run_id:
                 self._stale_since.pop((r.run_id, r.epoch), None)
                 return None, ""
             since = self._stale_since.setdefault((r.run_id, r.epoch), now)
-            doing = trainers.training.get(r.worker, "")
             said = "is gone" if doing == "" else f"trains {doing or 'nothing'}"
             return now - since, f"{UNHELD} {r.worker}, which {said},"
         where = (r.site, r.spec.pool)
